@@ -1,0 +1,63 @@
+"""The one exception tree of stepwarden.
+
+Every error the library raises on purpose derives from :class:`StepwardenError`, so callers can
+catch ours without catching everything::
+
+    StepwardenError
+    ├── InputError            bad input from a user: the CLI maps it to exit code 2, nothing is written
+    │   ├── UnknownWorkflow
+    │   └── PayloadTooLarge
+    ├── NotFound              a task, step or alert that does not exist
+    ├── StoreError            the state store failed or has an unexpected shape
+    │   └── MigrationError
+    ├── LostOwnership         a conditional write matched nothing: someone else owns it now
+    └── OperationError        raised by agent operations to classify a failure
+        ├── Transient         retried inside the attempt with back-off
+        └── Permanent         not retried: the step's on-error policy applies at once
+"""
+
+from __future__ import annotations
+
+
+class StepwardenError(Exception):
+    """Base of every error stepwarden raises on purpose."""
+
+
+class InputError(StepwardenError, ValueError):
+    """Bad input from a user; the CLI prints it on one line and exits 2. Nothing was written."""
+
+
+class UnknownWorkflow(InputError):
+    """The workflow name is not registered (neither in the App nor in the store)."""
+
+
+class PayloadTooLarge(InputError):
+    """The task input is larger than the configured limit."""
+
+
+class NotFound(StepwardenError, LookupError):
+    """The task, step or alert asked for does not exist."""
+
+
+class StoreError(StepwardenError):
+    """The state store failed in a way the caller cannot fix by retrying the same call."""
+
+
+class MigrationError(StoreError):
+    """The schema is newer than this code, or a migration failed."""
+
+
+class LostOwnership(StepwardenError):
+    """A conditional transition changed no row: another instance or a newer attempt owns it."""
+
+
+class OperationError(StepwardenError):
+    """Raised by agent operations to say how a failure must be treated."""
+
+
+class Transient(OperationError):
+    """A failure worth retrying inside the attempt (back-off with jitter, never past complete-by)."""
+
+
+class Permanent(OperationError):
+    """A failure retrying cannot fix (card declined, unknown SKU): error reply at once."""

@@ -1,0 +1,36 @@
+"""State stores: one database holds tasks, steps, messages, leases and events.
+
+``open_store(url)`` picks the dialect from the URL: ``sqlite:///path.db`` (the embedded default).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import InputError
+from .base import FINAL_TASK_STATES, STEP_STATES, TASK_STATES, ApplyResult, RequestMsg, SweepResult, Tx
+from .core import Store
+from .sqlite import SQLiteStore
+
+DEFAULT_URL = "sqlite:///stepwarden.db"
+
+__all__ = ["DEFAULT_URL", "FINAL_TASK_STATES", "STEP_STATES", "TASK_STATES", "ApplyResult", "RequestMsg",
+           "SQLiteStore", "Store", "SweepResult", "Tx", "open_store", "resolve_url"]
+
+
+def resolve_url(url: str | None) -> str:
+    """``--db``, else ``STEPWARDEN_DB``, else the default file in the working directory (DEP5)."""
+    return url or os.environ.get("STEPWARDEN_DB") or DEFAULT_URL
+
+
+def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: bool = True) -> Store:
+    url = resolve_url(url)
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if not path:
+            raise InputError("sqlite URL has no path: use sqlite:///relative.db or sqlite:////absolute.db")
+        return SQLiteStore(path, clock=clock, migrate=migrate)
+    if url.startswith(("postgresql://", "postgres://")):
+        raise InputError("the PostgreSQL store is not available in this version; use sqlite:///PATH")
+    raise InputError(f"unsupported store URL {url!r}: expected sqlite:///PATH")

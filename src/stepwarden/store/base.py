@@ -1,0 +1,65 @@
+"""The store's shapes: the transaction interface transitions run on, and the row views.
+
+Transitions (``transitions.py``) are written once against :class:`Tx`, a tiny interface over a
+connection inside ONE transaction that runs named queries; each dialect supplies the SQL text and
+the transaction discipline (``BEGIN IMMEDIATE`` on SQLite).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+Row = dict[str, Any]
+
+TASK_STATES = ("pending", "processing", "processed", "error", "compensating", "compensated", "cancelled")
+FINAL_TASK_STATES = frozenset({"processed", "error", "compensated", "cancelled"})
+STEP_STATES = ("pending", "running", "completed", "failed", "compensating", "compensated", "skipped")
+
+
+class Tx(Protocol):
+    """Named queries inside one transaction."""
+
+    def one(self, query: str, /, **params: Any) -> Row | None: ...
+
+    def all(self, query: str, /, **params: Any) -> list[Row]: ...
+
+    def run(self, query: str, /, **params: Any) -> int:
+        """Execute and return the number of rows changed."""
+        ...
+
+    def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
+        """Raw SQL in this dialect, for read-only views that filter dynamically."""
+        ...
+
+
+@dataclass(frozen=True)
+class RequestMsg:
+    """A request to an agent, as taken by an agent instance (one attempt of one step)."""
+
+    id: int
+    task_id: int
+    step_idx: int
+    attempt: int
+    kind: str
+    agent: str
+    operation: str
+    payload: dict[str, Any]
+    idempotency_key: str
+    complete_by: float
+    remaining: float
+
+
+@dataclass
+class ApplyResult:
+    accepted: int = 0
+    stale: int = 0
+    finished: list[tuple[int, str]] = field(default_factory=list)
+    alerts: list[Row] = field(default_factory=list)
+
+
+@dataclass
+class SweepResult:
+    rescued: int = 0
+    escalated: int = 0
+    alerts: list[Row] = field(default_factory=list)

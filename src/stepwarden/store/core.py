@@ -1,0 +1,136 @@
+"""The store in domain verbs, written once over a dialect's transactions.
+
+A dialect subclass supplies ``transact_sync(fn, *args)``: run ``fn(tx, *args)`` in ONE transaction
+on a connection of its own, committing on return and rolling back on an exception. Every verb
+here is then available both blocking (``store.transact_sync``, for the CLI and plain code) and
+async (``await store.transact``, for the roles) without writing any method twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from ..errors import UnknownWorkflow
+from ..workflow import Workflow
+from . import transitions as t
+from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Store:
+    """Domain verbs over one database; see the module docstring for the sync/async split."""
+
+    dialect = "abstract"
+    url = ""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self.rng = random.Random()
+
+    # -- the dialect's part ---------------------------------------------------------------
+    def transact_sync(self, fn: Callable[Concatenate[Tx, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- async bridge ----------------------------------------------------------------------
+    async def transact(self, fn: Callable[Concatenate[Tx, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a transaction off the event loop, on this store's own thread (one connection)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stepwarden-{self.dialect}")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: self.transact_sync(fn, *args, **kwargs))
+
+    # -- verbs -------------------------------------------------------------------------------
+    async def register_workflows(self, workflows: Sequence[Workflow], by: str) -> None:
+        await self.transact(_register, list(workflows), by)
+
+    def workflow_sync(self, name: str) -> Workflow:
+        row = self.transact_sync(lambda tx: tx.one("get_workflow", name=name))
+        if row is None:
+            raise UnknownWorkflow(f"unknown workflow {name!r}: no worker has registered it in this store")
+        return Workflow.from_dict(json.loads(row["definition"]))
+
+    async def claim_and_dispatch(self, me: str, limit: int) -> int:
+        return await self.transact(t.claim_and_dispatch, me, limit)
+
+    async def apply_replies(self, me: str, limit: int) -> ApplyResult:
+        return await self.transact(t.apply_replies, me, limit, self.rng)
+
+    async def sweep_expired(self, me: str, lease: str, term: int, limit: int) -> SweepResult:
+        return await self.transact(t.sweep_expired, me, lease, term, limit, self.rng)
+
+    async def claim_requests(self, me: str, agents: Sequence[str], limit: int) -> list[RequestMsg]:
+        return await self.transact(_claim_requests, me, list(agents), limit)
+
+    async def send_reply(self, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
+        await self.transact(_send_reply, me, request_id, outcome, result, error)
+
+    async def acquire_lease(self, name: str, holder: str, ttl: float) -> tuple[int, float] | None:
+        return await self.transact(_acquire, name, holder, ttl)
+
+    async def renew_lease(self, name: str, holder: str, term: int, ttl: float) -> bool:
+        return await self.transact(lambda tx: tx.one("lease_renew", name=name, holder=holder, term=term, ttl=ttl)
+                                   is not None)
+
+    async def resign_lease(self, name: str, holder: str, term: int) -> None:
+        await self.transact(_resign, name, holder, term)
+
+    async def worker_beat(self, worker_id: str, roles: Sequence[str], agents: Sequence[str], stopped: bool = False) -> None:
+        def beat(tx: Tx) -> None:
+            if stopped:
+                tx.run("worker_stop", id=worker_id)
+            elif tx.run("worker_beat", id=worker_id) == 0:
+                tx.run("worker_upsert", id=worker_id, roles=",".join(roles), agents=",".join(agents))
+
+        await self.transact(beat)
+
+
+def _register(tx: Tx, workflows: list[Workflow], by: str) -> None:
+    for wf in workflows:
+        tx.run("upsert_workflow", name=wf.name, version=wf.version, definition=json.dumps(wf.to_dict()), by=by)
+
+
+def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[RequestMsg]:
+    rows = tx.all("claim_requests", me=me, agents=json.dumps(agents), limit=limit)
+    return [
+        RequestMsg(id=r["id"], task_id=r["task_id"], step_idx=r["step_idx"], attempt=r["attempt"], kind=r["kind"],
+                   agent=r["agent"], operation=r["operation"], payload=json.loads(r["payload"]),
+                   idempotency_key=r["idempotency_key"], complete_by=r["complete_by"],
+                   remaining=float(r["remaining"]))
+        for r in sorted(rows, key=lambda r: r["id"])
+    ]
+
+
+def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
+    tx.one("insert_reply", request_id=request_id, outcome=outcome,
+           result=None if result is None else json.dumps(result, default=str), error=error, me=me)
+    tx.run("request_replied", request_id=request_id)
+
+
+def _acquire(tx: Tx, name: str, holder: str, ttl: float) -> tuple[int, float] | None:
+    row = tx.one("lease_acquire", name=name, holder=holder, ttl=ttl)
+    if row is None:
+        return None
+    term = int(row["term"])
+    tx.run("term_end", name=name, term=term - 1)
+    tx.run("term_begin", name=name, term=term, holder=holder)
+    t.event(tx, "lease_acquired", None, holder, lease=name, term=term)
+    return term, float(row["expires_at"])
+
+
+def _resign(tx: Tx, name: str, holder: str, term: int) -> None:
+    if tx.run("lease_resign", name=name, holder=holder, term=term):
+        tx.run("term_end", name=name, term=term)
+        t.event(tx, "lease_resigned", None, holder, lease=name, term=term)
+

@@ -1,0 +1,35 @@
+"""Loading named SQL: ``-- name: x`` blocks in ``sql/<dialect>/queries.sql``, migrations beside them."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+_NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
+
+
+def load_queries(dialect: str, now: str) -> dict[str, str]:
+    """Parse the dialect's queries, substituting ``{now}`` with its expression for the database clock."""
+    text = resources.files(__package__).joinpath("sql", dialect, "queries.sql").read_text()
+    parts = _NAME.split(text)
+    out: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        out[name] = body.strip().rstrip(";").replace("{now}", now)
+    return out
+
+
+def load_migrations(dialect: str) -> list[tuple[int, str, str]]:
+    """``[(version, name, sql), ...]`` sorted by version, from files named ``NNNN_name.sql``."""
+    folder = resources.files(__package__).joinpath("sql", dialect, "migrations")
+    found = []
+    for entry in folder.iterdir():
+        m = re.match(r"^(\d{4})_(\w+)\.sql$", entry.name)
+        if m:
+            found.append((int(m.group(1)), m.group(2), entry.read_text()))
+    return sorted(found)
+
+
+def split_statements(script: str) -> list[str]:
+    """Split a migration into statements (our migrations keep ';' out of literals)."""
+    lines = [ln for ln in script.splitlines() if not ln.strip().startswith("--")]
+    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]

@@ -1,0 +1,151 @@
+"""The embedded SQLite store (DEP1): WAL, busy timeout, ``BEGIN IMMEDIATE``, automatic migrations.
+
+Any number of processes share one file. Writers serialise on SQLite's lock; ``BEGIN IMMEDIATE``
+takes it at the start of each transaction, so a read-then-write inside a transaction can never be
+overtaken by another process (no lost updates, no upgrade deadlocks), and ``busy_timeout`` turns
+contention into waiting instead of errors. The database clock is ``sw_now()``, a function we
+register on every connection that reads the store's :class:`~stepwarden.clock.Clock` (the host's
+wall clock, the same one SQLite's ``julianday('now')`` reads), so tests can move time.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import MigrationError
+from .base import Row
+from .core import Store
+from .sql import load_migrations, load_queries, split_statements
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
+    return {d[0]: v for d, v in zip(cur.description, row, strict=True)}
+
+
+class SqliteTx:
+    def __init__(self, conn: sqlite3.Connection, queries: dict[str, str]) -> None:
+        self.conn = conn
+        self.q = queries
+
+    def one(self, query: str, /, **params: Any) -> Row | None:
+        rows = self.conn.execute(self.q[query], params).fetchall()
+        return rows[0] if rows else None
+
+    def all(self, query: str, /, **params: Any) -> list[Row]:
+        return self.conn.execute(self.q[query], params).fetchall()
+
+    def run(self, query: str, /, **params: Any) -> int:
+        return self.conn.execute(self.q[query], params).rowcount
+
+    def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
+        return self.conn.execute(text, params).fetchall()
+
+
+class SQLiteStore(Store):
+    dialect = "sqlite"
+
+    def __init__(self, path: str, *, clock: Clock = SYSTEM_CLOCK, synchronous: str = "FULL",
+                 busy_timeout: float = 30.0, migrate: bool = True) -> None:
+        super().__init__()
+        if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
+            raise ValueError("synchronous must be FULL, NORMAL or EXTRA")
+        self.path = path
+        self.url = f"sqlite:///{path}"
+        self.clock = clock
+        self.synchronous = synchronous.upper()
+        self.busy_timeout = busy_timeout
+        self.queries = load_queries("sqlite", "sw_now()")
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        if migrate:
+            self.migrate()
+
+    def connect(self) -> sqlite3.Connection:
+        """A new connection with our pragmas and clock; the caller owns it."""
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False)
+        conn.row_factory = _dict_row
+        conn.create_function("sw_now", 0, self.clock.wall)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        conn.execute("PRAGMA foreign_keys=ON")
+        return conn
+
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self.connect()
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def transact_sync(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.transact_on(self._conn(), fn, *args, **kwargs)
+
+    def transact_on(self, conn: sqlite3.Connection, fn: Callable[Concatenate[Any, P], R], *args: P.args,
+                    **kwargs: P.kwargs) -> R:
+        """One ``BEGIN IMMEDIATE`` transaction on ``conn``: commit on return, roll back on error."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(SqliteTx(conn, self.queries), *args, **kwargs)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return out
+
+    def tx_on(self, conn: sqlite3.Connection) -> SqliteTx:
+        """A :class:`Tx` over a connection whose transaction the caller manages (SUB2)."""
+        if conn.row_factory is not _dict_row:
+            raise ValueError("use a connection from store.connect() so rows and the clock match")
+        return SqliteTx(conn, self.queries)
+
+    def migrate(self) -> int:
+        """Apply missing migrations under the write lock (safe when many processes start at once)."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(folder):
+            raise MigrationError(f"cannot create the SQLite store: directory {folder} does not exist")
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+                         " name TEXT NOT NULL, applied_at REAL NOT NULL)")
+            row = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
+            current = int(row["v"])
+            known = load_migrations("sqlite")
+            if known and current > known[-1][0]:
+                raise MigrationError(f"the store's schema is version {current}, newer than this stepwarden knows "
+                                     f"({known[-1][0]}); upgrade stepwarden")
+            applied = 0
+            for version, name, script in known:
+                if version <= current:
+                    continue
+                for stmt in split_statements(script):
+                    conn.execute(stmt)
+                conn.execute("INSERT INTO schema_migrations VALUES (?, ?, sw_now())", (version, name))
+                applied += 1
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return applied
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            for conn in self._all:
+                try:
+                    conn.close()
+                except sqlite3.ProgrammingError:
+                    pass
+            self._all.clear()
+        self._local = threading.local()

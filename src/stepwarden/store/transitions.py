@@ -1,0 +1,297 @@
+"""Every state change of tasks and steps, written once for all dialects.
+
+Each function runs inside one transaction (a :class:`Tx`) and makes only conditional changes:
+a statement matching no row means someone else (a newer attempt, another scheduler, a new leader)
+owns the thing now, and the change is dropped or recorded as stale, never forced.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from ..errors import InputError, LostOwnership, NotFound
+from ..policies import Decision, Retry
+from ..workflow import Workflow
+from .base import FINAL_TASK_STATES, ApplyResult, Row, SweepResult, Tx
+
+
+def event(tx: Tx, kind: str, task_id: int | None, actor: str | None, idx: int | None = None,
+          attempt: int | None = None, /, **detail: Any) -> None:
+    tx.run("insert_event", task_id=task_id, idx=idx, attempt=attempt, kind=kind, actor=actor,
+           detail=json.dumps(detail, default=str) if detail else None)
+
+
+def message(tx: Tx, task: Row, kind: str, /, **body: Any) -> None:
+    """A status message on the task's reply queue (SCH8), in the same transaction as the change."""
+    if task.get("reply_to"):
+        body = {"task_id": task["id"], "correlation_id": task.get("correlation_id"), "kind": kind, **body}
+        tx.run("insert_message", queue=task["reply_to"], task_id=task["id"],
+               correlation_id=task.get("correlation_id"), kind=kind, body=json.dumps(body, default=str))
+
+
+def alert(tx: Tx, kind: str, task_id: int | None, step: str | None, text: str) -> Row:
+    row = tx.one("insert_alert", kind=kind, task_id=task_id, step=step, message=text)
+    assert row is not None
+    return {"id": row["id"], "kind": kind, "task_id": task_id, "step": step, "message": text}
+
+
+def submit(tx: Tx, wf: Workflow, input_text: str, *, correlation_id: str | None,
+           idempotency_key: str | None, priority: int, reply_to: str | None) -> tuple[int, bool]:
+    """Write the task and one row per step (SUB1); an idempotency key returns the existing task (SUB3)."""
+    if idempotency_key is not None:
+        found = tx.one("task_by_key", key=idempotency_key)
+        if found:
+            return int(found["id"]), False
+    row = tx.one("insert_task", workflow=wf.name, version=wf.version, input=input_text,
+                 correlation_id=correlation_id, idempotency_key=idempotency_key, reply_to=reply_to,
+                 priority=priority)
+    assert row is not None
+    task_id = int(row["id"])
+    for idx, s in enumerate(wf.steps):
+        tx.run("insert_step", task_id=task_id, idx=idx, name=s.name, agent=s.agent, operation=s.operation,
+               compensate=s.compensate, budget=s.complete_by, policy=json.dumps(s.retry.to_dict()),
+               on_error=s.on_error)
+    event(tx, "received", task_id, None, workflow=wf.name, correlation_id=correlation_id)
+    message(tx, {"id": task_id, "reply_to": reply_to, "correlation_id": correlation_id}, "received")
+    return task_id, True
+
+
+def claim_and_dispatch(tx: Tx, me: str, limit: int) -> int:
+    """Claim claimable tasks (SCH1) and dispatch each one's next step, all in this transaction."""
+    tasks = tx.all("claim_tasks", me=me, limit=limit)
+    for task in tasks:
+        event(tx, "claimed", task["id"], me, state=task["state"])
+        advance(tx, task, me)
+    return len(tasks)
+
+
+def advance(tx: Tx, task: Row, me: str) -> None:
+    """Move a task I hold to its next action: the next step, the next undo, or its end."""
+    steps = tx.all("steps_of_task", task_id=task["id"])
+    if task["state"] in ("pending", "processing") and task["cancel_requested"]:
+        begin_compensation(tx, task, me, reason="cancel requested")
+        return
+    if task["state"] in ("pending", "processing"):
+        for s in steps:
+            if s["state"] != "completed":
+                dispatch(tx, task, s, steps, me, "do")
+                return
+        tx.run("finish_task", task_id=task["id"], state="processed", error=None)
+        event(tx, "processed", task["id"], me)
+        message(tx, task, "processed", results=_results(steps))
+        task["state"] = "processed"
+        return
+    # compensating: undo, in reverse order, every started step that has an undo and is not undone
+    for s in reversed(steps):
+        if s["started_at"] is not None and s["compensate"] and s["state"] != "compensated":
+            dispatch(tx, task, s, steps, me, "undo")
+            return
+    final = "cancelled" if task["cancel_requested"] else "compensated"
+    tx.run("finish_task", task_id=task["id"], state=final, error=None)
+    event(tx, final, task["id"], me)
+    message(tx, task, final)
+    task["state"] = final
+
+
+def begin_compensation(tx: Tx, task: Row, me: str, reason: str) -> None:
+    tx.run("skip_unstarted", task_id=task["id"])
+    tx.run("task_in_flight", task_id=task["id"], state="compensating", me=me, complete_by=None)
+    task["state"] = "compensating"
+    event(tx, "compensating", task["id"], me, reason=reason)
+    message(tx, task, "compensating", reason=reason)
+    advance(tx, task, me)
+
+
+def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str) -> None:
+    """Start the step's next attempt and send its request message (SCH3), fenced by the attempt."""
+    state = "running" if kind == "do" else "compensating"
+    started = tx.one("start_attempt", task_id=task["id"], idx=step["idx"], attempt=step["attempt"],
+                     state=state, me=me)
+    if started is None:
+        raise LostOwnership(f"step {task['id']}/{step['name']} moved under us")
+    payload: dict[str, Any] = {"input": json.loads(task["input"]), "results": _results(steps)}
+    if kind == "undo":
+        payload["undo"] = json.loads(step["result"]) if step["result"] else None
+    agent, op = (step["operation"] if kind == "do" else step["compensate"]).split(".", 1)
+    tx.run("insert_request", task_id=task["id"], idx=step["idx"], attempt=started["attempt"], kind=kind,
+           agent=agent, operation=op, payload=json.dumps(payload), key=f"{task['id']}:{step['name']}",
+           priority=task["priority"], complete_by=started["complete_by"], me=me)
+    tx.run("task_in_flight", task_id=task["id"], state=task["state"] if kind == "undo" else "processing",
+           me=me, complete_by=started["complete_by"])
+    event(tx, "dispatched", task["id"], me, step["idx"], started["attempt"], step=step["name"], kind=kind,
+          complete_by=started["complete_by"])
+
+
+def _results(steps: list[Row]) -> dict[str, Any]:
+    return {s["name"]: json.loads(s["result"]) for s in steps if s["state"] == "completed" and s["result"]}
+
+
+def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResult:
+    """Apply agents' replies: only the current attempt's, received before complete-by (SCH4)."""
+    out = ApplyResult()
+    for r in tx.all("new_replies", limit=limit):
+        task = tx.one("task_for_update", task_id=r["task_id"])
+        steps = tx.all("steps_of_task", task_id=r["task_id"])
+        step = next((s for s in steps if s["idx"] == r["step_idx"]), None)
+        expect = "running" if r["kind"] == "do" else "compensating"
+        current = (
+            task is not None and step is not None and step["attempt"] == r["attempt"]
+            and step["state"] == expect and step["complete_by"] is not None
+            and r["received_at"] <= step["complete_by"]
+            and task["state"] in ("processing", "compensating")
+        )
+        if not current or task is None or step is None:
+            tx.run("mark_reply", id=r["id"], status="stale", me=me)
+            event(tx, "stale_reply", r["task_id"], me, r["step_idx"], r["attempt"], outcome=r["outcome"],
+                  current_attempt=step["attempt"] if step else None)
+            out.stale += 1
+            continue
+        tx.run("mark_reply", id=r["id"], status="accepted", me=me)
+        tx.run("finish_request", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], outcome=r["outcome"])
+        out.accepted += 1
+        if r["outcome"] == "ok":
+            done = "completed" if r["kind"] == "do" else "compensated"
+            tx.run("complete_step", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], state=done,
+                   expect=expect, result=r["result"] if r["kind"] == "do" else step["result"])
+            event(tx, "step_" + done, task["id"], me, step["idx"], r["attempt"], step=step["name"])
+            message(tx, task, "step_" + done, step=step["name"])
+            advance(tx, task, me)
+        else:
+            fail_attempt(tx, task, step, r["error"] or r["outcome"], me, rng,
+                         permanent=r["outcome"] == "error", out_alerts=out.alerts)
+        if task["state"] in FINAL_TASK_STATES:
+            out.finished.append((task["id"], task["state"]))
+    return out
+
+
+def fail_attempt(tx: Tx, task: Row, step: Row, error: str, me: str, rng: random.Random, *,
+                 permanent: bool, out_alerts: list[Row]) -> str:
+    """Count a failed attempt (FailureCount) and apply the retry policy or escalate (SUP2, SUP3, SCH7).
+
+    Returns what happened: ``"retry"``, ``"compensate"`` or ``"error"``.
+    """
+    undo = step["state"] == "compensating"
+    policy = Retry.from_dict(json.loads(step["policy"]))
+    error = error[:2000]
+    if undo:
+        decision = policy.after_failure(step["comp_failures"] + 1, "error", rng)
+        if permanent or decision.escalated:
+            decision = Decision("error", escalated=True)
+    elif permanent:
+        decision = Decision("compensate" if step["on_error"] == "compensate" else "error", escalated=True)
+    else:
+        decision = policy.after_failure(step["failure_count"] + 1 - step["failure_offset"], step["on_error"], rng)
+    retry = decision.action == "retry"
+    new_state = ("compensating" if undo else "pending") if retry else "failed"
+    changed = tx.one("fail_step", task_id=task["id"], idx=step["idx"], attempt=step["attempt"],
+                     expect=step["state"], error=error, fwd=0 if undo else 1, comp=1 if undo else 0,
+                     state=new_state, final=not retry)
+    if changed is None:
+        raise LostOwnership(f"step {task['id']}/{step['name']} attempt {step['attempt']} moved under us")
+    failures = changed["comp_failures"] if undo else changed["failure_count"]
+    if retry:
+        back_to = "compensating" if undo else "pending"
+        tx.run("release_task", task_id=task["id"], state=back_to, delay=decision.delay, failed=0 if undo else 1,
+               error=error)
+        event(tx, "retry_scheduled", task["id"], me, step["idx"], step["attempt"], step=step["name"],
+              delay=round(decision.delay, 3), escalated=decision.escalated, failures=failures,
+              kind="undo" if undo else "do")
+        if decision.escalated:
+            out_alerts.append(alert(tx, "step_escalated", task["id"], step["name"],
+                                    f"step {step['name']!r} failed {failures} times; "
+                                    f"waiting {decision.delay:g}s before retrying"))
+        task["state"] = back_to
+        return "retry"
+    tx.run("release_task", task_id=task["id"], state=task["state"], delay=0, failed=0 if undo else 1, error=error)
+    if decision.action == "compensate":
+        event(tx, "escalated", task["id"], me, step["idx"], step["attempt"], step=step["name"], to="compensate",
+              error=error[:500], failures=failures)
+        begin_compensation(tx, task, me, reason=f"step {step['name']!r} failed: {error[:200]}")
+        return "compensate"
+    if undo:
+        text = f"compensation of step {step['name']!r} failed ({error[:200]}); its effect is NOT undone"
+        kind = "compensation_failed"
+    else:
+        text = f"step {step['name']!r} failed after {failures} failure(s): {error[:300]}"
+        kind = "task_error"
+    tx.run("finish_task", task_id=task["id"], state="error", error=error)
+    out_alerts.append(alert(tx, kind, task["id"], step["name"], text))
+    event(tx, "error", task["id"], me, step["idx"], step["attempt"], step=step["name"], reason=text)
+    message(tx, task, "error", step=step["name"], error=text)
+    task["state"] = "error"
+    return "error"
+
+
+def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: random.Random) -> SweepResult:
+    """The supervisor's sweep (SUP1-3), fenced by the leader's term (LEAD4) and bounded (SUP6)."""
+    if tx.one("lease_holds", name=lease, holder=me, term=term) is None:
+        raise LostOwnership(f"lease {lease!r} term {term} is no longer held by {me}")
+    out = SweepResult()
+    for x in tx.all("expired_steps", limit=limit):
+        task = tx.one("task_for_update", task_id=x["task_id"])
+        steps = tx.all("steps_of_task", task_id=x["task_id"])
+        step = next(s for s in steps if s["idx"] == x["idx"])
+        assert task is not None
+        tx.run("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
+        now = tx.one("now")
+        event(tx, "rescued", task["id"], me, step["idx"], step["attempt"], step=step["name"], term=term,
+              complete_by=x["complete_by"], late_by=(now or {}).get("now", 0) - x["complete_by"])
+        what = fail_attempt(tx, task, step, f"attempt {step['attempt']} passed complete-by", me, rng,
+                            permanent=False, out_alerts=out.alerts)
+        out.rescued += 1
+        out.escalated += what != "retry"
+    return out
+
+
+def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
+    """Resubmit an errored task from its failed step, or from ``step_name`` (OPS2)."""
+    task = tx.one("task_for_update", task_id=task_id)
+    if task is None:
+        raise NotFound(f"no task {task_id}")
+    if task["state"] not in ("error", "compensated", "cancelled"):
+        raise InputError(f"task {task_id} is {task['state']}; only error, compensated or cancelled tasks can be retried")
+    steps = tx.all("steps_of_task", task_id=task_id)
+    names = [s["name"] for s in steps]
+    if step_name is not None and step_name not in names:
+        raise InputError(f"task {task_id} has no step {step_name!r}; its steps are {', '.join(names)}")
+    first_open = next((i for i, s in enumerate(steps) if s["state"] != "completed"), len(steps) - 1)
+    if task["state"] != "error":
+        if step_name not in (None, names[0]):
+            raise InputError(f"task {task_id} is {task['state']}: its effects were undone, so it restarts from its first step")
+        first_open = 0
+    start = names.index(step_name) if step_name else first_open
+    if start > first_open:
+        raise InputError(f"step {step_name!r} comes after step {names[first_open]!r}, which has not completed")
+    tx.sql("UPDATE steps SET state = 'pending', failure_offset = failure_count, comp_failures = 0, "
+           "locked_by = NULL, complete_by = NULL, finished_at = NULL WHERE task_id = ? AND idx >= ?",
+           (task_id, start))
+    tx.sql("UPDATE tasks SET state = 'pending', locked_by = NULL, complete_by = NULL, cancel_requested = 0, "
+           "finished_at = NULL, last_error = NULL, run_at = 0, updated_at = ? WHERE id = ?",
+           (_now(tx), task_id))
+    event(tx, "retried", task_id, actor, start, step=names[start])
+    message(tx, task, "retried", step=names[start])
+
+
+def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
+    """Ask a task to stop after its running step and undo what it did (CMP4); returns its state now."""
+    task = tx.one("task_for_update", task_id=task_id)
+    if task is None:
+        raise NotFound(f"no task {task_id}")
+    if task["state"] in ("processed", "compensated", "cancelled"):
+        raise InputError(f"task {task_id} is already {task['state']}; nothing to cancel")
+    tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
+    event(tx, "cancel_requested", task_id, actor)
+    if task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
+        tx.run("skip_unstarted", task_id=task_id)
+        tx.sql("UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0 WHERE id = ?", (task_id,))
+        message(tx, task, "compensating", reason="cancel requested")
+        return "compensating"
+    return str(task["state"])
+
+
+def _now(tx: Tx) -> float:
+    row = tx.one("now")
+    assert row is not None
+    return float(row["now"])

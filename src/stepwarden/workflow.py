@@ -1,0 +1,162 @@
+"""Workflows (ordered steps) and the validation of every name and input a user can send."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .errors import InputError, PayloadTooLarge
+from .policies import ESCALATIONS, Escalation, Retry
+
+# Names end up in SQL parameters, log lines, URLs and file names; a conservative alphabet keeps
+# every one of those safe without escaping and makes typos fail loudly.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
+MAX_KEY_LEN = 255
+
+
+def check_name(kind: str, value: object) -> str:
+    """A workflow, queue or worker name: letters, digits, ``_ . : -``, up to 128 characters."""
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise InputError(
+            f"invalid {kind} {_show(value)}: use 1-128 letters, digits, '_', '.', ':' or '-', starting with a letter or digit"
+        )
+    return value
+
+
+def check_ident(kind: str, value: object) -> str:
+    """An agent or operation name: a Python-identifier-like word (dashes allowed), up to 64 characters."""
+    if not isinstance(value, str) or not IDENT_RE.match(value):
+        raise InputError(f"invalid {kind} {_show(value)}: use 1-64 letters, digits, '_' or '-', not starting with a digit")
+    return value
+
+
+def check_key(kind: str, value: object) -> str:
+    """A correlation id or idempotency key: any printable text up to 255 characters."""
+    if not isinstance(value, str) or not value or len(value) > MAX_KEY_LEN or not value.isprintable():
+        raise InputError(f"invalid {kind} {_show(value)}: use 1-{MAX_KEY_LEN} printable characters")
+    return value
+
+
+def encode_input(value: Any, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> str:
+    """Serialise a task input to JSON text, refusing what is not JSON or is over the size limit."""
+    try:
+        text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"task input is not JSON-serialisable: {e}") from None
+    size = len(text.encode())
+    if size > max_bytes:
+        raise PayloadTooLarge(f"task input is {size} bytes, over the limit of {max_bytes} bytes")
+    return text
+
+
+def parse_input(text: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Any:
+    """Parse JSON text given on the command line or read from a file, with the same limits."""
+    size = len(text.encode())
+    if size > max_bytes:
+        raise PayloadTooLarge(f"task input is {size} bytes, over the limit of {max_bytes} bytes")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"task input is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def split_operation(ref: str) -> tuple[str, str]:
+    """``"inventory.reserve"`` -> ``("inventory", "reserve")``."""
+    agent, sep, op = ref.partition(".")
+    if not sep:
+        raise InputError(f"invalid operation reference {_show(ref)}: expected AGENT.OPERATION")
+    return check_ident("agent name", agent), check_ident("operation name", op)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a workflow: one agent operation with its deadline, retries and undo.
+
+    ``complete_by`` is the budget in seconds for one attempt; the absolute complete-by is set by
+    the database clock when the attempt is dispatched. ``on_error`` says what a permanent error
+    does: ``"error"`` (task error + alert, an operator resubmits) or ``"compensate"``.
+    """
+
+    name: str
+    operation: str
+    complete_by: float = 30.0
+    retry: Retry = field(default_factory=Retry)
+    compensate: str | None = None
+    on_error: Escalation = "error"
+
+    def __post_init__(self) -> None:
+        check_ident("step name", self.name)
+        split_operation(self.operation)
+        if self.compensate is not None:
+            split_operation(self.compensate)
+        if not (0 < self.complete_by <= 86400 * 7):
+            raise InputError(f"step {self.name!r}: complete_by must be between 0 and 7 days, in seconds")
+        if self.on_error not in ESCALATIONS or self.on_error == "wait":
+            raise InputError(f"step {self.name!r}: on_error must be 'error' or 'compensate'")
+
+    @property
+    def agent(self) -> str:
+        return split_operation(self.operation)[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "operation": self.operation,
+            "complete_by": self.complete_by,
+            "retry": self.retry.to_dict(),
+            "compensate": self.compensate,
+            "on_error": self.on_error,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Step:
+        return cls(
+            name=d["name"],
+            operation=d["operation"],
+            complete_by=float(d["complete_by"]),
+            retry=Retry.from_dict(dict(d.get("retry") or {})),
+            compensate=d.get("compensate"),
+            on_error=d.get("on_error", "error"),
+        )
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """A named, versioned pipeline of steps."""
+
+    name: str
+    steps: tuple[Step, ...]
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        check_name("workflow name", self.name)
+        if not self.steps:
+            raise InputError(f"workflow {self.name!r} has no steps")
+        names = [s.name for s in self.steps]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise InputError(f"workflow {self.name!r} has duplicate step names: {sorted(dup)}")
+        if self.version < 1:
+            raise InputError("workflow version must be at least 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "steps": [s.to_dict() for s in self.steps]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Workflow:
+        return cls(name=d["name"], version=int(d.get("version", 1)), steps=tuple(Step.from_dict(s) for s in d["steps"]))
+
+    @classmethod
+    def of(cls, name: str, steps: Sequence[Step], version: int = 1) -> Workflow:
+        return cls(name=name, steps=tuple(steps), version=version)
+
