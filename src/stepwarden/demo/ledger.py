@@ -18,7 +18,7 @@ __all__ = ["STEP_SERVICES", "LedgerReport", "OrderOutcome", "check_ledger", "fet
 #: workflow step name -> service that carries its effect
 STEP_SERVICES: dict[str, str] = {"reserve": "inventory", "charge": "payments", "ship": "shipping"}
 
-_MAX_PROBLEMS = 100
+_MAX_PROBLEMS = 20
 _UNDONE_STATES = frozenset({"compensated", "cancelled"})
 
 

@@ -45,6 +45,7 @@ class RequestMsg:
     agent: str
     operation: str
     payload: dict[str, Any]
+    policy: dict[str, Any]
     idempotency_key: str
     complete_by: float
     remaining: float

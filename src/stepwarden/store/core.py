@@ -106,6 +106,7 @@ def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[Requ
     return [
         RequestMsg(id=r["id"], task_id=r["task_id"], step_idx=r["step_idx"], attempt=r["attempt"], kind=r["kind"],
                    agent=r["agent"], operation=r["operation"], payload=json.loads(r["payload"]),
+                   policy=json.loads(r["policy"]),
                    idempotency_key=r["idempotency_key"], complete_by=r["complete_by"],
                    remaining=float(r["remaining"]))
         for r in sorted(rows, key=lambda r: r["id"])

@@ -116,7 +116,7 @@ def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str)
         payload["undo"] = json.loads(step["result"]) if step["result"] else None
     agent, op = (step["operation"] if kind == "do" else step["compensate"]).split(".", 1)
     tx.run("insert_request", task_id=task["id"], idx=step["idx"], attempt=started["attempt"], kind=kind,
-           agent=agent, operation=op, payload=json.dumps(payload), key=f"{task['id']}:{step['name']}",
+           agent=agent, operation=op, payload=json.dumps(payload), policy=step["policy"], key=f"{task['id']}:{step['name']}",
            priority=task["priority"], complete_by=started["complete_by"], me=me)
     tx.run("task_in_flight", task_id=task["id"], state=task["state"] if kind == "undo" else "processing",
            me=me, complete_by=started["complete_by"])

@@ -57,9 +57,9 @@ WHERE task_id = :task_id AND idx = :idx AND attempt = :attempt
 RETURNING attempt, complete_by;
 
 -- name: insert_request
-INSERT INTO requests (task_id, step_idx, attempt, kind, agent, operation, payload, idempotency_key,
+INSERT INTO requests (task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,
                       priority, complete_by, state, dispatched_by, dispatched_at)
-VALUES (:task_id, :idx, :attempt, :kind, :agent, :operation, :payload, :key,
+VALUES (:task_id, :idx, :attempt, :kind, :agent, :operation, :payload, :policy, :key,
         :priority, :complete_by, 'queued', :me, {now});
 
 -- name: task_in_flight
@@ -86,7 +86,7 @@ WHERE id IN (SELECT id FROM requests
              WHERE state = 'queued' AND agent IN (SELECT value FROM json_each(:agents))
                AND complete_by > {now}
              ORDER BY priority DESC, id LIMIT :limit)
-RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, idempotency_key,
+RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,
           complete_by, complete_by - {now} AS remaining;
 
 -- name: insert_reply

@@ -72,6 +72,7 @@ CREATE TABLE requests (
     agent           TEXT NOT NULL,
     operation       TEXT NOT NULL,
     payload         TEXT NOT NULL,
+    policy          TEXT NOT NULL,
     idempotency_key TEXT NOT NULL,
     priority        INTEGER NOT NULL,
     complete_by     REAL NOT NULL,

@@ -1,0 +1,281 @@
+"""Agents: named wrappers around one remote service, and the agent role that runs their operations.
+
+An agent instance pulls request messages only up to its capacity (AGT6), runs each operation under
+the attempt's complete-by (AGT2, AGT4), retries transient failures inside the attempt with
+back-off and jitter, and replies once. At complete-by it cancels the work and sends nothing: the
+supervisor, not the agent, decides what happens next. A plain (non-async) function cannot be
+interrupted; it keeps running in its thread, and its late result is discarded unsent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .clock import SYSTEM_CLOCK, Clock
+from .errors import InputError, Permanent, Transient
+from .policies import Backoff, CircuitBreaker
+from .store import RequestMsg, Store
+from .workflow import check_ident
+
+log = logging.getLogger("stepwarden.agent")
+
+Handler = Callable[["Request"], Any]
+F = TypeVar("F", bound=Handler)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What an operation receives: one attempt of one step (or of its compensation)."""
+
+    task_id: int
+    step: str
+    attempt: int
+    kind: str  # "do" or "undo"
+    idempotency_key: str  # stable across attempts: TASK_ID:STEP_NAME (an undo carries the key it undoes)
+    input: Any
+    results: dict[str, Any]
+    undo: Any  # for an undo: the result of the step being undone (None if it never completed)
+    complete_by: float  # absolute, on the database clock
+    deadline: float  # the same moment on this process's monotonic clock
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return {"input": self.input, "results": self.results}
+
+
+def default_classify(exc: BaseException) -> str:
+    """``"transient"`` or ``"permanent"`` (AGT5).
+
+    Timeouts, connection errors, HTTP 5xx and 429, and :class:`Transient` are worth retrying;
+    :class:`Permanent`, other HTTP 4xx, and anything else (a bug does not heal by retrying) are not.
+    """
+    if isinstance(exc, Permanent):
+        return "permanent"
+    if isinstance(exc, Transient | TimeoutError | ConnectionError):
+        return "transient"
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx is a dependency
+        return "permanent"
+    if isinstance(exc, httpx.HTTPStatusError):
+        code = exc.response.status_code
+        return "transient" if code >= 500 or code in (408, 425, 429) else "permanent"
+    if isinstance(exc, httpx.TransportError):
+        return "transient"
+    return "permanent"
+
+
+@dataclass
+class Agent:
+    """A named agent and its operations; define with ``app.agent(name)`` and ``@agent.operation``."""
+
+    name: str
+    concurrency: int = 8
+    breaker_threshold: int = 5
+    breaker_cool_off: float = 5.0
+    classify: Callable[[BaseException], str] = default_classify
+    operations: dict[str, Handler] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_ident("agent name", self.name)
+        if self.concurrency < 1:
+            raise InputError(f"agent {self.name!r}: concurrency must be at least 1")
+
+    def operation(self, fn: F | None = None, *, name: str | None = None) -> Any:
+        """Register ``fn`` (async or plain) as operation ``name`` (default: the function's name)."""
+
+        def register(f: F) -> F:
+            op = check_ident("operation name", name or f.__name__)
+            if op in self.operations:
+                raise InputError(f"agent {self.name!r} already has an operation {op!r}")
+            self.operations[op] = f
+            return f
+
+        return register(fn) if fn is not None else register
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    poll_interval: float = 0.05
+    idle_poll_max: float = 0.25
+    shutdown_grace: float = 5.0
+
+
+class AgentRole:
+    """Pulls requests for some agents up to capacity and runs them; one per worker process."""
+
+    def __init__(self, store: Store, agents: dict[str, Agent], me: str, *, clock: Clock = SYSTEM_CLOCK,
+                 settings: AgentSettings | None = None, wake: asyncio.Event | None = None,
+                 on_reply: Callable[[], None] | None = None, threads: int | None = None) -> None:
+        self.store = store
+        self.agents = agents
+        self.me = me
+        self.clock = clock
+        self.settings = settings or AgentSettings()
+        self.wake = wake or asyncio.Event()
+        self.on_reply = on_reply or (lambda: None)
+        self.inflight: dict[str, int] = dict.fromkeys(agents, 0)
+        self.breakers = {n: CircuitBreaker(a.breaker_threshold, a.breaker_cool_off) for n, a in agents.items()}
+        self.rng = random.Random()
+        self.pool = ThreadPoolExecutor(max_workers=threads or max(4, sum(a.concurrency for a in agents.values())),
+                                       thread_name_prefix="stepwarden-agent")
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.completed = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        idle = self.settings.poll_interval
+        try:
+            while not stop.is_set():
+                got = 0
+                try:
+                    got = await self.pull()
+                except Exception as e:  # database trouble: back off, keep going (REL3)
+                    log.warning("agent %s: pull failed: %r", self.me, e)
+                    idle = self.settings.idle_poll_max
+                if got:
+                    idle = self.settings.poll_interval
+                    continue
+                await _wait_any(self.clock, idle, stop, self.wake)
+                self.wake.clear()
+                idle = min(self.settings.idle_poll_max, idle * 2)
+        finally:
+            await self.drain()
+
+    async def pull(self) -> int:
+        now = self.clock.monotonic()
+        got = 0
+        for name, agent in self.agents.items():
+            room = agent.concurrency - self.inflight[name]
+            # An open breaker stops this instance pulling the agent's requests (AGT6); a half-open
+            # one lets a single trial request through.
+            if room <= 0 or not self.breakers[name].allow(now):
+                continue
+            if self.breakers[name].state == "half_open":
+                room = 1
+            for msg in await self.store.claim_requests(self.me, [name], room):
+                got += 1
+                self.inflight[name] += 1
+                t = asyncio.create_task(self.execute(agent, msg), name=f"request-{msg.id}")
+                self.tasks.add(t)
+                t.add_done_callback(self.tasks.discard)
+        return got
+
+    async def execute(self, agent: Agent, msg: RequestMsg) -> None:
+        try:
+            outcome = await self._attempt(agent, msg)
+            if outcome is None:
+                log.info("request %s (%s/%s attempt %d) passed complete-by: cancelled, no reply",
+                         msg.id, msg.task_id, msg.step_idx, msg.attempt)
+                return
+            await self._reply(msg, *outcome)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never let one request kill the role
+            log.exception("request %s: unexpected failure: %r", msg.id, e)
+        finally:
+            self.inflight[agent.name] -= 1
+            self.wake.set()
+
+    async def _reply(self, msg: RequestMsg, outcome: str, result: Any, error: str | None) -> None:
+        for n in range(1, 6):
+            try:
+                await self.store.send_reply(self.me, msg.id, outcome, result, error)
+                self.completed += 1
+                self.on_reply()
+                return
+            except Exception as e:
+                log.warning("request %s: reply failed (try %d): %r", msg.id, n, e)
+                await self.clock.sleep(0.2 * n)
+
+    async def _attempt(self, agent: Agent, msg: RequestMsg) -> tuple[str, Any, str | None] | None:
+        """Returns (outcome, result, error) to send, or None to stay silent (complete-by passed)."""
+        deadline = self.clock.monotonic() + msg.remaining
+        handler = agent.operations.get(msg.operation)
+        if handler is None:
+            return "error", None, f"agent {agent.name!r} has no operation {msg.operation!r} in this worker"
+        payload = msg.payload
+        req = Request(task_id=msg.task_id, step=msg.idempotency_key.split(":", 1)[1], attempt=msg.attempt,
+                      kind=msg.kind, idempotency_key=msg.idempotency_key, input=payload.get("input"),
+                      results=payload.get("results") or {}, undo=payload.get("undo"),
+                      complete_by=msg.complete_by, deadline=deadline)
+        tries = int(msg.policy.get("tries", 4))
+        backoff = Backoff(**(msg.policy.get("in_attempt") or {}))
+        breaker = self.breakers[agent.name]
+        last = "no attempt made"
+        for n in range(1, tries + 1):
+            left = deadline - self.clock.monotonic()
+            if left <= 0:
+                return None
+            if not breaker.allow(self.clock.monotonic()):
+                last = f"circuit breaker for {agent.name!r} is open"
+            else:
+                try:
+                    result = await self._call(handler, req, left)
+                except TimeoutError:
+                    if deadline - self.clock.monotonic() <= 0.001:
+                        return None  # complete-by: cancel and stay silent (AGT4)
+                    breaker.record_failure(self.clock.monotonic())
+                    last = "operation timed out"
+                except Exception as e:
+                    kind = agent.classify(e)
+                    if kind == "permanent":
+                        breaker.record_success()  # the service answered: it is up
+                        return "error", None, _describe(e)
+                    if breaker.record_failure(self.clock.monotonic()):
+                        log.warning("agent %s: circuit breaker opened after %d failures", agent.name,
+                                    breaker.failures)
+                    last = _describe(e)
+                else:
+                    breaker.record_success()
+                    return "ok", result, None
+            delay = backoff.delay(n, self.rng)
+            if n == tries or self.clock.monotonic() + delay >= deadline:
+                break
+            await self.clock.sleep(delay)
+        # Transient failures used up this attempt's tries: say so before complete-by, so the step is
+        # retried now rather than after its deadline.
+        if self.clock.monotonic() >= deadline:
+            return None
+        return "retry", None, f"transient: {last}"
+
+    async def _call(self, handler: Handler, req: Request, timeout: float) -> Any:
+        if inspect.iscoroutinefunction(handler):
+            coro: Awaitable[Any] = handler(req)
+            return await asyncio.wait_for(coro, timeout)
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.pool, handler, req)
+        # A thread cannot be interrupted: on timeout the call runs on, and its result is dropped.
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def drain(self) -> None:
+        """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
+        if self.tasks:
+            _, pending = await asyncio.wait(set(self.tasks), timeout=self.settings.shutdown_grace)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}"[:1000] if not isinstance(e, Permanent | Transient) else text[:1000]
+
+
+async def _wait_any(clock: Clock, seconds: float, *events: asyncio.Event) -> None:
+    """Sleep up to ``seconds``, waking early when any event is set."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    sleeper = asyncio.create_task(clock.sleep(seconds))
+    try:
+        await asyncio.wait({sleeper, *waiters}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (sleeper, *waiters):
+            t.cancel()

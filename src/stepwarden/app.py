@@ -1,0 +1,182 @@
+"""The application object: a registry of agents and workflows, and the door to the store.
+
+``App`` holds no global state: make one per application (usually at module level so
+``stepwarden worker --app module:app`` can import it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from .agent import Agent, default_classify
+from .clock import SYSTEM_CLOCK, Clock
+from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
+from .store import FINAL_TASK_STATES, SQLiteStore, Store, open_store, resolve_url, transitions, views
+from .store.base import Tx
+from .worker import Worker, WorkerSettings
+from .workflow import DEFAULT_MAX_INPUT_BYTES, Step, Workflow, check_key, check_name, encode_input
+
+MAX_PRIORITY = 2**31 - 1
+
+
+class App:
+    def __init__(self, db: str | None = None, *, clock: Clock = SYSTEM_CLOCK,
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> None:
+        self._db = db
+        self.clock = clock
+        self.max_input_bytes = max_input_bytes
+        self.agents: dict[str, Agent] = {}
+        self.workflows: dict[str, Workflow] = {}
+        self._store: Store | None = None
+
+    # -- definitions ---------------------------------------------------------------------------
+    def agent(self, name: str, *, concurrency: int = 8, breaker_threshold: int = 5, breaker_cool_off: float = 5.0,
+              classify: Callable[[BaseException], str] = default_classify) -> Agent:
+        if name in self.agents:
+            raise InputError(f"agent {name!r} is already defined")
+        a = Agent(name, concurrency, breaker_threshold, breaker_cool_off, classify)
+        self.agents[name] = a
+        return a
+
+    def workflow(self, name: str, steps: Sequence[Step], *, version: int = 1) -> Workflow:
+        if name in self.workflows:
+            raise InputError(f"workflow {name!r} is already defined")
+        wf = Workflow.of(name, steps, version)
+        for s in wf.steps:
+            for ref in (s.operation, s.compensate):
+                if ref is None:
+                    continue
+                agent, op = ref.split(".", 1)
+                if agent in self.agents and op not in self.agents[agent].operations:
+                    raise InputError(f"workflow {name!r} step {s.name!r}: agent {agent!r} has no operation {op!r}")
+        self.workflows[name] = wf
+        return wf
+
+    # -- the store -----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self._store.url if self._store is not None else resolve_url(self._db)
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self._db, clock=self.clock)
+        return self._store
+
+    def use_store(self, store: Store) -> None:
+        """Point the app at an already open store (tests, embedding)."""
+        self._store = store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # -- submission ----------------------------------------------------------------------------
+    def _prepare(self, workflow: str, input: Any, correlation_id: str | None, idempotency_key: str | None,
+                 priority: int, reply_to: str | None) -> tuple[str, dict[str, Any]]:
+        """Validate everything before touching the store, so bad input writes nothing (SUB4)."""
+        check_name("workflow name", workflow)
+        text = encode_input(input, self.max_input_bytes)
+        if correlation_id is not None:
+            check_key("correlation id", correlation_id)
+        if idempotency_key is not None:
+            check_key("idempotency key", idempotency_key)
+        if reply_to is not None:
+            check_name("reply queue", reply_to)
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+            raise InputError(f"priority must be an integer between -{MAX_PRIORITY} and {MAX_PRIORITY}")
+        return text, {"correlation_id": correlation_id, "idempotency_key": idempotency_key,
+                      "priority": priority, "reply_to": reply_to}
+
+    def _workflow(self, name: str) -> Workflow:
+        if name in self.workflows:
+            return self.workflows[name]
+        try:
+            return self.store.workflow_sync(name)
+        except UnknownWorkflow:
+            known = sorted(self.workflows)
+            raise UnknownWorkflow(f"unknown workflow {name!r}" + (f"; this app defines: {', '.join(known)}" if known
+                                  else ": no worker has registered it in this store")) from None
+
+    def submit(self, workflow: str, input: Any, *, correlation_id: str | None = None,
+               idempotency_key: str | None = None, priority: int = 0, reply_to: str | None = None) -> int:
+        """Submit a task from plain code; returns its id (an existing one for a repeated idempotency key)."""
+        text, kw = self._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
+        wf = self._workflow(workflow)
+        return self.store.transact_sync(transitions.submit, wf, text, **kw)[0]
+
+    async def submit_async(self, workflow: str, input: Any, *, correlation_id: str | None = None,
+                           idempotency_key: str | None = None, priority: int = 0, reply_to: str | None = None) -> int:
+        text, kw = self._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
+        wf = self.workflows.get(workflow) or await asyncio.to_thread(self._workflow, workflow)
+        task_id, _ = await self.store.transact(transitions.submit, wf, text, **kw)
+        return task_id
+
+    @contextmanager
+    def transaction(self) -> Iterator[AppTransaction]:
+        """One transaction of the caller's, in which tasks are submitted with business rows (SUB2)."""
+        store = self.store
+        if not isinstance(store, SQLiteStore):
+            raise StepwardenError("app.transaction() needs the SQLite store in this version")
+        conn = store.connect()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            tx = AppTransaction(self, conn, store.tx_on(conn))
+            try:
+                yield tx
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+
+    # -- results -------------------------------------------------------------------------------
+    def task(self, task_id: int) -> dict[str, Any]:
+        return self.store.transact_sync(views.show_task, task_id)
+
+    def wait(self, task_id: int, timeout: float = 30.0, poll: float = 0.05) -> dict[str, Any]:
+        """Block until the task is final; returns its view. Raises TimeoutError otherwise."""
+        end = time.monotonic() + timeout
+        while True:
+            state = self.store.transact_sync(views.task_state, task_id)
+            if state is None:
+                raise NotFound(f"no task {task_id}")
+            if state in FINAL_TASK_STATES:
+                return self.task(task_id)
+            if time.monotonic() >= end:
+                raise TimeoutError(f"task {task_id} is still {state} after {timeout}s")
+            time.sleep(poll)
+
+    def worker(self, settings: WorkerSettings | None = None, **kw: Any) -> Worker:
+        return Worker(self, settings or WorkerSettings(**kw))
+
+
+class AppTransaction:
+    """The caller's open transaction: run their SQL and submit tasks; all commit or none."""
+
+    def __init__(self, app: App, conn: sqlite3.Connection, tx: Tx) -> None:
+        self.app = app
+        self.connection = conn
+        self._tx = tx
+
+    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> sqlite3.Cursor:
+        return self.connection.execute(sql, params)
+
+    def submit(self, workflow: str, input: Any, *, correlation_id: str | None = None,
+               idempotency_key: str | None = None, priority: int = 0, reply_to: str | None = None) -> int:
+        text, kw = self.app._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
+        wf = self.app.workflows.get(workflow)
+        if wf is None:  # look it up inside this transaction: another connection would wait on our lock
+            row = self._tx.one("get_workflow", name=workflow)
+            if row is None:
+                raise UnknownWorkflow(f"unknown workflow {workflow!r}")
+            wf = Workflow.from_dict(json.loads(row["definition"]))
+        return transitions.submit(self._tx, wf, text, **kw)[0]

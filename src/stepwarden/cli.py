@@ -1,0 +1,334 @@
+"""The command-line contract of SPEC section 3.
+
+Errors are one line on stderr; exit 2 for bad input (nothing written), 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, NoReturn
+
+import click
+
+from . import __version__
+from .app import App
+from .errors import InputError, NotFound, StepwardenError
+from .store import FINAL_TASK_STATES, TASK_STATES, Store, open_store, resolve_url, views
+from .store import transitions as tr
+from .worker import ROLES, WorkerSettings, parse_list
+from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
+
+log = logging.getLogger("stepwarden.cli")
+
+
+class BadInput(click.ClickException):
+    exit_code = 2
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    e = click.ClickException(message)
+    e.exit_code = code
+    raise e
+
+
+def _open(ctx: click.Context, *, create: bool = False) -> Store:
+    """Open the store; read commands refuse to create a new SQLite file by accident."""
+    url = resolve_url(ctx.obj["db"])
+    if not create and url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if not os.path.exists(path):
+            fail(f"no stepwarden store at {path}: run `stepwarden --db {url} init` or start a worker first")
+    store = open_store(url)
+    ctx.call_on_close(store.close)
+    return store
+
+
+def _load_app(ref: str) -> App:
+    mod_name, sep, attr = ref.partition(":")
+    if not sep or not mod_name or not attr:
+        raise InputError(f"--app must be MODULE:ATTR, not {ref!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise InputError(f"cannot import {mod_name!r} for --app: {e}") from None
+    obj = getattr(mod, attr, None)
+    if not isinstance(obj, App):
+        raise InputError(f"{ref} is not a stepwarden App")
+    return obj
+
+
+def _print_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, default=str))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--db", envvar="STEPWARDEN_DB", metavar="URL",
+              help="Store URL (default: $STEPWARDEN_DB, else sqlite:///stepwarden.db).")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.version_option(__version__, prog_name="stepwarden")
+@click.pass_context
+def cli(ctx: click.Context, db: str | None, log_level: str) -> None:
+    """stepwarden: multi-step tasks that complete or are undone as a whole."""
+    ctx.ensure_object(dict)
+    ctx.obj["db"] = db
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@cli.command()
+@click.pass_context
+def init(ctx: click.Context) -> None:
+    """Create or upgrade the schema (idempotent)."""
+    store = _open(ctx, create=True)
+    click.echo(f"store ready: {store.url}")
+
+
+@cli.command()
+@click.option("--app", "app_ref", metavar="MODULE:ATTR", help="The application defining agents and workflows.")
+@click.option("--roles", default=",".join(ROLES), show_default=True, help="Comma-separated roles to run.")
+@click.option("--agents", default=None, help="Comma-separated agent names (default: all of the app's).")
+@click.option("--concurrency", type=int, default=None, help="Override every agent's concurrency.")
+@click.option("--name", default=None, help="Worker name (default: the host name).")
+@click.pass_context
+def worker(ctx: click.Context, app_ref: str | None, roles: str, agents: str | None, concurrency: int | None,
+           name: str | None) -> None:
+    """Run scheduler, agent and supervisor roles until SIGTERM/SIGINT."""
+    settings = WorkerSettings(roles=parse_list(roles) or (), agents=parse_list(agents), concurrency=concurrency,
+                              name=name)
+    if app_ref is None and ("agent" in settings.roles):
+        raise InputError("--app MODULE:ATTR is needed for the agent role (or run --roles scheduler,supervisor)")
+    app = _load_app(app_ref) if app_ref else App()
+    app.use_store(_open(ctx, create=True))
+    w = app.worker(settings)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await w.run(stop)
+
+    click.echo(f"worker {w.identity} on {app.url}", err=True)
+    asyncio.run(main())
+
+
+def _read_input(value: str) -> Any:
+    if value == "-":
+        text = sys.stdin.read(DEFAULT_MAX_INPUT_BYTES + 1)
+    elif value.startswith("@"):
+        path = value[1:]
+        try:
+            size = os.path.getsize(path)
+            if size > DEFAULT_MAX_INPUT_BYTES:
+                raise InputError(f"task input is {size} bytes, over the limit of {DEFAULT_MAX_INPUT_BYTES} bytes")
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise InputError(f"cannot read input file {path!r}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise InputError(f"input file {path!r} is not UTF-8 text") from None
+    else:
+        text = value
+    return parse_input(text)
+
+
+@cli.command()
+@click.argument("workflow")
+@click.option("--input", "input_", required=True, metavar="JSON|@FILE|-", help="The task input.")
+@click.option("--correlation-id", default=None)
+@click.option("--idempotency-key", default=None)
+@click.option("--reply-to", default=None, metavar="QUEUE")
+@click.option("--priority", type=int, default=0, show_default=True)
+@click.option("--app", "app_ref", default=None, metavar="MODULE:ATTR",
+              help="Validate against this app's workflows instead of those registered in the store.")
+@click.pass_context
+def submit(ctx: click.Context, workflow: str, input_: str, correlation_id: str | None, idempotency_key: str | None,
+           reply_to: str | None, priority: int, app_ref: str | None) -> None:
+    """Submit a task; prints its id."""
+    data = _read_input(input_)
+    app = _load_app(app_ref) if app_ref else App()
+    app._prepare(workflow, data, correlation_id, idempotency_key, priority, reply_to)  # validate before opening
+    app.use_store(_open(ctx, create=app_ref is not None))
+    click.echo(app.submit(workflow, data, correlation_id=correlation_id, idempotency_key=idempotency_key,
+                          priority=priority, reply_to=reply_to))
+
+
+@cli.command()
+@click.option("--state", type=click.Choice(TASK_STATES), default=None)
+@click.option("--limit", type=click.IntRange(1), default=None)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def tasks(ctx: click.Context, state: str | None, limit: int | None, as_json: bool) -> None:
+    """List tasks and their steps."""
+    rows = _open(ctx).transact_sync(views.list_tasks, state, limit)
+    if as_json:
+        _print_json(rows)
+        return
+    from .cli_render import tasks_table
+
+    tasks_table(rows)
+
+
+@cli.group()
+def task() -> None:
+    """Show, retry or cancel one task."""
+
+
+def _task_id(value: str) -> int:
+    if not value.isdigit() or int(value) < 1 or len(value) > 18:
+        raise InputError(f"invalid task id {value[:40]!r}: expected a positive integer")
+    return int(value)
+
+
+@task.command("show")
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def task_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """A task with its steps, attempts and events."""
+    view = _open(ctx).transact_sync(views.show_task, _task_id(task_id))
+    if as_json:
+        _print_json(view)
+        return
+    from .cli_render import task_detail
+
+    task_detail(view)
+
+
+@task.command("retry")
+@click.argument("task_id")
+@click.option("--step", default=None, help="Resume from this step (default: the failed one).")
+@click.pass_context
+def task_retry(ctx: click.Context, task_id: str, step: str | None) -> None:
+    """Resubmit an errored task from its failed step, after fixing the cause."""
+    tid = _task_id(task_id)
+    _open(ctx).transact_sync(tr.retry_task, tid, step, "cli")
+    click.echo(f"task {tid} is pending again")
+
+
+@task.command("cancel")
+@click.argument("task_id")
+@click.pass_context
+def task_cancel(ctx: click.Context, task_id: str) -> None:
+    """Cancel a task: it stops after its running step and its completed steps are compensated."""
+    tid = _task_id(task_id)
+    state = _open(ctx).transact_sync(tr.cancel_task, tid, "cli")
+    click.echo(f"task {tid}: cancel requested (now {state})")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--unacked", is_flag=True, help="Only alerts not yet acknowledged.")
+@click.pass_context
+def alerts(ctx: click.Context, as_json: bool, unacked: bool) -> None:
+    """Operator alerts."""
+    rows = _open(ctx).transact_sync(views.list_alerts, not unacked)
+    if as_json:
+        _print_json(rows)
+        return
+    from .cli_render import alerts_table
+
+    alerts_table(rows)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def leases(ctx: click.Context, as_json: bool) -> None:
+    """Leases (the supervisor's leadership) with holder, term and expiry."""
+    rows = _open(ctx).transact_sync(views.list_leases)
+    if as_json:
+        _print_json(rows)
+        return
+    from .cli_render import leases_table
+
+    leases_table(rows)
+
+
+@cli.command()
+@click.argument("task_id", required=False)
+@click.option("--reply-to", default=None, metavar="QUEUE", help="Follow a reply queue instead of one task.")
+@click.option("--timeout", type=float, default=None, help="Stop after this many seconds.")
+@click.pass_context
+def watch(ctx: click.Context, task_id: str | None, reply_to: str | None, timeout: float | None) -> None:
+    """Follow one task's events until it is final, or a reply queue's messages."""
+    if (task_id is None) == (reply_to is None):
+        raise InputError("give a task ID or --reply-to QUEUE (one of them)")
+    store = _open(ctx)
+    end = None if timeout is None else time.monotonic() + timeout
+    after = 0
+    while end is None or time.monotonic() < end:
+        if reply_to is not None:
+            for m in store.transact_sync(views.messages_after, reply_to, after):
+                after = m["id"]
+                click.echo(m["body"])
+        else:
+            tid = _task_id(task_id or "")
+            for e in store.transact_sync(views.events_after, tid, after):
+                after = e["id"]
+                detail = json.loads(e["detail"]) if e["detail"] else {}
+                click.echo(f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items()))
+            state = store.transact_sync(views.task_state, tid)
+            if state is None:
+                raise NotFound(f"no task {tid}")
+            if state in FINAL_TASK_STATES:
+                click.echo(f"task {tid} is {state}")
+                return
+        time.sleep(0.2)
+
+
+@cli.command()
+@click.option("--db", "demo_db", default=None, metavar="URL", help="Store URL (default: a fresh SQLite file).")
+@click.option("--orders", type=click.IntRange(1, 100_000), default=200, show_default=True)
+@click.option("--workers", type=click.IntRange(1, 32), default=3, show_default=True)
+@click.option("--no-chaos", is_flag=True, help="Do not SIGKILL a worker mid-run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--seed", type=int, default=7, show_default=True)
+@click.pass_context
+def demo(ctx: click.Context, demo_db: str | None, orders: int, workers: int, no_chaos: bool, as_json: bool,
+         seed: int) -> None:
+    """Run the order-processing example end to end, with failures, a SIGKILL and a ledger check."""
+    from .demo.runner import DemoOptions, run_demo
+
+    opts = DemoOptions(db=demo_db or ctx.obj["db"], orders=orders, workers=workers, chaos=not no_chaos,
+                       as_json=as_json, seed=seed)
+    ok = run_demo(opts)
+    ctx.exit(0 if ok else 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="stepwarden", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.UsageError as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except (InputError, NotFound) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except StepwardenError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # one line, never a traceback, for anything we did not foresee
+        click.echo(f"error: {type(e).__name__}: {e}", err=True)
+        if os.environ.get("STEPWARDEN_DEBUG"):
+            raise
+        sys.exit(1)

@@ -1,0 +1,246 @@
+"""``stepwarden demo``: start the fake services and several workers, submit orders, kill a worker
+mid-run, and check the services' ledgers against the store's final states (SPEC section 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ..store import FINAL_TASK_STATES, open_store, views
+from ..store.core import _register
+from .ledger import OrderOutcome, check_ledger, fetch_ledger
+
+WORKFLOW = "process-order"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    db: str | None = None
+    orders: int = 200
+    workers: int = 3
+    chaos: bool = True
+    as_json: bool = False
+    seed: int = 7
+    transient_rate: float = 0.08
+    hang_rate: float = 0.02
+    permanent_rate: float = 0.02
+    timeout: float | None = None
+
+
+class _Procs:
+    """The processes the demo started, ended by pid and only by pid."""
+
+    def __init__(self, workdir: str, env: dict[str, str], db: str) -> None:
+        self.workdir = workdir
+        self.env = env
+        self.db = db
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.logs: list[IO[bytes]] = []
+        self.services: subprocess.Popen[str] | None = None
+
+    def start_services(self, o: DemoOptions) -> str:
+        self.services = subprocess.Popen(
+            [sys.executable, "-m", "stepwarden.demo.services", "--port", "0", "--seed", str(o.seed),
+             "--transient-rate", str(o.transient_rate), "--hang-rate", str(o.hang_rate),
+             "--permanent-rate", str(o.permanent_rate), "--hang-seconds", "20"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.services.stdout is not None
+        line = self.services.stdout.readline().strip()
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"the demo services did not start (said {line!r})")
+        return line.removeprefix("listening on ")
+
+    def start_worker(self) -> subprocess.Popen[bytes]:
+        n = len(self.workers) + 1
+        log = open(os.path.join(self.workdir, f"worker-{n}.log"), "ab")  # noqa: SIM115 - closed in stop()
+        self.logs.append(log)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "stepwarden", "--db", self.db, "--log-level", "WARNING", "worker",
+             "--app", "stepwarden.demo.app:app", "--name", f"demo-w{n}"],
+            stdout=log, stderr=log, env=self.env)
+        self.workers.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.workers:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 15
+        for p in self.workers:
+            try:
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.services is not None and self.services.poll() is None:
+            self.services.send_signal(signal.SIGTERM)
+            try:
+                self.services.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.services.kill()
+                self.services.wait()
+        for log in self.logs:
+            log.close()
+
+
+def run_demo(o: DemoOptions) -> bool:
+    run_id = secrets.token_hex(3)
+    prefix = f"order-{run_id}-"
+    workdir = tempfile.mkdtemp(prefix="stepwarden-demo-")
+    db = o.db or f"sqlite:///{os.path.join(workdir, 'demo.db')}"
+    out = Console(stderr=o.as_json)
+    show_live = not o.as_json or sys.stderr.isatty()
+    env = dict(os.environ)
+    procs = _Procs(workdir, env, db)
+    try:
+        return _run(o, db, prefix, workdir, procs, out, show_live)
+    finally:
+        procs.stop()
+
+
+def _run(o: DemoOptions, db: str, prefix: str, workdir: str, procs: _Procs, out: Console, show_live: bool) -> bool:
+    from .app import app
+
+    url = procs.start_services(o)
+    procs.env["STEPWARDEN_DEMO_SERVICES"] = url
+    store = open_store(db)
+    app.use_store(store)
+    store.transact_sync(_register, list(app.workflows.values()), "demo")
+    first_event = store.transact_sync(views.max_event_id)
+    if not o.as_json:
+        out.print(f"[bold]stepwarden demo[/]: {o.orders} orders, {o.workers} workers, store {db}")
+        out.print(f"services at {url} (transient {o.transient_rate:.0%}, hang {o.hang_rate:.0%}, "
+                  f"permanent {o.permanent_rate:.0%}); worker logs in {workdir}")
+    for _ in range(o.workers):
+        procs.start_worker()
+    rng = random.Random(o.seed)
+    t0 = time.monotonic()
+    for i in range(o.orders):
+        oid = f"{prefix}{i:05d}"
+        order = {"order_id": oid, "sku": f"SKU-{rng.randint(1, 40)}", "quantity": rng.randint(1, 5),
+                 "amount_cents": rng.randint(100, 50_000)}
+        app.submit(WORKFLOW, order, correlation_id=oid, idempotency_key=oid)
+    deadline = t0 + (o.timeout or max(90.0, o.orders * 0.4))
+    chaos_log: list[str] = []
+    killed = False
+    counts: dict[str, int] = {}
+
+    def view() -> Group:
+        done = sum(counts.get(s, 0) for s in FINAL_TASK_STATES)
+        ev = store.transact_sync(views.event_counts, first_event)
+        t = Table(box=None, show_header=False)
+        t.add_row("elapsed", f"{time.monotonic() - t0:5.1f}s", "final", f"{done}/{o.orders}")
+        t.add_row("processed", str(counts.get("processed", 0)), "compensated", str(counts.get("compensated", 0)))
+        t.add_row("error", str(counts.get("error", 0)), "in flight",
+                  str(sum(counts.get(s, 0) for s in ("pending", "processing", "compensating"))))
+        t.add_row("retries", str(ev.get("retry_scheduled", 0)), "rescued", str(ev.get("rescued", 0)))
+        bar = int(30 * done / max(1, o.orders))
+        return Group(Text("[" + "#" * bar + "." * (30 - bar) + "]"), t, *[Text(c, style="red") for c in chaos_log])
+
+    live = Live(view(), console=out, refresh_per_second=4, transient=False) if show_live else None
+    if live:
+        live.start()
+    try:
+        while time.monotonic() < deadline:
+            counts = store.transact_sync(views.state_counts, prefix)
+            final = sum(counts.get(s, 0) for s in FINAL_TASK_STATES)
+            if o.chaos and not killed and (final >= o.orders // 4 or time.monotonic() - t0 > 20):
+                chaos_log.append(_kill_one(store, procs))
+                procs.start_worker()
+                chaos_log.append(f"started a fresh worker (pid {procs.workers[-1].pid})")
+                killed = True
+            if live:
+                live.update(view())
+            if final >= o.orders:
+                break
+            time.sleep(0.25)
+    finally:
+        if live:
+            live.update(view())
+            live.stop()
+    elapsed = time.monotonic() - t0
+    return _summarise(o, store, url, prefix, first_event, elapsed, chaos_log, out, workdir)
+
+
+def _kill_one(store: Any, procs: _Procs) -> str:
+    """SIGKILL the current supervisor leader if it is ours (a leader change), else the first worker."""
+    pids = {p.pid: p for p in procs.workers if p.poll() is None}
+    victim = next(iter(pids.values()))
+    for lease in store.transact_sync(views.list_leases):
+        parts = str(lease.get("holder") or "").split(":")
+        if lease["name"] == "supervisor" and len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) in pids:
+            victim = pids[int(parts[1])]
+    was_leader = any(str(x.get("holder") or "").split(":")[1:2] == [str(victim.pid)]
+                     for x in store.transact_sync(views.list_leases) if x["name"] == "supervisor")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    return f"SIGKILLed worker pid {victim.pid}{' (the supervisor leader)' if was_leader else ''} mid-run"
+
+
+def _summarise(o: DemoOptions, store: Any, url: str, prefix: str, first_event: int, elapsed: float,
+               chaos_log: list[str], out: Console, workdir: str) -> bool:
+    tasks = store.transact_sync(views.list_tasks, None, None, prefix)
+    ev = store.transact_sync(views.event_counts, first_event)
+    effects = fetch_ledger(url)
+    outcomes = [OrderOutcome(order_id=t["correlation_id"], task_id=str(t["id"]), state=t["state"]) for t in tasks]
+    report = check_ledger(effects, outcomes)
+    by_state: dict[str, int] = {}
+    for t in tasks:
+        by_state[t["state"]] = by_state.get(t["state"], 0) + 1
+    stuck = sum(n for s, n in by_state.items() if s not in FINAL_TASK_STATES)
+    lost = (o.orders - len(tasks)) + report.lost
+    summary = {
+        "orders": o.orders,
+        "processed": by_state.get("processed", 0),
+        "error": by_state.get("error", 0),
+        "compensated": by_state.get("compensated", 0),
+        "cancelled": by_state.get("cancelled", 0),
+        "stuck": stuck,
+        "lost": lost,
+        "duplicate_effects": report.duplicate_effects,
+        "not_undone": report.not_undone,
+        "retries": ev.get("retry_scheduled", 0),
+        "rescued": ev.get("rescued", 0),
+        "stale_replies": ev.get("stale_reply", 0),
+        "compensations": ev.get("step_compensated", 0),
+        "alerts": ev.get("error", 0),
+        "leader_changes": max(0, ev.get("lease_acquired", 0) - 1),
+        "chaos": chaos_log,
+        "elapsed_s": round(elapsed, 2),
+        "throughput_per_s": round(o.orders / elapsed, 2) if elapsed > 0 else None,
+        "ledger_ok": report.ok,
+        "ledger_problems": report.problems,
+        "store": store.url,
+        "workdir": workdir,
+    }
+    ok = stuck == 0 and lost == 0 and report.ok and len(tasks) == o.orders
+    summary["ok"] = ok
+    if o.as_json:
+        print(json.dumps(summary), flush=True)
+        return ok
+    t = Table(title="summary", show_header=False)
+    for k in ("orders", "processed", "error", "compensated", "stuck", "lost", "duplicate_effects", "retries",
+              "rescued", "stale_replies", "compensations", "leader_changes", "elapsed_s", "throughput_per_s"):
+        t.add_row(k, str(summary[k]))
+    out.print(t)
+    verdict = "[green]ledger check passed[/]" if ok else "[red]ledger check FAILED[/]"
+    out.print(f"{verdict}: every processed order applied exactly once, every compensated order fully undone, "
+              f"{stuck} stuck")
+    for p in report.problems:
+        out.print(f"  [red]{p}[/]")
+    out.print(f"inspect: stepwarden --db {store.url} tasks")
+    return ok

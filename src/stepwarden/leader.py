@@ -1,0 +1,179 @@
+"""Leader election on a fenced, expiring lease in the state store (LEAD1-LEAD7).
+
+The lease is a row (name, holder, term, expires_at). Acquire and renew are single conditional
+statements whose expiry is judged by the database clock (LEAD2). Locally the holder trusts its
+lease only for ``ttl - margin`` seconds on its monotonic clock, counted from when the renewal was
+*sent*, so a slow round trip or a paused process shortens trust rather than extending it. When a
+renewal fails, the trust window runs out, or the leader's own work stops making progress, the work
+is cancelled at once (LEAD3, LEAD6). Correctness never rests on this: every leader write is also
+fenced by the term in SQL (LEAD4), so a paused ex-leader that wakes up changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from .clock import SYSTEM_CLOCK, Clock
+from .store import Store
+
+log = logging.getLogger("stepwarden.leader")
+LOST = "renewal refused: the lease is lost"
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    """TTL is judged by the database; ``renew_every`` and ``retry_every`` are local pacing."""
+
+    ttl: float = 5.0
+    renew_every: float = 1.0
+    retry_every: float = 1.0
+    margin: float = 1.0
+    stall_after: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.margin < self.ttl:
+            raise ValueError("lease margin must be positive and below the TTL")
+        if not 0 < self.renew_every < self.ttl - self.margin:
+            raise ValueError("lease renew_every must be positive and below ttl - margin")
+        if self.retry_every <= 0 or self.stall_after <= 0:
+            raise ValueError("lease retry_every and stall_after must be positive")
+
+
+class Leadership:
+    """What the leader's work sees: its term, and a way to say it is still making progress."""
+
+    def __init__(self, name: str, holder: str, term: int, clock: Clock) -> None:
+        self.name = name
+        self.holder = holder
+        self.term = term
+        self._clock = clock
+        self.last_progress = clock.monotonic()
+
+    def progress(self) -> None:
+        self.last_progress = self._clock.monotonic()
+
+
+Work = Callable[[Leadership], Awaitable[None]]
+
+
+class LeaseKeeper:
+    """Runs ``work`` only while holding lease ``name``; see the module docstring."""
+
+    def __init__(self, store: Store, name: str, holder: str, work: Work, *,
+                 settings: LeaseSettings | None = None, clock: Clock = SYSTEM_CLOCK,
+                 on_change: Callable[[str, int], None] | None = None) -> None:
+        self.store = store
+        self.name = name
+        self.holder = holder
+        self.work = work
+        self.settings = settings or LeaseSettings()
+        self.clock = clock
+        self.on_change = on_change or (lambda what, term: None)
+        self.term: int | None = None
+        self.terms_held = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.term is not None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Campaign, lead, lose, campaign again, until ``stop`` is set; resign on the way out (LEAD5)."""
+        s = self.settings
+        while not stop.is_set():
+            try:
+                sent = self.clock.monotonic()
+                got = await self.store.acquire_lease(self.name, self.holder, s.ttl)
+            except Exception as e:  # the store is down: keep campaigning, never crash (REL3)
+                log.warning("lease %s: acquire failed: %s", self.name, e)
+                got = None
+            if got is None:
+                await self._sleep_or_stop(stop, s.retry_every)
+                continue
+            await self._lead(got[0], sent, stop)
+
+    async def _lead(self, term: int, sent: float, stop: asyncio.Event) -> None:
+        s = self.settings
+        self.term = term
+        self.terms_held += 1
+        trust_until = sent + s.ttl - s.margin
+        ctx = Leadership(self.name, self.holder, term, self.clock)
+        log.info("lease %s: %s leads with term %d", self.name, self.holder, term)
+        self.on_change("acquired", term)
+        work = asyncio.create_task(self.work(ctx), name=f"lease-{self.name}-work")
+        reason = "stopped"
+        try:
+            while not stop.is_set():
+                now = self.clock.monotonic()
+                wake = min(now + s.renew_every, trust_until)
+                await self._wait(work, stop, wake - now)
+                if work.done():
+                    exc = None if work.cancelled() else work.exception()
+                    reason = f"leader work ended ({exc!r})" if exc else "leader work ended"
+                    break
+                if stop.is_set():
+                    break
+                now = self.clock.monotonic()
+                if now >= trust_until:
+                    reason = "trust window ran out before a renewal succeeded"
+                    break
+                if now - ctx.last_progress > s.stall_after:
+                    reason = f"leader work made no progress for {now - ctx.last_progress:.1f}s"
+                    break
+                sent = now
+                try:
+                    ok = await asyncio.wait_for(self.store.renew_lease(self.name, self.holder, term, s.ttl),
+                                                timeout=max(0.001, trust_until - now))
+                except (TimeoutError, Exception) as e:
+                    log.warning("lease %s: renewal failed: %r", self.name, e)
+                    ok = False
+                if not ok:
+                    if self.clock.monotonic() >= trust_until:
+                        reason = "renewal failed and the trust window ran out"
+                        break
+                    # A renewal the database refused means someone else holds it now.
+                    reason = LOST
+                    break
+                trust_until = sent + s.ttl - s.margin
+        finally:
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            log.info("lease %s: %s stops leading term %d: %s", self.name, self.holder, term, reason)
+            if reason != LOST:
+                await self._resign(term)
+            self.term = None
+            self.on_change("lost", term)
+
+    async def _resign(self, term: int) -> None:
+        try:
+            await asyncio.wait_for(self.store.resign_lease(self.name, self.holder, term), timeout=5)
+        except Exception as e:
+            log.warning("lease %s: resign failed (it will expire): %r", self.name, e)
+
+    async def _wait(self, work: asyncio.Task[None], stop: asyncio.Event, seconds: float) -> None:
+        sleeper = asyncio.create_task(self.clock.sleep(max(0.0, seconds)))
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({work, sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            stopper.cancel()
+
+    async def _sleep_or_stop(self, stop: asyncio.Event, seconds: float) -> None:
+        sleeper = asyncio.create_task(self.clock.sleep(seconds))
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            stopper.cancel()
+
+
+async def run_while_leader(store: Store, name: str, holder: str, work: Work, stop: asyncio.Event, *,
+                           settings: LeaseSettings | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+    """Run ``work`` whenever this process holds lease ``name``, cancelled the moment it may not (LEAD7)."""
+    await LeaseKeeper(store, name, holder, work, settings=settings, clock=clock).run(stop)

@@ -1,0 +1,77 @@
+"""The scheduler role: apply agents' replies and claim work, each batch in one transaction.
+
+A scheduler holds nothing in memory between transactions: claiming a task and dispatching its
+next step commit together, and so do accepting a reply, completing its step and dispatching the
+one after. A scheduler killed at any instant therefore leaves either the old state or the new,
+and the supervisor's complete-by sweep covers the rest (SCH6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .agent import _wait_any
+from .clock import SYSTEM_CLOCK, Clock
+from .store import ApplyResult, Store
+
+log = logging.getLogger("stepwarden.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    batch: int = 50
+    poll_interval: float = 0.02
+    idle_poll_max: float = 0.25
+
+
+class SchedulerRole:
+    def __init__(self, store: Store, me: str, *, clock: Clock = SYSTEM_CLOCK,
+                 settings: SchedulerSettings | None = None, wake: asyncio.Event | None = None,
+                 on_dispatch: Callable[[], None] | None = None,
+                 on_applied: Callable[[ApplyResult], None] | None = None) -> None:
+        self.store = store
+        self.me = me
+        self.clock = clock
+        self.settings = settings or SchedulerSettings()
+        self.wake = wake or asyncio.Event()
+        self.on_dispatch = on_dispatch or (lambda: None)
+        self.on_applied = on_applied or (lambda r: None)
+        self.claimed = 0
+        self.accepted = 0
+        self.stale = 0
+
+    async def tick(self) -> int:
+        """One round: apply replies, then claim and dispatch. Returns how much work it did."""
+        s = self.settings
+        applied = await self.store.apply_replies(self.me, s.batch)
+        if applied.accepted or applied.stale:
+            self.accepted += applied.accepted
+            self.stale += applied.stale
+            for a in applied.alerts:
+                log.error("ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"])
+            self.on_applied(applied)
+            self.on_dispatch()
+        claimed = await self.store.claim_and_dispatch(self.me, s.batch)
+        if claimed:
+            self.claimed += claimed
+            self.on_dispatch()
+        return applied.accepted + applied.stale + claimed
+
+    async def run(self, stop: asyncio.Event) -> None:
+        idle = self.settings.poll_interval
+        while not stop.is_set():
+            try:
+                did = await self.tick()
+            except Exception as e:  # database trouble: back off and carry on (REL3)
+                log.warning("scheduler %s: %r", self.me, e)
+                did = 0
+                idle = self.settings.idle_poll_max
+            if did:
+                idle = self.settings.poll_interval
+                continue
+            await _wait_any(self.clock, idle, stop, self.wake)
+            self.wake.clear()
+            idle = min(self.settings.idle_poll_max, idle * 2)

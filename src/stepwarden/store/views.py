@@ -1,0 +1,148 @@
+"""Read-only views for operators (OPS1): tasks with their steps, attempts, events, alerts, leases.
+
+Times are returned as ISO 8601 UTC strings so JSON output is readable and sortable.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from ..errors import NotFound
+from .base import TASK_STATES, Row, Tx
+
+TASK_COLS = ("id, workflow, workflow_version, state, correlation_id, idempotency_key, reply_to, priority, "
+             "failure_count, locked_by, complete_by, cancel_requested, last_error, created_at, updated_at, finished_at")
+STEP_COLS = ("task_id, idx, name, agent, operation, compensate, budget, state, attempt, failure_count, "
+             "comp_failures, locked_by, complete_by, last_error, started_at, finished_at")
+
+
+def iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.fromtimestamp(float(t), UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _task(row: Row, steps: list[Row]) -> dict[str, Any]:
+    out = dict(row)
+    for k in ("complete_by", "created_at", "updated_at", "finished_at"):
+        out[k] = iso(out[k])
+    out["cancel_requested"] = bool(out["cancel_requested"])
+    out["steps"] = [_step(s) for s in steps]
+    return out
+
+
+def _step(row: Row) -> dict[str, Any]:
+    out = {k: v for k, v in row.items() if k != "task_id"}
+    for k in ("complete_by", "started_at", "finished_at"):
+        out[k] = iso(out[k])
+    return out
+
+
+def list_tasks(tx: Tx, state: str | None = None, limit: int | None = None,
+               correlation_prefix: str | None = None) -> list[dict[str, Any]]:
+    where, params = [], []
+    if state is not None:
+        if state not in TASK_STATES:
+            raise ValueError(f"unknown state {state!r}")
+        where.append("state = ?")
+        params.append(state)
+    if correlation_prefix is not None:
+        where.append("substr(correlation_id, 1, ?) = ?")
+        params += [len(correlation_prefix), correlation_prefix]
+    sql = f"SELECT {TASK_COLS} FROM tasks"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY id"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    tasks = tx.sql(sql, tuple(params))
+    if not tasks:
+        return []
+    by_task: dict[int, list[Row]] = {t["id"]: [] for t in tasks}
+    lo, hi = tasks[0]["id"], tasks[-1]["id"]
+    for s in tx.sql(f"SELECT {STEP_COLS} FROM steps WHERE task_id BETWEEN ? AND ? ORDER BY task_id, idx", (lo, hi)):
+        if s["task_id"] in by_task:
+            by_task[s["task_id"]].append(s)
+    return [_task(t, by_task[t["id"]]) for t in tasks]
+
+
+def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
+    rows = tx.sql(f"SELECT {TASK_COLS}, input FROM tasks WHERE id = ?", (task_id,))
+    if not rows:
+        raise NotFound(f"no task {task_id}")
+    row = rows[0]
+    text = row.pop("input")
+    out = _task(row, tx.sql(f"SELECT {STEP_COLS} FROM steps WHERE task_id = ? ORDER BY idx", (task_id,)))
+    out["input"] = json.loads(text)
+    steps = {s["idx"]: s for s in out["steps"]}
+    for s in out["steps"]:
+        s["attempts"] = []
+    for r in tx.sql("SELECT step_idx, attempt, kind, state, outcome, dispatched_by, dispatched_at, taken_by, "
+                    "taken_at, complete_by, finished_at FROM requests WHERE task_id = ? ORDER BY id", (task_id,)):
+        idx = r.pop("step_idx")
+        for k in ("dispatched_at", "taken_at", "complete_by", "finished_at"):
+            r[k] = iso(r[k])
+        steps[idx]["attempts"].append(r)
+    out["events"] = [
+        {"kind": e["kind"], "step": steps[e["step_idx"]]["name"] if e["step_idx"] in steps else None,
+         "attempt": e["attempt"], "actor": e["actor"], "at": iso(e["at"]),
+         "detail": json.loads(e["detail"]) if e["detail"] else {}}
+        for e in tx.sql("SELECT kind, step_idx, attempt, actor, detail, at FROM events WHERE task_id = ? ORDER BY id",
+                        (task_id,))
+    ]
+    out["replies"] = [
+        dict(r, received_at=iso(r["received_at"]))
+        for r in tx.sql("SELECT step_idx, attempt, kind, outcome, error, sent_by, received_at, status "
+                        "FROM replies WHERE task_id = ? ORDER BY id", (task_id,))
+    ]
+    return out
+
+
+def list_alerts(tx: Tx, include_acked: bool = True) -> list[dict[str, Any]]:
+    sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
+    if not include_acked:
+        sql += " WHERE acked_at IS NULL"
+    return [dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"])) for a in tx.sql(sql + " ORDER BY id")]
+
+
+def list_leases(tx: Tx) -> list[dict[str, Any]]:
+    return [
+        dict(r, expires_at=iso(r["expires_at"]), acquired_at=iso(r["acquired_at"]), renewed_at=iso(r["renewed_at"]),
+             active=bool(r["active"]) and r["holder"] is not None)
+        for r in tx.all("list_leases")
+    ]
+
+
+def state_counts(tx: Tx, correlation_prefix: str | None = None) -> dict[str, int]:
+    if correlation_prefix is None:
+        rows = tx.sql("SELECT state, COUNT(*) AS n FROM tasks GROUP BY state")
+    else:
+        rows = tx.sql("SELECT state, COUNT(*) AS n FROM tasks WHERE substr(correlation_id, 1, ?) = ? GROUP BY state",
+                      (len(correlation_prefix), correlation_prefix))
+    return {r["state"]: int(r["n"]) for r in rows}
+
+
+def event_counts(tx: Tx, since_id: int = 0) -> dict[str, int]:
+    rows = tx.sql("SELECT kind, COUNT(*) AS n FROM events WHERE id > ? GROUP BY kind", (since_id,))
+    return {r["kind"]: int(r["n"]) for r in rows}
+
+
+def max_event_id(tx: Tx) -> int:
+    return int(tx.sql("SELECT COALESCE(MAX(id), 0) AS m FROM events")[0]["m"])
+
+
+def events_after(tx: Tx, task_id: int, after: int) -> list[Row]:
+    return tx.sql("SELECT id, kind, step_idx, attempt, actor, detail, at FROM events WHERE task_id = ? AND id > ? "
+                  "ORDER BY id", (task_id, after))
+
+
+def messages_after(tx: Tx, queue: str, after: int, limit: int = 500) -> list[Row]:
+    return tx.sql("SELECT id, task_id, correlation_id, kind, body, created_at FROM messages WHERE queue = ? AND id > ? "
+                  "ORDER BY id LIMIT ?", (queue, after, limit))
+
+
+def task_state(tx: Tx, task_id: int) -> str | None:
+    rows = tx.sql("SELECT state FROM tasks WHERE id = ?", (task_id,))
+    return str(rows[0]["state"]) if rows else None

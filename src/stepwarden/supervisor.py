@@ -1,0 +1,71 @@
+"""The supervisor role: rescue attempts whose complete-by passed (SUP1-SUP6), only while leader.
+
+It knows nothing of the business (SUP4): each expired attempt is counted as a failure and the
+step's own policy decides between retrying after a back-off, escalating to an operator, or
+compensating the task. Every sweep is fenced by the lease term and bounded in size (SUP6).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .clock import SYSTEM_CLOCK, Clock
+from .leader import Leadership
+from .store import Store, SweepResult
+
+log = logging.getLogger("stepwarden.supervisor")
+LEASE = "supervisor"
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    interval: float = 1.0
+    batch: int = 200
+
+
+class Supervisor:
+    def __init__(self, store: Store, me: str, *, clock: Clock = SYSTEM_CLOCK,
+                 settings: SupervisorSettings | None = None,
+                 on_sweep: Callable[[SweepResult], None] | None = None) -> None:
+        self.store = store
+        self.me = me
+        self.clock = clock
+        self.settings = settings or SupervisorSettings()
+        self.on_sweep = on_sweep or (lambda r: None)
+        self.rescued = 0
+
+    async def sweep(self, term: int) -> SweepResult:
+        """Sweep until fewer than a batch of expired attempts remain; each batch one transaction."""
+        total = SweepResult()
+        while True:
+            r = await self.store.sweep_expired(self.me, LEASE, term, self.settings.batch)
+            total.rescued += r.rescued
+            total.escalated += r.escalated
+            total.alerts.extend(r.alerts)
+            if r.rescued < self.settings.batch:
+                break
+        self.rescued += total.rescued
+        for a in total.alerts:
+            log.error("ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"])
+        if total.rescued:
+            log.info("supervisor %s (term %d) rescued %d expired attempt(s)", self.me, term, total.rescued)
+        return total
+
+    async def lead(self, leadership: Leadership) -> None:
+        """The leader's loop: one sweep per interval, reporting progress so a stall gives up the lease."""
+        while True:
+            try:
+                r = await self.sweep(leadership.term)
+                self.on_sweep(r)
+            except Exception as e:
+                from .errors import LostOwnership
+
+                if isinstance(e, LostOwnership):
+                    log.warning("supervisor %s: %s", self.me, e)
+                    return
+                log.warning("supervisor %s: sweep failed: %r", self.me, e)
+            else:
+                leadership.progress()
+            await self.clock.sleep(self.settings.interval)

@@ -1,0 +1,144 @@
+"""A worker process: any mix of the three roles over one store, stopped gracefully (DEP4).
+
+Identity is per incarnation (DESIGN principle 4): ``NAME:PID:RANDOM``, so a restarted process
+never inherits the claims or lease of its predecessor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .agent import Agent, AgentRole, AgentSettings
+from .errors import InputError
+from .leader import LeaseKeeper, LeaseSettings
+from .scheduler import SchedulerRole, SchedulerSettings
+from .supervisor import LEASE, Supervisor, SupervisorSettings
+from .workflow import check_ident
+
+if TYPE_CHECKING:
+    from .app import App
+
+log = logging.getLogger("stepwarden.worker")
+ROLES = ("scheduler", "agent", "supervisor")
+
+
+def make_identity(name: str | None = None) -> str:
+    base = name or socket.gethostname().split(".")[0] or "worker"
+    base = "".join(c if c.isalnum() or c in "_-" else "-" for c in base)[:64] or "worker"
+    return f"{base}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    roles: tuple[str, ...] = ROLES
+    agents: tuple[str, ...] | None = None
+    concurrency: int | None = None
+    name: str | None = None
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+    lease: LeaseSettings = field(default_factory=LeaseSettings)
+    heartbeat: float = 5.0
+
+    def __post_init__(self) -> None:
+        bad = [r for r in self.roles if r not in ROLES]
+        if bad or not self.roles:
+            raise InputError(f"unknown role(s) {', '.join(bad) or '(none)'}: choose from {', '.join(ROLES)}")
+        if self.concurrency is not None and not 1 <= self.concurrency <= 10_000:
+            raise InputError("concurrency must be between 1 and 10000")
+        if self.name is not None:
+            check_ident("worker name", self.name)
+
+
+class Worker:
+    """Runs the chosen roles of ``app`` until ``stop`` is set."""
+
+    def __init__(self, app: App, settings: WorkerSettings | None = None) -> None:
+        self.app = app
+        self.settings = s = settings or WorkerSettings()
+        self.identity = make_identity(s.name)
+        self.agents = self._agents()
+        self.wake = asyncio.Event()
+        self.scheduler: SchedulerRole | None = None
+        self.agent_role: AgentRole | None = None
+        self.supervisor: Supervisor | None = None
+        self.keeper: LeaseKeeper | None = None
+
+    def _agents(self) -> dict[str, Agent]:
+        s = self.settings
+        if "agent" not in s.roles:
+            return {}
+        names = s.agents if s.agents is not None else tuple(self.app.agents)
+        unknown = [n for n in names if n not in self.app.agents]
+        if unknown:
+            raise InputError(f"unknown agent(s) {', '.join(unknown)}; the app defines: {', '.join(self.app.agents) or 'none'}")
+        out = {}
+        for n in names:
+            a = self.app.agents[n]
+            if s.concurrency is not None:
+                a = Agent(a.name, s.concurrency, a.breaker_threshold, a.breaker_cool_off, a.classify, a.operations)
+            out[n] = a
+        return out
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.settings
+        app = self.app
+        store = app.store
+        clock = app.clock
+        await store.register_workflows(list(app.workflows.values()), self.identity)
+        await _safe(store.worker_beat(self.identity, s.roles, list(self.agents)))
+        log.info("worker %s starting: roles=%s agents=%s store=%s", self.identity, ",".join(s.roles),
+                 ",".join(self.agents) or "-", store.url)
+        jobs: list[asyncio.Task[None]] = []
+        if "scheduler" in s.roles:
+            self.scheduler = SchedulerRole(store, self.identity, clock=clock, settings=s.scheduler, wake=self.wake)
+            jobs.append(asyncio.create_task(self.scheduler.run(stop), name="scheduler"))
+        if self.agents:
+            self.agent_role = AgentRole(store, self.agents, self.identity, clock=clock, settings=s.agent,
+                                        on_reply=self.wake.set)
+            jobs.append(asyncio.create_task(self.agent_role.run(stop), name="agent"))
+        if "supervisor" in s.roles:
+            self.supervisor = Supervisor(store, self.identity, clock=clock, settings=s.supervisor)
+            self.keeper = LeaseKeeper(store, LEASE, self.identity, self.supervisor.lead, settings=s.lease, clock=clock)
+            jobs.append(asyncio.create_task(self.keeper.run(stop), name="supervisor"))
+        jobs.append(asyncio.create_task(self._heartbeat(stop), name="heartbeat"))
+        try:
+            done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            stop.set()
+            await asyncio.wait(jobs, timeout=s.agent.shutdown_grace + 5)
+            await _safe(store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True))
+            log.info("worker %s stopped", self.identity)
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.settings.heartbeat)
+            except TimeoutError:
+                await _safe(self.app.store.worker_beat(self.identity, self.settings.roles, list(self.agents)))
+
+
+async def _safe(coro: object) -> None:
+    try:
+        await coro  # type: ignore[misc]
+    except Exception as e:
+        log.warning("worker bookkeeping failed: %r", e)
+
+
+def parse_list(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+__all__: Sequence[str] = ["ROLES", "Worker", "WorkerSettings", "make_identity", "parse_list"]
