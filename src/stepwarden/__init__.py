@@ -20,7 +20,7 @@ from .errors import (
     Transient,
     UnknownWorkflow,
 )
-from .leader import LeaseSettings, Leadership, run_while_leader
+from .leader import Leadership, LeaseSettings, run_while_leader
 from .policies import Backoff, CircuitBreaker, Decision, Retry
 from .worker import Worker, WorkerSettings
 from .workflow import Step, Workflow

@@ -111,9 +111,18 @@ class AgentSettings:
 class AgentRole:
     """Pulls requests for some agents up to capacity and runs them; one per worker process."""
 
-    def __init__(self, store: Store, agents: dict[str, Agent], me: str, *, clock: Clock = SYSTEM_CLOCK,
-                 settings: AgentSettings | None = None, wake: asyncio.Event | None = None,
-                 on_reply: Callable[[], None] | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        agents: dict[str, Agent],
+        me: str,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        settings: AgentSettings | None = None,
+        wake: asyncio.Event | None = None,
+        on_reply: Callable[[], None] | None = None,
+        threads: int | None = None,
+    ) -> None:
         self.store = store
         self.agents = agents
         self.me = me
@@ -122,10 +131,14 @@ class AgentRole:
         self.wake = wake or asyncio.Event()
         self.on_reply = on_reply or (lambda: None)
         self.inflight: dict[str, int] = dict.fromkeys(agents, 0)
-        self.breakers = {n: CircuitBreaker(a.breaker_threshold, a.breaker_cool_off) for n, a in agents.items()}
+        self.breakers = {
+            n: CircuitBreaker(a.breaker_threshold, a.breaker_cool_off) for n, a in agents.items()
+        }
         self.rng = random.Random()
-        self.pool = ThreadPoolExecutor(max_workers=threads or max(4, sum(a.concurrency for a in agents.values())),
-                                       thread_name_prefix="stepwarden-agent")
+        self.pool = ThreadPoolExecutor(
+            max_workers=threads or max(4, sum(a.concurrency for a in agents.values())),
+            thread_name_prefix="stepwarden-agent",
+        )
         self.tasks: set[asyncio.Task[None]] = set()
         self.completed = 0
 
@@ -171,8 +184,13 @@ class AgentRole:
         try:
             outcome = await self._attempt(agent, msg)
             if outcome is None:
-                log.info("request %s (%s/%s attempt %d) passed complete-by: cancelled, no reply",
-                         msg.id, msg.task_id, msg.step_idx, msg.attempt)
+                log.info(
+                    "request %s (%s/%s attempt %d) passed complete-by: cancelled, no reply",
+                    msg.id,
+                    msg.task_id,
+                    msg.step_idx,
+                    msg.attempt,
+                )
                 return
             await self._reply(msg, *outcome)
         except asyncio.CancelledError:
@@ -201,10 +219,18 @@ class AgentRole:
         if handler is None:
             return "error", None, f"agent {agent.name!r} has no operation {msg.operation!r} in this worker"
         payload = msg.payload
-        req = Request(task_id=msg.task_id, step=msg.idempotency_key.split(":", 1)[1], attempt=msg.attempt,
-                      kind=msg.kind, idempotency_key=msg.idempotency_key, input=payload.get("input"),
-                      results=payload.get("results") or {}, undo=payload.get("undo"),
-                      complete_by=msg.complete_by, deadline=deadline)
+        req = Request(
+            task_id=msg.task_id,
+            step=msg.idempotency_key.split(":", 1)[1],
+            attempt=msg.attempt,
+            kind=msg.kind,
+            idempotency_key=msg.idempotency_key,
+            input=payload.get("input"),
+            results=payload.get("results") or {},
+            undo=payload.get("undo"),
+            complete_by=msg.complete_by,
+            deadline=deadline,
+        )
         tries = int(msg.policy.get("tries", 4))
         backoff = Backoff(**(msg.policy.get("in_attempt") or {}))
         breaker = self.breakers[agent.name]
@@ -229,8 +255,9 @@ class AgentRole:
                         breaker.record_success()  # the service answered: it is up
                         return "error", None, _describe(e)
                     if breaker.record_failure(self.clock.monotonic()):
-                        log.warning("agent %s: circuit breaker opened after %d failures", agent.name,
-                                    breaker.failures)
+                        log.warning(
+                            "agent %s: circuit breaker opened after %d failures", agent.name, breaker.failures
+                        )
                     last = _describe(e)
                 else:
                     breaker.record_success()

@@ -26,8 +26,13 @@ MAX_PRIORITY = 2**31 - 1
 
 
 class App:
-    def __init__(self, db: str | None = None, *, clock: Clock = SYSTEM_CLOCK,
-                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> None:
+    def __init__(
+        self,
+        db: str | None = None,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+    ) -> None:
         self._db = db
         self.clock = clock
         self.max_input_bytes = max_input_bytes
@@ -36,8 +41,15 @@ class App:
         self._store: Store | None = None
 
     # -- definitions ---------------------------------------------------------------------------
-    def agent(self, name: str, *, concurrency: int = 8, breaker_threshold: int = 5, breaker_cool_off: float = 5.0,
-              classify: Callable[[BaseException], str] = default_classify) -> Agent:
+    def agent(
+        self,
+        name: str,
+        *,
+        concurrency: int = 8,
+        breaker_threshold: int = 5,
+        breaker_cool_off: float = 5.0,
+        classify: Callable[[BaseException], str] = default_classify,
+    ) -> Agent:
         if name in self.agents:
             raise InputError(f"agent {name!r} is already defined")
         a = Agent(name, concurrency, breaker_threshold, breaker_cool_off, classify)
@@ -54,7 +66,9 @@ class App:
                     continue
                 agent, op = ref.split(".", 1)
                 if agent in self.agents and op not in self.agents[agent].operations:
-                    raise InputError(f"workflow {name!r} step {s.name!r}: agent {agent!r} has no operation {op!r}")
+                    raise InputError(
+                        f"workflow {name!r} step {s.name!r}: agent {agent!r} has no operation {op!r}"
+                    )
         self.workflows[name] = wf
         return wf
 
@@ -79,8 +93,15 @@ class App:
             self._store = None
 
     # -- submission ----------------------------------------------------------------------------
-    def _prepare(self, workflow: str, input: Any, correlation_id: str | None, idempotency_key: str | None,
-                 priority: int, reply_to: str | None) -> tuple[str, dict[str, Any]]:
+    def _prepare(
+        self,
+        workflow: str,
+        input: Any,
+        correlation_id: str | None,
+        idempotency_key: str | None,
+        priority: int,
+        reply_to: str | None,
+    ) -> tuple[str, dict[str, Any]]:
         """Validate everything before touching the store, so bad input writes nothing (SUB4)."""
         check_name("workflow name", workflow)
         text = encode_input(input, self.max_input_bytes)
@@ -92,8 +113,12 @@ class App:
             check_name("reply queue", reply_to)
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
             raise InputError(f"priority must be an integer between -{MAX_PRIORITY} and {MAX_PRIORITY}")
-        return text, {"correlation_id": correlation_id, "idempotency_key": idempotency_key,
-                      "priority": priority, "reply_to": reply_to}
+        return text, {
+            "correlation_id": correlation_id,
+            "idempotency_key": idempotency_key,
+            "priority": priority,
+            "reply_to": reply_to,
+        }
 
     def _workflow(self, name: str) -> Workflow:
         if name in self.workflows:
@@ -102,20 +127,44 @@ class App:
             return self.store.workflow_sync(name)
         except UnknownWorkflow:
             known = sorted(self.workflows)
-            raise UnknownWorkflow(f"unknown workflow {name!r}" + (f"; this app defines: {', '.join(known)}" if known
-                                  else ": no worker has registered it in this store")) from None
+            raise UnknownWorkflow(
+                f"unknown workflow {name!r}"
+                + (
+                    f"; this app defines: {', '.join(known)}"
+                    if known
+                    else ": no worker has registered it in this store"
+                )
+            ) from None
 
-    def submit(self, workflow: str, input: Any, *, correlation_id: str | None = None,
-               idempotency_key: str | None = None, priority: int = 0, reply_to: str | None = None) -> int:
+    def submit(
+        self,
+        workflow: str,
+        input: Any,
+        *,
+        correlation_id: str | None = None,
+        idempotency_key: str | None = None,
+        priority: int = 0,
+        reply_to: str | None = None,
+    ) -> int:
         """Submit a task from plain code; returns its id (an existing one for a repeated idempotency key)."""
         text, kw = self._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
         wf = self._workflow(workflow)
         return self.store.transact_sync(transitions.submit, wf, text, **kw)[0]
 
-    async def submit_async(self, workflow: str, input: Any, *, correlation_id: str | None = None,
-                           idempotency_key: str | None = None, priority: int = 0, reply_to: str | None = None) -> int:
+    async def submit_async(
+        self,
+        workflow: str,
+        input: Any,
+        *,
+        correlation_id: str | None = None,
+        idempotency_key: str | None = None,
+        priority: int = 0,
+        reply_to: str | None = None,
+    ) -> int:
         text, kw = self._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
-        wf = self.workflows.get(workflow) or await asyncio.to_thread(self._workflow, workflow)
+        wf = self.workflows.get(workflow)
+        if wf is None:
+            wf = await asyncio.to_thread(self._workflow, workflow)
         task_id, _ = await self.store.transact(transitions.submit, wf, text, **kw)
         return task_id
 
@@ -170,8 +219,16 @@ class AppTransaction:
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> sqlite3.Cursor:
         return self.connection.execute(sql, params)
 
-    def submit(self, workflow: str, input: Any, *, correlation_id: str | None = None,
-               idempotency_key: str | None = None, priority: int = 0, reply_to: str | None = None) -> int:
+    def submit(
+        self,
+        workflow: str,
+        input: Any,
+        *,
+        correlation_id: str | None = None,
+        idempotency_key: str | None = None,
+        priority: int = 0,
+        reply_to: str | None = None,
+    ) -> int:
         text, kw = self.app._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
         wf = self.app.workflows.get(workflow)
         if wf is None:  # look it up inside this transaction: another connection would wait on our lock

@@ -28,21 +28,16 @@ from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
 log = logging.getLogger("stepwarden.cli")
 
 
-class BadInput(click.ClickException):
-    exit_code = 2
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    e = click.ClickException(message)
-    e.exit_code = code
-    raise e
+def fail(message: str) -> NoReturn:
+    """An operational failure (exit 1): one line, no traceback."""
+    raise click.ClickException(message)
 
 
 def _open(ctx: click.Context, *, create: bool = False) -> Store:
     """Open the store; read commands refuse to create a new SQLite file by accident."""
     url = resolve_url(ctx.obj["db"])
     if not create and url.startswith("sqlite:///"):
-        path = url[len("sqlite:///"):]
+        path = url[len("sqlite:///") :]
         if not os.path.exists(path):
             fail(f"no stepwarden store at {path}: run `stepwarden --db {url} init` or start a worker first")
     store = open_store(url)
@@ -70,18 +65,27 @@ def _print_json(value: Any) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--db", envvar="STEPWARDEN_DB", metavar="URL",
-              help="Store URL (default: $STEPWARDEN_DB, else sqlite:///stepwarden.db).")
-@click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option(
+    "--db",
+    envvar="STEPWARDEN_DB",
+    metavar="URL",
+    help="Store URL (default: $STEPWARDEN_DB, else sqlite:///stepwarden.db).",
+)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
 @click.version_option(__version__, prog_name="stepwarden")
 @click.pass_context
 def cli(ctx: click.Context, db: str | None, log_level: str) -> None:
     """stepwarden: multi-step tasks that complete or are undone as a whole."""
     ctx.ensure_object(dict)
     ctx.obj["db"] = db
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 @cli.command()
@@ -93,19 +97,30 @@ def init(ctx: click.Context) -> None:
 
 
 @cli.command()
-@click.option("--app", "app_ref", metavar="MODULE:ATTR", help="The application defining agents and workflows.")
+@click.option(
+    "--app", "app_ref", metavar="MODULE:ATTR", help="The application defining agents and workflows."
+)
 @click.option("--roles", default=",".join(ROLES), show_default=True, help="Comma-separated roles to run.")
 @click.option("--agents", default=None, help="Comma-separated agent names (default: all of the app's).")
 @click.option("--concurrency", type=int, default=None, help="Override every agent's concurrency.")
 @click.option("--name", default=None, help="Worker name (default: the host name).")
 @click.pass_context
-def worker(ctx: click.Context, app_ref: str | None, roles: str, agents: str | None, concurrency: int | None,
-           name: str | None) -> None:
+def worker(
+    ctx: click.Context,
+    app_ref: str | None,
+    roles: str,
+    agents: str | None,
+    concurrency: int | None,
+    name: str | None,
+) -> None:
     """Run scheduler, agent and supervisor roles until SIGTERM/SIGINT."""
-    settings = WorkerSettings(roles=parse_list(roles) or (), agents=parse_list(agents), concurrency=concurrency,
-                              name=name)
+    settings = WorkerSettings(
+        roles=parse_list(roles) or (), agents=parse_list(agents), concurrency=concurrency, name=name
+    )
     if app_ref is None and ("agent" in settings.roles):
-        raise InputError("--app MODULE:ATTR is needed for the agent role (or run --roles scheduler,supervisor)")
+        raise InputError(
+            "--app MODULE:ATTR is needed for the agent role (or run --roles scheduler,supervisor)"
+        )
     app = _load_app(app_ref) if app_ref else App()
     app.use_store(_open(ctx, create=True))
     w = app.worker(settings)
@@ -129,7 +144,9 @@ def _read_input(value: str) -> Any:
         try:
             size = os.path.getsize(path)
             if size > DEFAULT_MAX_INPUT_BYTES:
-                raise InputError(f"task input is {size} bytes, over the limit of {DEFAULT_MAX_INPUT_BYTES} bytes")
+                raise InputError(
+                    f"task input is {size} bytes, over the limit of {DEFAULT_MAX_INPUT_BYTES} bytes"
+                )
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
@@ -148,18 +165,41 @@ def _read_input(value: str) -> Any:
 @click.option("--idempotency-key", default=None)
 @click.option("--reply-to", default=None, metavar="QUEUE")
 @click.option("--priority", type=int, default=0, show_default=True)
-@click.option("--app", "app_ref", default=None, metavar="MODULE:ATTR",
-              help="Validate against this app's workflows instead of those registered in the store.")
+@click.option(
+    "--app",
+    "app_ref",
+    default=None,
+    metavar="MODULE:ATTR",
+    help="Validate against this app's workflows instead of those registered in the store.",
+)
 @click.pass_context
-def submit(ctx: click.Context, workflow: str, input_: str, correlation_id: str | None, idempotency_key: str | None,
-           reply_to: str | None, priority: int, app_ref: str | None) -> None:
+def submit(
+    ctx: click.Context,
+    workflow: str,
+    input_: str,
+    correlation_id: str | None,
+    idempotency_key: str | None,
+    reply_to: str | None,
+    priority: int,
+    app_ref: str | None,
+) -> None:
     """Submit a task; prints its id."""
     data = _read_input(input_)
     app = _load_app(app_ref) if app_ref else App()
-    app._prepare(workflow, data, correlation_id, idempotency_key, priority, reply_to)  # validate before opening
+    app._prepare(
+        workflow, data, correlation_id, idempotency_key, priority, reply_to
+    )  # validate before opening
     app.use_store(_open(ctx, create=app_ref is not None))
-    click.echo(app.submit(workflow, data, correlation_id=correlation_id, idempotency_key=idempotency_key,
-                          priority=priority, reply_to=reply_to))
+    click.echo(
+        app.submit(
+            workflow,
+            data,
+            correlation_id=correlation_id,
+            idempotency_key=idempotency_key,
+            priority=priority,
+            reply_to=reply_to,
+        )
+    )
 
 
 @cli.command()
@@ -276,7 +316,9 @@ def watch(ctx: click.Context, task_id: str | None, reply_to: str | None, timeout
             for e in store.transact_sync(views.events_after, tid, after):
                 after = e["id"]
                 detail = json.loads(e["detail"]) if e["detail"] else {}
-                click.echo(f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items()))
+                click.echo(
+                    f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items())
+                )
             state = store.transact_sync(views.task_state, tid)
             if state is None:
                 raise NotFound(f"no task {tid}")
@@ -287,20 +329,35 @@ def watch(ctx: click.Context, task_id: str | None, reply_to: str | None, timeout
 
 
 @cli.command()
-@click.option("--db", "demo_db", default=None, metavar="URL", help="Store URL (default: a fresh SQLite file).")
+@click.option(
+    "--db", "demo_db", default=None, metavar="URL", help="Store URL (default: a fresh SQLite file)."
+)
 @click.option("--orders", type=click.IntRange(1, 100_000), default=200, show_default=True)
 @click.option("--workers", type=click.IntRange(1, 32), default=3, show_default=True)
 @click.option("--no-chaos", is_flag=True, help="Do not SIGKILL a worker mid-run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--seed", type=int, default=7, show_default=True)
 @click.pass_context
-def demo(ctx: click.Context, demo_db: str | None, orders: int, workers: int, no_chaos: bool, as_json: bool,
-         seed: int) -> None:
+def demo(
+    ctx: click.Context,
+    demo_db: str | None,
+    orders: int,
+    workers: int,
+    no_chaos: bool,
+    as_json: bool,
+    seed: int,
+) -> None:
     """Run the order-processing example end to end, with failures, a SIGKILL and a ledger check."""
     from .demo.runner import DemoOptions, run_demo
 
-    opts = DemoOptions(db=demo_db or ctx.obj["db"], orders=orders, workers=workers, chaos=not no_chaos,
-                       as_json=as_json, seed=seed)
+    opts = DemoOptions(
+        db=demo_db or ctx.obj["db"],
+        orders=orders,
+        workers=workers,
+        chaos=not no_chaos,
+        as_json=as_json,
+        seed=seed,
+    )
     ok = run_demo(opts)
     ctx.exit(0 if ok else 1)
 

@@ -7,9 +7,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-STATE_STYLE = {"processed": "green", "error": "red", "compensated": "yellow", "cancelled": "magenta",
-               "processing": "cyan", "compensating": "yellow", "pending": "white", "completed": "green",
-               "failed": "red", "running": "cyan", "skipped": "dim"}
+STATE_STYLE = {
+    "processed": "green",
+    "error": "red",
+    "compensated": "yellow",
+    "cancelled": "magenta",
+    "processing": "cyan",
+    "compensating": "yellow",
+    "pending": "white",
+    "completed": "green",
+    "failed": "red",
+    "running": "cyan",
+    "skipped": "dim",
+}
 
 
 def _state(s: str | None) -> str:
@@ -29,35 +39,81 @@ def tasks_table(rows: list[dict[str, Any]]) -> None:
     t = Table("id", "workflow", "state", "correlation", "failures", "steps", "updated", box=None)
     for r in rows:
         steps = " ".join(f"{s['name']}:{_state(s['state'])}" for s in r["steps"])
-        t.add_row(str(r["id"]), r["workflow"], _state(r["state"]), r["correlation_id"] or "-",
-                  str(r["failure_count"]), steps, _short(r["updated_at"]))
+        t.add_row(
+            str(r["id"]),
+            r["workflow"],
+            _state(r["state"]),
+            r["correlation_id"] or "-",
+            str(r["failure_count"]),
+            steps,
+            _short(r["updated_at"]),
+        )
     console.print(t)
 
 
 def task_detail(v: dict[str, Any]) -> None:
     console = Console()
-    console.print(f"[bold]task {v['id']}[/] {v['workflow']} v{v['workflow_version']}  {_state(v['state'])}  "
-                  f"correlation={v['correlation_id'] or '-'}  failures={v['failure_count']}  "
-                  f"locked_by={v['locked_by'] or '-'}  complete_by={_short(v['complete_by'])}")
+    console.print(
+        f"[bold]task {v['id']}[/] {v['workflow']} v{v['workflow_version']}  {_state(v['state'])}  "
+        f"correlation={v['correlation_id'] or '-'}  failures={v['failure_count']}  "
+        f"locked_by={v['locked_by'] or '-'}  complete_by={_short(v['complete_by'])}"
+    )
     if v.get("last_error"):
         console.print(f"last error: [red]{v['last_error']}[/]")
-    st = Table("#", "step", "operation", "state", "attempt", "failures", "locked_by", "complete_by", "last error",
-               box=None)
+    st = Table(
+        "#",
+        "step",
+        "operation",
+        "state",
+        "attempt",
+        "failures",
+        "locked_by",
+        "complete_by",
+        "last error",
+        box=None,
+    )
     for s in v["steps"]:
-        st.add_row(str(s["idx"]), s["name"], s["operation"], _state(s["state"]), str(s["attempt"]),
-                   str(s["failure_count"]), s["locked_by"] or "-", _short(s["complete_by"]), (s["last_error"] or "")[:60])
+        st.add_row(
+            str(s["idx"]),
+            s["name"],
+            s["operation"],
+            _state(s["state"]),
+            str(s["attempt"]),
+            str(s["failure_count"]),
+            s["locked_by"] or "-",
+            _short(s["complete_by"]),
+            (s["last_error"] or "")[:60],
+        )
     console.print(st)
-    at = Table("step", "attempt", "kind", "outcome", "dispatched_by", "taken_by", "complete_by", box=None,
-               title="attempts")
+    at = Table(
+        "step",
+        "attempt",
+        "kind",
+        "outcome",
+        "dispatched_by",
+        "taken_by",
+        "complete_by",
+        box=None,
+        title="attempts",
+    )
     for s in v["steps"]:
         for a in s.get("attempts", []):
-            at.add_row(s["name"], str(a["attempt"]), a["kind"], a["outcome"] or a["state"], a["dispatched_by"],
-                       a["taken_by"] or "-", _short(a["complete_by"]))
+            at.add_row(
+                s["name"],
+                str(a["attempt"]),
+                a["kind"],
+                a["outcome"] or a["state"],
+                a["dispatched_by"],
+                a["taken_by"] or "-",
+                _short(a["complete_by"]),
+            )
     console.print(at)
     et = Table("at", "event", "step", "attempt", "actor", "detail", box=None, title="events")
     for e in v.get("events", []):
         detail = " ".join(f"{k}={val}" for k, val in e["detail"].items())[:80]
-        et.add_row(_short(e["at"]), e["kind"], e["step"] or "-", str(e["attempt"] or "-"), e["actor"] or "-", detail)
+        et.add_row(
+            _short(e["at"]), e["kind"], e["step"] or "-", str(e["attempt"] or "-"), e["actor"] or "-", detail
+        )
     console.print(et)
 
 
@@ -68,8 +124,15 @@ def alerts_table(rows: list[dict[str, Any]]) -> None:
         return
     t = Table("id", "kind", "task", "step", "message", "created", "acked", box=None)
     for a in rows:
-        t.add_row(str(a["id"]), a["kind"], str(a["task_id"] or "-"), a["step"] or "-", a["message"],
-                  _short(a["created_at"]), _short(a["acked_at"]))
+        t.add_row(
+            str(a["id"]),
+            a["kind"],
+            str(a["task_id"] or "-"),
+            a["step"] or "-",
+            a["message"],
+            _short(a["created_at"]),
+            _short(a["acked_at"]),
+        )
     console.print(t)
 
 
@@ -80,5 +143,11 @@ def leases_table(rows: list[dict[str, Any]]) -> None:
         return
     t = Table("name", "holder", "term", "expires_at", "active", box=None)
     for r in rows:
-        t.add_row(r["name"], r["holder"] or "-", str(r["term"]), _short(r["expires_at"]), "yes" if r["active"] else "no")
+        t.add_row(
+            r["name"],
+            r["holder"] or "-",
+            str(r["term"]),
+            _short(r["expires_at"]),
+            "yes" if r["active"] else "no",
+        )
     console.print(t)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from .clock import SYSTEM_CLOCK, Clock
 from .store import Store
@@ -57,15 +58,23 @@ class Leadership:
         self.last_progress = self._clock.monotonic()
 
 
-Work = Callable[[Leadership], Awaitable[None]]
+Work = Callable[[Leadership], Coroutine[Any, Any, None]]
 
 
 class LeaseKeeper:
     """Runs ``work`` only while holding lease ``name``; see the module docstring."""
 
-    def __init__(self, store: Store, name: str, holder: str, work: Work, *,
-                 settings: LeaseSettings | None = None, clock: Clock = SYSTEM_CLOCK,
-                 on_change: Callable[[str, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        holder: str,
+        work: Work,
+        *,
+        settings: LeaseSettings | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        on_change: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.store = store
         self.name = name
         self.holder = holder
@@ -125,8 +134,10 @@ class LeaseKeeper:
                     break
                 sent = now
                 try:
-                    ok = await asyncio.wait_for(self.store.renew_lease(self.name, self.holder, term, s.ttl),
-                                                timeout=max(0.001, trust_until - now))
+                    ok = await asyncio.wait_for(
+                        self.store.renew_lease(self.name, self.holder, term, s.ttl),
+                        timeout=max(0.001, trust_until - now),
+                    )
                 except (TimeoutError, Exception) as e:
                     log.warning("lease %s: renewal failed: %r", self.name, e)
                     ok = False
@@ -173,7 +184,15 @@ class LeaseKeeper:
             stopper.cancel()
 
 
-async def run_while_leader(store: Store, name: str, holder: str, work: Work, stop: asyncio.Event, *,
-                           settings: LeaseSettings | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+async def run_while_leader(
+    store: Store,
+    name: str,
+    holder: str,
+    work: Work,
+    stop: asyncio.Event,
+    *,
+    settings: LeaseSettings | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> None:
     """Run ``work`` whenever this process holds lease ``name``, cancelled the moment it may not (LEAD7)."""
     await LeaseKeeper(store, name, holder, work, settings=settings, clock=clock).run(stop)

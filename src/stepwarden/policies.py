@@ -73,7 +73,9 @@ class Retry:
         if self.escalation_wait < 0:
             raise ValueError("Retry.escalation_wait must not be negative")
 
-    def after_failure(self, failure_count: int, on_error: Escalation, rng: random.Random | None = None) -> Decision:
+    def after_failure(
+        self, failure_count: int, on_error: Escalation, rng: random.Random | None = None
+    ) -> Decision:
         """Decide after the step's ``failure_count``-th failed attempt (expired or transient-exhausted)."""
         if failure_count < self.max_failures:
             return Decision("retry", self.backoff.delay(failure_count, rng))

@@ -28,10 +28,17 @@ class SchedulerSettings:
 
 
 class SchedulerRole:
-    def __init__(self, store: Store, me: str, *, clock: Clock = SYSTEM_CLOCK,
-                 settings: SchedulerSettings | None = None, wake: asyncio.Event | None = None,
-                 on_dispatch: Callable[[], None] | None = None,
-                 on_applied: Callable[[ApplyResult], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        me: str,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        settings: SchedulerSettings | None = None,
+        wake: asyncio.Event | None = None,
+        on_dispatch: Callable[[], None] | None = None,
+        on_applied: Callable[[ApplyResult], None] | None = None,
+    ) -> None:
         self.store = store
         self.me = me
         self.clock = clock

@@ -26,9 +26,15 @@ class SupervisorSettings:
 
 
 class Supervisor:
-    def __init__(self, store: Store, me: str, *, clock: Clock = SYSTEM_CLOCK,
-                 settings: SupervisorSettings | None = None,
-                 on_sweep: Callable[[SweepResult], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        me: str,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        settings: SupervisorSettings | None = None,
+        on_sweep: Callable[[SweepResult], None] | None = None,
+    ) -> None:
         self.store = store
         self.me = me
         self.clock = clock

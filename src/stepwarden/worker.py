@@ -78,12 +78,17 @@ class Worker:
         names = s.agents if s.agents is not None else tuple(self.app.agents)
         unknown = [n for n in names if n not in self.app.agents]
         if unknown:
-            raise InputError(f"unknown agent(s) {', '.join(unknown)}; the app defines: {', '.join(self.app.agents) or 'none'}")
+            raise InputError(
+                f"unknown agent(s) {', '.join(unknown)}; "
+                f"the app defines: {', '.join(self.app.agents) or 'none'}"
+            )
         out = {}
         for n in names:
             a = self.app.agents[n]
             if s.concurrency is not None:
-                a = Agent(a.name, s.concurrency, a.breaker_threshold, a.breaker_cool_off, a.classify, a.operations)
+                a = Agent(
+                    a.name, s.concurrency, a.breaker_threshold, a.breaker_cool_off, a.classify, a.operations
+                )
             out[n] = a
         return out
 
@@ -94,19 +99,29 @@ class Worker:
         clock = app.clock
         await store.register_workflows(list(app.workflows.values()), self.identity)
         await _safe(store.worker_beat(self.identity, s.roles, list(self.agents)))
-        log.info("worker %s starting: roles=%s agents=%s store=%s", self.identity, ",".join(s.roles),
-                 ",".join(self.agents) or "-", store.url)
+        log.info(
+            "worker %s starting: roles=%s agents=%s store=%s",
+            self.identity,
+            ",".join(s.roles),
+            ",".join(self.agents) or "-",
+            store.url,
+        )
         jobs: list[asyncio.Task[None]] = []
         if "scheduler" in s.roles:
-            self.scheduler = SchedulerRole(store, self.identity, clock=clock, settings=s.scheduler, wake=self.wake)
+            self.scheduler = SchedulerRole(
+                store, self.identity, clock=clock, settings=s.scheduler, wake=self.wake
+            )
             jobs.append(asyncio.create_task(self.scheduler.run(stop), name="scheduler"))
         if self.agents:
-            self.agent_role = AgentRole(store, self.agents, self.identity, clock=clock, settings=s.agent,
-                                        on_reply=self.wake.set)
+            self.agent_role = AgentRole(
+                store, self.agents, self.identity, clock=clock, settings=s.agent, on_reply=self.wake.set
+            )
             jobs.append(asyncio.create_task(self.agent_role.run(stop), name="agent"))
         if "supervisor" in s.roles:
             self.supervisor = Supervisor(store, self.identity, clock=clock, settings=s.supervisor)
-            self.keeper = LeaseKeeper(store, LEASE, self.identity, self.supervisor.lead, settings=s.lease, clock=clock)
+            self.keeper = LeaseKeeper(
+                store, LEASE, self.identity, self.supervisor.lead, settings=s.lease, clock=clock
+            )
             jobs.append(asyncio.create_task(self.keeper.run(stop), name="supervisor"))
         jobs.append(asyncio.create_task(self._heartbeat(stop), name="heartbeat"))
         try:

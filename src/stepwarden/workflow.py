@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from .errors import InputError, PayloadTooLarge
 from .policies import ESCALATIONS, Escalation, Retry
@@ -23,7 +23,8 @@ def check_name(kind: str, value: object) -> str:
     """A workflow, queue or worker name: letters, digits, ``_ . : -``, up to 128 characters."""
     if not isinstance(value, str) or not NAME_RE.match(value):
         raise InputError(
-            f"invalid {kind} {_show(value)}: use 1-128 letters, digits, '_', '.', ':' or '-', starting with a letter or digit"
+            f"invalid {kind} {_show(value)}: use 1-128 letters, digits, '_', '.', ':' or '-', "
+            "starting with a letter or digit"
         )
     return value
 
@@ -31,7 +32,9 @@ def check_name(kind: str, value: object) -> str:
 def check_ident(kind: str, value: object) -> str:
     """An agent or operation name: a Python-identifier-like word (dashes allowed), up to 64 characters."""
     if not isinstance(value, str) or not IDENT_RE.match(value):
-        raise InputError(f"invalid {kind} {_show(value)}: use 1-64 letters, digits, '_' or '-', not starting with a digit")
+        raise InputError(
+            f"invalid {kind} {_show(value)}: use 1-64 letters, digits, '_' or '-', not starting with a digit"
+        )
     return value
 
 
@@ -62,7 +65,9 @@ def parse_input(text: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise InputError(f"task input is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise InputError(
+            f"task input is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
 
 
 def _show(value: object) -> str:
@@ -154,9 +159,12 @@ class Workflow:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Workflow:
-        return cls(name=d["name"], version=int(d.get("version", 1)), steps=tuple(Step.from_dict(s) for s in d["steps"]))
+        return cls(
+            name=d["name"],
+            version=int(d.get("version", 1)),
+            steps=tuple(Step.from_dict(s) for s in d["steps"]),
+        )
 
     @classmethod
     def of(cls, name: str, steps: Sequence[Step], version: int = 1) -> Workflow:
         return cls(name=name, steps=tuple(steps), version=version)
-

@@ -35,16 +35,24 @@ def _client() -> httpx.AsyncClient:
     if client is None:
         # One connection per request: the fake services speak HTTP/1.0, and a cancelled call at
         # complete-by must not leave a half-read connection in a pool.
-        client = httpx.AsyncClient(base_url=services_url(), timeout=httpx.Timeout(30.0),
-                                   limits=httpx.Limits(max_keepalive_connections=0))
+        client = httpx.AsyncClient(
+            base_url=services_url(),
+            timeout=httpx.Timeout(30.0),
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
         _clients[loop_id] = client
     return client
 
 
 async def _call(service: str, op: str, req: Request) -> Any:
     order = req.input if isinstance(req.input, dict) else {}
-    body = {"order_id": order.get("order_id"), "sku": order.get("sku"), "quantity": order.get("quantity"),
-            "amount_cents": order.get("amount_cents"), "attempt": req.attempt}
+    body = {
+        "order_id": order.get("order_id"),
+        "sku": order.get("sku"),
+        "quantity": order.get("quantity"),
+        "amount_cents": order.get("amount_cents"),
+        "attempt": req.attempt,
+    }
     r = await _client().post(f"/{service}/{op}", json=body, headers={"Idempotency-Key": req.idempotency_key})
     if r.status_code in (402, 409, 422):
         raise Permanent(f"{service}.{op} refused: {r.text[:200]}")
@@ -82,15 +90,41 @@ async def cancel(req: Request) -> Any:
     return await _call("shipping", "cancel", req)
 
 
-_retry = Retry(max_failures=3, backoff=Backoff(initial=0.2, maximum=2.0), tries=3,
-               in_attempt=Backoff(initial=0.05, maximum=0.5), escalation="compensate")
+_retry = Retry(
+    max_failures=3,
+    backoff=Backoff(initial=0.2, maximum=2.0),
+    tries=3,
+    in_attempt=Backoff(initial=0.05, maximum=0.5),
+    escalation="compensate",
+)
 
-app.workflow("process-order", [
-    # An unknown SKU is the operator's to fix (error + alert); repeated timeouts are undone.
-    Step("reserve", "inventory.reserve", complete_by=2.0, retry=_retry, compensate="inventory.release",
-         on_error="error"),
-    Step("charge", "payments.charge", complete_by=2.0, retry=_retry, compensate="payments.refund",
-         on_error="compensate"),
-    Step("ship", "shipping.create", complete_by=2.0, retry=_retry, compensate="shipping.cancel",
-         on_error="compensate"),
-])
+app.workflow(
+    "process-order",
+    [
+        # An unknown SKU is the operator's to fix (error + alert); repeated timeouts are undone.
+        Step(
+            "reserve",
+            "inventory.reserve",
+            complete_by=2.0,
+            retry=_retry,
+            compensate="inventory.release",
+            on_error="error",
+        ),
+        Step(
+            "charge",
+            "payments.charge",
+            complete_by=2.0,
+            retry=_retry,
+            compensate="payments.refund",
+            on_error="compensate",
+        ),
+        Step(
+            "ship",
+            "shipping.create",
+            complete_by=2.0,
+            retry=_retry,
+            compensate="shipping.cancel",
+            on_error="compensate",
+        ),
+    ],
+)

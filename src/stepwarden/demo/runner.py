@@ -54,10 +54,27 @@ class _Procs:
 
     def start_services(self, o: DemoOptions) -> str:
         self.services = subprocess.Popen(
-            [sys.executable, "-m", "stepwarden.demo.services", "--port", "0", "--seed", str(o.seed),
-             "--transient-rate", str(o.transient_rate), "--hang-rate", str(o.hang_rate),
-             "--permanent-rate", str(o.permanent_rate), "--hang-seconds", "20"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [
+                sys.executable,
+                "-m",
+                "stepwarden.demo.services",
+                "--port",
+                "0",
+                "--seed",
+                str(o.seed),
+                "--transient-rate",
+                str(o.transient_rate),
+                "--hang-rate",
+                str(o.hang_rate),
+                "--permanent-rate",
+                str(o.permanent_rate),
+                "--hang-seconds",
+                "20",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert self.services.stdout is not None
         line = self.services.stdout.readline().strip()
         if not line.startswith("listening on "):
@@ -69,9 +86,24 @@ class _Procs:
         log = open(os.path.join(self.workdir, f"worker-{n}.log"), "ab")  # noqa: SIM115 - closed in stop()
         self.logs.append(log)
         p = subprocess.Popen(
-            [sys.executable, "-m", "stepwarden", "--db", self.db, "--log-level", "WARNING", "worker",
-             "--app", "stepwarden.demo.app:app", "--name", f"demo-w{n}"],
-            stdout=log, stderr=log, env=self.env)
+            [
+                sys.executable,
+                "-m",
+                "stepwarden",
+                "--db",
+                self.db,
+                "--log-level",
+                "WARNING",
+                "worker",
+                "--app",
+                "stepwarden.demo.app:app",
+                "--name",
+                f"demo-w{n}",
+            ],
+            stdout=log,
+            stderr=log,
+            env=self.env,
+        )
         self.workers.append(p)
         return p
 
@@ -112,7 +144,9 @@ def run_demo(o: DemoOptions) -> bool:
         procs.stop()
 
 
-def _run(o: DemoOptions, db: str, prefix: str, workdir: str, procs: _Procs, out: Console, show_live: bool) -> bool:
+def _run(
+    o: DemoOptions, db: str, prefix: str, workdir: str, procs: _Procs, out: Console, show_live: bool
+) -> bool:
     from .app import app
 
     url = procs.start_services(o)
@@ -123,16 +157,22 @@ def _run(o: DemoOptions, db: str, prefix: str, workdir: str, procs: _Procs, out:
     first_event = store.transact_sync(views.max_event_id)
     if not o.as_json:
         out.print(f"[bold]stepwarden demo[/]: {o.orders} orders, {o.workers} workers, store {db}")
-        out.print(f"services at {url} (transient {o.transient_rate:.0%}, hang {o.hang_rate:.0%}, "
-                  f"permanent {o.permanent_rate:.0%}); worker logs in {workdir}")
+        out.print(
+            f"services at {url} (transient {o.transient_rate:.0%}, hang {o.hang_rate:.0%}, "
+            f"permanent {o.permanent_rate:.0%}); worker logs in {workdir}"
+        )
     for _ in range(o.workers):
         procs.start_worker()
     rng = random.Random(o.seed)
     t0 = time.monotonic()
     for i in range(o.orders):
         oid = f"{prefix}{i:05d}"
-        order = {"order_id": oid, "sku": f"SKU-{rng.randint(1, 40)}", "quantity": rng.randint(1, 5),
-                 "amount_cents": rng.randint(100, 50_000)}
+        order = {
+            "order_id": oid,
+            "sku": f"SKU-{rng.randint(1, 40)}",
+            "quantity": rng.randint(1, 5),
+            "amount_cents": rng.randint(100, 50_000),
+        }
         app.submit(WORKFLOW, order, correlation_id=oid, idempotency_key=oid)
     deadline = t0 + (o.timeout or max(90.0, o.orders * 0.4))
     chaos_log: list[str] = []
@@ -144,12 +184,20 @@ def _run(o: DemoOptions, db: str, prefix: str, workdir: str, procs: _Procs, out:
         ev = store.transact_sync(views.event_counts, first_event)
         t = Table(box=None, show_header=False)
         t.add_row("elapsed", f"{time.monotonic() - t0:5.1f}s", "final", f"{done}/{o.orders}")
-        t.add_row("processed", str(counts.get("processed", 0)), "compensated", str(counts.get("compensated", 0)))
-        t.add_row("error", str(counts.get("error", 0)), "in flight",
-                  str(sum(counts.get(s, 0) for s in ("pending", "processing", "compensating"))))
+        t.add_row(
+            "processed", str(counts.get("processed", 0)), "compensated", str(counts.get("compensated", 0))
+        )
+        t.add_row(
+            "error",
+            str(counts.get("error", 0)),
+            "in flight",
+            str(sum(counts.get(s, 0) for s in ("pending", "processing", "compensating"))),
+        )
         t.add_row("retries", str(ev.get("retry_scheduled", 0)), "rescued", str(ev.get("rescued", 0)))
         bar = int(30 * done / max(1, o.orders))
-        return Group(Text("[" + "#" * bar + "." * (30 - bar) + "]"), t, *[Text(c, style="red") for c in chaos_log])
+        return Group(
+            Text("[" + "#" * bar + "." * (30 - bar) + "]"), t, *[Text(c, style="red") for c in chaos_log]
+        )
 
     live = Live(view(), console=out, refresh_per_second=4, transient=False) if show_live else None
     if live:
@@ -184,19 +232,33 @@ def _kill_one(store: Any, procs: _Procs) -> str:
         parts = str(lease.get("holder") or "").split(":")
         if lease["name"] == "supervisor" and len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) in pids:
             victim = pids[int(parts[1])]
-    was_leader = any(str(x.get("holder") or "").split(":")[1:2] == [str(victim.pid)]
-                     for x in store.transact_sync(views.list_leases) if x["name"] == "supervisor")
+    was_leader = any(
+        str(x.get("holder") or "").split(":")[1:2] == [str(victim.pid)]
+        for x in store.transact_sync(views.list_leases)
+        if x["name"] == "supervisor"
+    )
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     return f"SIGKILLed worker pid {victim.pid}{' (the supervisor leader)' if was_leader else ''} mid-run"
 
 
-def _summarise(o: DemoOptions, store: Any, url: str, prefix: str, first_event: int, elapsed: float,
-               chaos_log: list[str], out: Console, workdir: str) -> bool:
+def _summarise(
+    o: DemoOptions,
+    store: Any,
+    url: str,
+    prefix: str,
+    first_event: int,
+    elapsed: float,
+    chaos_log: list[str],
+    out: Console,
+    workdir: str,
+) -> bool:
     tasks = store.transact_sync(views.list_tasks, None, None, prefix)
     ev = store.transact_sync(views.event_counts, first_event)
     effects = fetch_ledger(url)
-    outcomes = [OrderOutcome(order_id=t["correlation_id"], task_id=str(t["id"]), state=t["state"]) for t in tasks]
+    outcomes = [
+        OrderOutcome(order_id=t["correlation_id"], task_id=str(t["id"]), state=t["state"]) for t in tasks
+    ]
     report = check_ledger(effects, outcomes)
     by_state: dict[str, int] = {}
     for t in tasks:
@@ -233,13 +295,29 @@ def _summarise(o: DemoOptions, store: Any, url: str, prefix: str, first_event: i
         print(json.dumps(summary), flush=True)
         return ok
     t = Table(title="summary", show_header=False)
-    for k in ("orders", "processed", "error", "compensated", "stuck", "lost", "duplicate_effects", "retries",
-              "rescued", "stale_replies", "compensations", "leader_changes", "elapsed_s", "throughput_per_s"):
+    for k in (
+        "orders",
+        "processed",
+        "error",
+        "compensated",
+        "stuck",
+        "lost",
+        "duplicate_effects",
+        "retries",
+        "rescued",
+        "stale_replies",
+        "compensations",
+        "leader_changes",
+        "elapsed_s",
+        "throughput_per_s",
+    ):
         t.add_row(k, str(summary[k]))
     out.print(t)
     verdict = "[green]ledger check passed[/]" if ok else "[red]ledger check FAILED[/]"
-    out.print(f"{verdict}: every processed order applied exactly once, every compensated order fully undone, "
-              f"{stuck} stuck")
+    out.print(
+        f"{verdict}: every processed order applied exactly once, every compensated order fully undone, "
+        f"{stuck} stuck"
+    )
     for p in report.problems:
         out.print(f"  [red]{p}[/]")
     out.print(f"inspect: stepwarden --db {store.url} tasks")

@@ -15,8 +15,20 @@ from .sqlite import SQLiteStore
 
 DEFAULT_URL = "sqlite:///stepwarden.db"
 
-__all__ = ["DEFAULT_URL", "FINAL_TASK_STATES", "STEP_STATES", "TASK_STATES", "ApplyResult", "RequestMsg",
-           "SQLiteStore", "Store", "SweepResult", "Tx", "open_store", "resolve_url"]
+__all__ = [
+    "DEFAULT_URL",
+    "FINAL_TASK_STATES",
+    "STEP_STATES",
+    "TASK_STATES",
+    "ApplyResult",
+    "RequestMsg",
+    "SQLiteStore",
+    "Store",
+    "SweepResult",
+    "Tx",
+    "open_store",
+    "resolve_url",
+]
 
 
 def resolve_url(url: str | None) -> str:
@@ -27,7 +39,7 @@ def resolve_url(url: str | None) -> str:
 def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: bool = True) -> Store:
     url = resolve_url(url)
     if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///"):]
+        path = url[len("sqlite:///") :]
         if not path:
             raise InputError("sqlite URL has no path: use sqlite:///relative.db or sqlite:////absolute.db")
         return SQLiteStore(path, clock=clock, migrate=migrate)

@@ -18,7 +18,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from ..errors import UnknownWorkflow
 from ..workflow import Workflow
 from . import transitions as t
-from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx
+from .base import ApplyResult, RequestMsg, SweepResult, Tx
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -47,7 +47,9 @@ class Store:
     async def transact(self, fn: Callable[Concatenate[Tx, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run a transaction off the event loop, on this store's own thread (one connection)."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stepwarden-{self.dialect}")
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"stepwarden-{self.dialect}"
+            )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: self.transact_sync(fn, *args, **kwargs))
 
@@ -73,20 +75,25 @@ class Store:
     async def claim_requests(self, me: str, agents: Sequence[str], limit: int) -> list[RequestMsg]:
         return await self.transact(_claim_requests, me, list(agents), limit)
 
-    async def send_reply(self, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
+    async def send_reply(
+        self, me: str, request_id: int, outcome: str, result: Any, error: str | None
+    ) -> None:
         await self.transact(_send_reply, me, request_id, outcome, result, error)
 
     async def acquire_lease(self, name: str, holder: str, ttl: float) -> tuple[int, float] | None:
         return await self.transact(_acquire, name, holder, ttl)
 
     async def renew_lease(self, name: str, holder: str, term: int, ttl: float) -> bool:
-        return await self.transact(lambda tx: tx.one("lease_renew", name=name, holder=holder, term=term, ttl=ttl)
-                                   is not None)
+        return await self.transact(
+            lambda tx: tx.one("lease_renew", name=name, holder=holder, term=term, ttl=ttl) is not None
+        )
 
     async def resign_lease(self, name: str, holder: str, term: int) -> None:
         await self.transact(_resign, name, holder, term)
 
-    async def worker_beat(self, worker_id: str, roles: Sequence[str], agents: Sequence[str], stopped: bool = False) -> None:
+    async def worker_beat(
+        self, worker_id: str, roles: Sequence[str], agents: Sequence[str], stopped: bool = False
+    ) -> None:
         def beat(tx: Tx) -> None:
             if stopped:
                 tx.run("worker_stop", id=worker_id)
@@ -98,24 +105,41 @@ class Store:
 
 def _register(tx: Tx, workflows: list[Workflow], by: str) -> None:
     for wf in workflows:
-        tx.run("upsert_workflow", name=wf.name, version=wf.version, definition=json.dumps(wf.to_dict()), by=by)
+        tx.run(
+            "upsert_workflow", name=wf.name, version=wf.version, definition=json.dumps(wf.to_dict()), by=by
+        )
 
 
 def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[RequestMsg]:
     rows = tx.all("claim_requests", me=me, agents=json.dumps(agents), limit=limit)
     return [
-        RequestMsg(id=r["id"], task_id=r["task_id"], step_idx=r["step_idx"], attempt=r["attempt"], kind=r["kind"],
-                   agent=r["agent"], operation=r["operation"], payload=json.loads(r["payload"]),
-                   policy=json.loads(r["policy"]),
-                   idempotency_key=r["idempotency_key"], complete_by=r["complete_by"],
-                   remaining=float(r["remaining"]))
+        RequestMsg(
+            id=r["id"],
+            task_id=r["task_id"],
+            step_idx=r["step_idx"],
+            attempt=r["attempt"],
+            kind=r["kind"],
+            agent=r["agent"],
+            operation=r["operation"],
+            payload=json.loads(r["payload"]),
+            policy=json.loads(r["policy"]),
+            idempotency_key=r["idempotency_key"],
+            complete_by=r["complete_by"],
+            remaining=float(r["remaining"]),
+        )
         for r in sorted(rows, key=lambda r: r["id"])
     ]
 
 
 def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
-    tx.one("insert_reply", request_id=request_id, outcome=outcome,
-           result=None if result is None else json.dumps(result, default=str), error=error, me=me)
+    tx.one(
+        "insert_reply",
+        request_id=request_id,
+        outcome=outcome,
+        result=None if result is None else json.dumps(result, default=str),
+        error=error,
+        me=me,
+    )
     tx.run("request_replied", request_id=request_id)
 
 
@@ -134,4 +158,3 @@ def _resign(tx: Tx, name: str, holder: str, term: int) -> None:
     if tx.run("lease_resign", name=name, holder=holder, term=term):
         tx.run("term_end", name=name, term=term)
         t.event(tx, "lease_resigned", None, holder, lease=name, term=term)
-

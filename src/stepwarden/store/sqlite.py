@@ -10,6 +10,7 @@ wall clock, the same one SQLite's ``julianday('now')`` reads), so tests can move
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
@@ -52,8 +53,15 @@ class SqliteTx:
 class SQLiteStore(Store):
     dialect = "sqlite"
 
-    def __init__(self, path: str, *, clock: Clock = SYSTEM_CLOCK, synchronous: str = "FULL",
-                 busy_timeout: float = 30.0, migrate: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        synchronous: str = "FULL",
+        busy_timeout: float = 30.0,
+        migrate: bool = True,
+    ) -> None:
         super().__init__()
         if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
             raise ValueError("synchronous must be FULL, NORMAL or EXTRA")
@@ -71,7 +79,9 @@ class SQLiteStore(Store):
 
     def connect(self) -> sqlite3.Connection:
         """A new connection with our pragmas and clock; the caller owns it."""
-        conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(
+            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+        )
         conn.row_factory = _dict_row
         conn.create_function("sw_now", 0, self.clock.wall)
         conn.execute("PRAGMA journal_mode=WAL")
@@ -91,8 +101,13 @@ class SQLiteStore(Store):
     def transact_sync(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return self.transact_on(self._conn(), fn, *args, **kwargs)
 
-    def transact_on(self, conn: sqlite3.Connection, fn: Callable[Concatenate[Any, P], R], *args: P.args,
-                    **kwargs: P.kwargs) -> R:
+    def transact_on(
+        self,
+        conn: sqlite3.Connection,
+        fn: Callable[Concatenate[Any, P], R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
         """One ``BEGIN IMMEDIATE`` transaction on ``conn``: commit on return, roll back on error."""
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -117,14 +132,18 @@ class SQLiteStore(Store):
         conn = self._conn()
         conn.execute("BEGIN IMMEDIATE")
         try:
-            conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
-                         " name TEXT NOT NULL, applied_at REAL NOT NULL)")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+                " name TEXT NOT NULL, applied_at REAL NOT NULL)"
+            )
             row = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
             current = int(row["v"])
             known = load_migrations("sqlite")
             if known and current > known[-1][0]:
-                raise MigrationError(f"the store's schema is version {current}, newer than this stepwarden knows "
-                                     f"({known[-1][0]}); upgrade stepwarden")
+                raise MigrationError(
+                    f"the store's schema is version {current}, newer than this stepwarden knows "
+                    f"({known[-1][0]}); upgrade stepwarden"
+                )
             applied = 0
             for version, name, script in known:
                 if version <= current:
@@ -143,9 +162,7 @@ class SQLiteStore(Store):
         super().close()
         with self._lock:
             for conn in self._all:
-                try:
+                with contextlib.suppress(sqlite3.ProgrammingError):
                     conn.close()
-                except sqlite3.ProgrammingError:
-                    pass
             self._all.clear()
         self._local = threading.local()

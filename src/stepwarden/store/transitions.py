@@ -17,18 +17,39 @@ from ..workflow import Workflow
 from .base import FINAL_TASK_STATES, ApplyResult, Row, SweepResult, Tx
 
 
-def event(tx: Tx, kind: str, task_id: int | None, actor: str | None, idx: int | None = None,
-          attempt: int | None = None, /, **detail: Any) -> None:
-    tx.run("insert_event", task_id=task_id, idx=idx, attempt=attempt, kind=kind, actor=actor,
-           detail=json.dumps(detail, default=str) if detail else None)
+def event(
+    tx: Tx,
+    kind: str,
+    task_id: int | None,
+    actor: str | None,
+    idx: int | None = None,
+    attempt: int | None = None,
+    /,
+    **detail: Any,
+) -> None:
+    tx.run(
+        "insert_event",
+        task_id=task_id,
+        idx=idx,
+        attempt=attempt,
+        kind=kind,
+        actor=actor,
+        detail=json.dumps(detail, default=str) if detail else None,
+    )
 
 
 def message(tx: Tx, task: Row, kind: str, /, **body: Any) -> None:
     """A status message on the task's reply queue (SCH8), in the same transaction as the change."""
     if task.get("reply_to"):
         body = {"task_id": task["id"], "correlation_id": task.get("correlation_id"), "kind": kind, **body}
-        tx.run("insert_message", queue=task["reply_to"], task_id=task["id"],
-               correlation_id=task.get("correlation_id"), kind=kind, body=json.dumps(body, default=str))
+        tx.run(
+            "insert_message",
+            queue=task["reply_to"],
+            task_id=task["id"],
+            correlation_id=task.get("correlation_id"),
+            kind=kind,
+            body=json.dumps(body, default=str),
+        )
 
 
 def alert(tx: Tx, kind: str, task_id: int | None, step: str | None, text: str) -> Row:
@@ -37,22 +58,46 @@ def alert(tx: Tx, kind: str, task_id: int | None, step: str | None, text: str) -
     return {"id": row["id"], "kind": kind, "task_id": task_id, "step": step, "message": text}
 
 
-def submit(tx: Tx, wf: Workflow, input_text: str, *, correlation_id: str | None,
-           idempotency_key: str | None, priority: int, reply_to: str | None) -> tuple[int, bool]:
+def submit(
+    tx: Tx,
+    wf: Workflow,
+    input_text: str,
+    *,
+    correlation_id: str | None,
+    idempotency_key: str | None,
+    priority: int,
+    reply_to: str | None,
+) -> tuple[int, bool]:
     """Write the task and one row per step (SUB1); an idempotency key returns the existing task (SUB3)."""
     if idempotency_key is not None:
         found = tx.one("task_by_key", key=idempotency_key)
         if found:
             return int(found["id"]), False
-    row = tx.one("insert_task", workflow=wf.name, version=wf.version, input=input_text,
-                 correlation_id=correlation_id, idempotency_key=idempotency_key, reply_to=reply_to,
-                 priority=priority)
+    row = tx.one(
+        "insert_task",
+        workflow=wf.name,
+        version=wf.version,
+        input=input_text,
+        correlation_id=correlation_id,
+        idempotency_key=idempotency_key,
+        reply_to=reply_to,
+        priority=priority,
+    )
     assert row is not None
     task_id = int(row["id"])
     for idx, s in enumerate(wf.steps):
-        tx.run("insert_step", task_id=task_id, idx=idx, name=s.name, agent=s.agent, operation=s.operation,
-               compensate=s.compensate, budget=s.complete_by, policy=json.dumps(s.retry.to_dict()),
-               on_error=s.on_error)
+        tx.run(
+            "insert_step",
+            task_id=task_id,
+            idx=idx,
+            name=s.name,
+            agent=s.agent,
+            operation=s.operation,
+            compensate=s.compensate,
+            budget=s.complete_by,
+            policy=json.dumps(s.retry.to_dict()),
+            on_error=s.on_error,
+        )
     event(tx, "received", task_id, None, workflow=wf.name, correlation_id=correlation_id)
     message(tx, {"id": task_id, "reply_to": reply_to, "correlation_id": correlation_id}, "received")
     return task_id, True
@@ -107,21 +152,48 @@ def begin_compensation(tx: Tx, task: Row, me: str, reason: str) -> None:
 def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str) -> None:
     """Start the step's next attempt and send its request message (SCH3), fenced by the attempt."""
     state = "running" if kind == "do" else "compensating"
-    started = tx.one("start_attempt", task_id=task["id"], idx=step["idx"], attempt=step["attempt"],
-                     state=state, me=me)
+    started = tx.one(
+        "start_attempt", task_id=task["id"], idx=step["idx"], attempt=step["attempt"], state=state, me=me
+    )
     if started is None:
         raise LostOwnership(f"step {task['id']}/{step['name']} moved under us")
     payload: dict[str, Any] = {"input": json.loads(task["input"]), "results": _results(steps)}
     if kind == "undo":
         payload["undo"] = json.loads(step["result"]) if step["result"] else None
     agent, op = (step["operation"] if kind == "do" else step["compensate"]).split(".", 1)
-    tx.run("insert_request", task_id=task["id"], idx=step["idx"], attempt=started["attempt"], kind=kind,
-           agent=agent, operation=op, payload=json.dumps(payload), policy=step["policy"], key=f"{task['id']}:{step['name']}",
-           priority=task["priority"], complete_by=started["complete_by"], me=me)
-    tx.run("task_in_flight", task_id=task["id"], state=task["state"] if kind == "undo" else "processing",
-           me=me, complete_by=started["complete_by"])
-    event(tx, "dispatched", task["id"], me, step["idx"], started["attempt"], step=step["name"], kind=kind,
-          complete_by=started["complete_by"])
+    tx.run(
+        "insert_request",
+        task_id=task["id"],
+        idx=step["idx"],
+        attempt=started["attempt"],
+        kind=kind,
+        agent=agent,
+        operation=op,
+        payload=json.dumps(payload),
+        policy=step["policy"],
+        key=f"{task['id']}:{step['name']}",
+        priority=task["priority"],
+        complete_by=started["complete_by"],
+        me=me,
+    )
+    tx.run(
+        "task_in_flight",
+        task_id=task["id"],
+        state=task["state"] if kind == "undo" else "processing",
+        me=me,
+        complete_by=started["complete_by"],
+    )
+    event(
+        tx,
+        "dispatched",
+        task["id"],
+        me,
+        step["idx"],
+        started["attempt"],
+        step=step["name"],
+        kind=kind,
+        complete_by=started["complete_by"],
+    )
 
 
 def _results(steps: list[Row]) -> dict[str, Any]:
@@ -137,37 +209,74 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
         step = next((s for s in steps if s["idx"] == r["step_idx"]), None)
         expect = "running" if r["kind"] == "do" else "compensating"
         current = (
-            task is not None and step is not None and step["attempt"] == r["attempt"]
-            and step["state"] == expect and step["complete_by"] is not None
+            task is not None
+            and step is not None
+            and step["attempt"] == r["attempt"]
+            and step["state"] == expect
+            and step["complete_by"] is not None
             and r["received_at"] <= step["complete_by"]
             and task["state"] in ("processing", "compensating")
         )
         if not current or task is None or step is None:
             tx.run("mark_reply", id=r["id"], status="stale", me=me)
-            event(tx, "stale_reply", r["task_id"], me, r["step_idx"], r["attempt"], outcome=r["outcome"],
-                  current_attempt=step["attempt"] if step else None)
+            event(
+                tx,
+                "stale_reply",
+                r["task_id"],
+                me,
+                r["step_idx"],
+                r["attempt"],
+                outcome=r["outcome"],
+                current_attempt=step["attempt"] if step else None,
+            )
             out.stale += 1
             continue
         tx.run("mark_reply", id=r["id"], status="accepted", me=me)
-        tx.run("finish_request", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], outcome=r["outcome"])
+        tx.run(
+            "finish_request", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], outcome=r["outcome"]
+        )
         out.accepted += 1
         if r["outcome"] == "ok":
             done = "completed" if r["kind"] == "do" else "compensated"
-            tx.run("complete_step", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], state=done,
-                   expect=expect, result=r["result"] if r["kind"] == "do" else step["result"])
+            tx.run(
+                "complete_step",
+                task_id=task["id"],
+                idx=step["idx"],
+                attempt=r["attempt"],
+                state=done,
+                expect=expect,
+                result=r["result"] if r["kind"] == "do" else step["result"],
+            )
             event(tx, "step_" + done, task["id"], me, step["idx"], r["attempt"], step=step["name"])
             message(tx, task, "step_" + done, step=step["name"])
             advance(tx, task, me)
         else:
-            fail_attempt(tx, task, step, r["error"] or r["outcome"], me, rng,
-                         permanent=r["outcome"] == "error", out_alerts=out.alerts)
+            fail_attempt(
+                tx,
+                task,
+                step,
+                r["error"] or r["outcome"],
+                me,
+                rng,
+                permanent=r["outcome"] == "error",
+                out_alerts=out.alerts,
+            )
         if task["state"] in FINAL_TASK_STATES:
             out.finished.append((task["id"], task["state"]))
     return out
 
 
-def fail_attempt(tx: Tx, task: Row, step: Row, error: str, me: str, rng: random.Random, *,
-                 permanent: bool, out_alerts: list[Row]) -> str:
+def fail_attempt(
+    tx: Tx,
+    task: Row,
+    step: Row,
+    error: str,
+    me: str,
+    rng: random.Random,
+    *,
+    permanent: bool,
+    out_alerts: list[Row],
+) -> str:
     """Count a failed attempt (FailureCount) and apply the retry policy or escalate (SUP2, SUP3, SCH7).
 
     Returns what happened: ``"retry"``, ``"compensate"`` or ``"error"``.
@@ -182,32 +291,78 @@ def fail_attempt(tx: Tx, task: Row, step: Row, error: str, me: str, rng: random.
     elif permanent:
         decision = Decision("compensate" if step["on_error"] == "compensate" else "error", escalated=True)
     else:
-        decision = policy.after_failure(step["failure_count"] + 1 - step["failure_offset"], step["on_error"], rng)
+        decision = policy.after_failure(
+            step["failure_count"] + 1 - step["failure_offset"], step["on_error"], rng
+        )
     retry = decision.action == "retry"
     new_state = ("compensating" if undo else "pending") if retry else "failed"
-    changed = tx.one("fail_step", task_id=task["id"], idx=step["idx"], attempt=step["attempt"],
-                     expect=step["state"], error=error, fwd=0 if undo else 1, comp=1 if undo else 0,
-                     state=new_state, final=not retry)
+    changed = tx.one(
+        "fail_step",
+        task_id=task["id"],
+        idx=step["idx"],
+        attempt=step["attempt"],
+        expect=step["state"],
+        error=error,
+        fwd=0 if undo else 1,
+        comp=1 if undo else 0,
+        state=new_state,
+        final=not retry,
+    )
     if changed is None:
         raise LostOwnership(f"step {task['id']}/{step['name']} attempt {step['attempt']} moved under us")
     failures = changed["comp_failures"] if undo else changed["failure_count"]
     if retry:
         back_to = "compensating" if undo else "pending"
-        tx.run("release_task", task_id=task["id"], state=back_to, delay=decision.delay, failed=0 if undo else 1,
-               error=error)
-        event(tx, "retry_scheduled", task["id"], me, step["idx"], step["attempt"], step=step["name"],
-              delay=round(decision.delay, 3), escalated=decision.escalated, failures=failures,
-              kind="undo" if undo else "do")
+        tx.run(
+            "release_task",
+            task_id=task["id"],
+            state=back_to,
+            delay=decision.delay,
+            failed=0 if undo else 1,
+            error=error,
+        )
+        event(
+            tx,
+            "retry_scheduled",
+            task["id"],
+            me,
+            step["idx"],
+            step["attempt"],
+            step=step["name"],
+            delay=round(decision.delay, 3),
+            escalated=decision.escalated,
+            failures=failures,
+            kind="undo" if undo else "do",
+        )
         if decision.escalated:
-            out_alerts.append(alert(tx, "step_escalated", task["id"], step["name"],
-                                    f"step {step['name']!r} failed {failures} times; "
-                                    f"waiting {decision.delay:g}s before retrying"))
+            out_alerts.append(
+                alert(
+                    tx,
+                    "step_escalated",
+                    task["id"],
+                    step["name"],
+                    f"step {step['name']!r} failed {failures} times; "
+                    f"waiting {decision.delay:g}s before retrying",
+                )
+            )
         task["state"] = back_to
         return "retry"
-    tx.run("release_task", task_id=task["id"], state=task["state"], delay=0, failed=0 if undo else 1, error=error)
+    tx.run(
+        "release_task", task_id=task["id"], state=task["state"], delay=0, failed=0 if undo else 1, error=error
+    )
     if decision.action == "compensate":
-        event(tx, "escalated", task["id"], me, step["idx"], step["attempt"], step=step["name"], to="compensate",
-              error=error[:500], failures=failures)
+        event(
+            tx,
+            "escalated",
+            task["id"],
+            me,
+            step["idx"],
+            step["attempt"],
+            step=step["name"],
+            to="compensate",
+            error=error[:500],
+            failures=failures,
+        )
         begin_compensation(tx, task, me, reason=f"step {step['name']!r} failed: {error[:200]}")
         return "compensate"
     if undo:
@@ -236,10 +391,28 @@ def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: rando
         assert task is not None
         tx.run("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
         now = tx.one("now")
-        event(tx, "rescued", task["id"], me, step["idx"], step["attempt"], step=step["name"], term=term,
-              complete_by=x["complete_by"], late_by=(now or {}).get("now", 0) - x["complete_by"])
-        what = fail_attempt(tx, task, step, f"attempt {step['attempt']} passed complete-by", me, rng,
-                            permanent=False, out_alerts=out.alerts)
+        event(
+            tx,
+            "rescued",
+            task["id"],
+            me,
+            step["idx"],
+            step["attempt"],
+            step=step["name"],
+            term=term,
+            complete_by=x["complete_by"],
+            late_by=(now or {}).get("now", 0) - x["complete_by"],
+        )
+        what = fail_attempt(
+            tx,
+            task,
+            step,
+            f"attempt {step['attempt']} passed complete-by",
+            me,
+            rng,
+            permanent=False,
+            out_alerts=out.alerts,
+        )
         out.rescued += 1
         out.escalated += what != "retry"
     return out
@@ -251,7 +424,9 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
     if task is None:
         raise NotFound(f"no task {task_id}")
     if task["state"] not in ("error", "compensated", "cancelled"):
-        raise InputError(f"task {task_id} is {task['state']}; only error, compensated or cancelled tasks can be retried")
+        raise InputError(
+            f"task {task_id} is {task['state']}; only error, compensated or cancelled tasks can be retried"
+        )
     steps = tx.all("steps_of_task", task_id=task_id)
     names = [s["name"] for s in steps]
     if step_name is not None and step_name not in names:
@@ -259,17 +434,26 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
     first_open = next((i for i, s in enumerate(steps) if s["state"] != "completed"), len(steps) - 1)
     if task["state"] != "error":
         if step_name not in (None, names[0]):
-            raise InputError(f"task {task_id} is {task['state']}: its effects were undone, so it restarts from its first step")
+            raise InputError(
+                f"task {task_id} is {task['state']}: its effects were undone, "
+                "so it restarts from its first step"
+            )
         first_open = 0
     start = names.index(step_name) if step_name else first_open
     if start > first_open:
-        raise InputError(f"step {step_name!r} comes after step {names[first_open]!r}, which has not completed")
-    tx.sql("UPDATE steps SET state = 'pending', failure_offset = failure_count, comp_failures = 0, "
-           "locked_by = NULL, complete_by = NULL, finished_at = NULL WHERE task_id = ? AND idx >= ?",
-           (task_id, start))
-    tx.sql("UPDATE tasks SET state = 'pending', locked_by = NULL, complete_by = NULL, cancel_requested = 0, "
-           "finished_at = NULL, last_error = NULL, run_at = 0, updated_at = ? WHERE id = ?",
-           (_now(tx), task_id))
+        raise InputError(
+            f"step {step_name!r} comes after step {names[first_open]!r}, which has not completed"
+        )
+    tx.sql(
+        "UPDATE steps SET state = 'pending', failure_offset = failure_count, comp_failures = 0, "
+        "locked_by = NULL, complete_by = NULL, finished_at = NULL WHERE task_id = ? AND idx >= ?",
+        (task_id, start),
+    )
+    tx.sql(
+        "UPDATE tasks SET state = 'pending', locked_by = NULL, complete_by = NULL, cancel_requested = 0, "
+        "finished_at = NULL, last_error = NULL, run_at = 0, updated_at = ? WHERE id = ?",
+        (_now(tx), task_id),
+    )
     event(tx, "retried", task_id, actor, start, step=names[start])
     message(tx, task, "retried", step=names[start])
 
@@ -285,7 +469,9 @@ def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
     event(tx, "cancel_requested", task_id, actor)
     if task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
         tx.run("skip_unstarted", task_id=task_id)
-        tx.sql("UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0 WHERE id = ?", (task_id,))
+        tx.sql(
+            "UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0 WHERE id = ?", (task_id,)
+        )
         message(tx, task, "compensating", reason="cancel requested")
         return "compensating"
     return str(task["state"])

@@ -12,10 +12,14 @@ from typing import Any
 from ..errors import NotFound
 from .base import TASK_STATES, Row, Tx
 
-TASK_COLS = ("id, workflow, workflow_version, state, correlation_id, idempotency_key, reply_to, priority, "
-             "failure_count, locked_by, complete_by, cancel_requested, last_error, created_at, updated_at, finished_at")
-STEP_COLS = ("task_id, idx, name, agent, operation, compensate, budget, state, attempt, failure_count, "
-             "comp_failures, locked_by, complete_by, last_error, started_at, finished_at")
+TASK_COLS = (
+    "id, workflow, workflow_version, state, correlation_id, idempotency_key, reply_to, priority, "
+    "failure_count, locked_by, complete_by, cancel_requested, last_error, created_at, updated_at, finished_at"
+)
+STEP_COLS = (
+    "task_id, idx, name, agent, operation, compensate, budget, state, attempt, failure_count, "
+    "comp_failures, locked_by, complete_by, last_error, started_at, finished_at"
+)
 
 
 def iso(t: float | None) -> str | None:
@@ -40,9 +44,11 @@ def _step(row: Row) -> dict[str, Any]:
     return out
 
 
-def list_tasks(tx: Tx, state: str | None = None, limit: int | None = None,
-               correlation_prefix: str | None = None) -> list[dict[str, Any]]:
-    where, params = [], []
+def list_tasks(
+    tx: Tx, state: str | None = None, limit: int | None = None, correlation_prefix: str | None = None
+) -> list[dict[str, Any]]:
+    where: list[str] = []
+    params: list[Any] = []
     if state is not None:
         if state not in TASK_STATES:
             raise ValueError(f"unknown state {state!r}")
@@ -62,7 +68,9 @@ def list_tasks(tx: Tx, state: str | None = None, limit: int | None = None,
         return []
     by_task: dict[int, list[Row]] = {t["id"]: [] for t in tasks}
     lo, hi = tasks[0]["id"], tasks[-1]["id"]
-    for s in tx.sql(f"SELECT {STEP_COLS} FROM steps WHERE task_id BETWEEN ? AND ? ORDER BY task_id, idx", (lo, hi)):
+    for s in tx.sql(
+        f"SELECT {STEP_COLS} FROM steps WHERE task_id BETWEEN ? AND ? ORDER BY task_id, idx", (lo, hi)
+    ):
         if s["task_id"] in by_task:
             by_task[s["task_id"]].append(s)
     return [_task(t, by_task[t["id"]]) for t in tasks]
@@ -79,23 +87,36 @@ def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
     steps = {s["idx"]: s for s in out["steps"]}
     for s in out["steps"]:
         s["attempts"] = []
-    for r in tx.sql("SELECT step_idx, attempt, kind, state, outcome, dispatched_by, dispatched_at, taken_by, "
-                    "taken_at, complete_by, finished_at FROM requests WHERE task_id = ? ORDER BY id", (task_id,)):
+    for r in tx.sql(
+        "SELECT step_idx, attempt, kind, state, outcome, dispatched_by, dispatched_at, taken_by, "
+        "taken_at, complete_by, finished_at FROM requests WHERE task_id = ? ORDER BY id",
+        (task_id,),
+    ):
         idx = r.pop("step_idx")
         for k in ("dispatched_at", "taken_at", "complete_by", "finished_at"):
             r[k] = iso(r[k])
         steps[idx]["attempts"].append(r)
     out["events"] = [
-        {"kind": e["kind"], "step": steps[e["step_idx"]]["name"] if e["step_idx"] in steps else None,
-         "attempt": e["attempt"], "actor": e["actor"], "at": iso(e["at"]),
-         "detail": json.loads(e["detail"]) if e["detail"] else {}}
-        for e in tx.sql("SELECT kind, step_idx, attempt, actor, detail, at FROM events WHERE task_id = ? ORDER BY id",
-                        (task_id,))
+        {
+            "kind": e["kind"],
+            "step": steps[e["step_idx"]]["name"] if e["step_idx"] in steps else None,
+            "attempt": e["attempt"],
+            "actor": e["actor"],
+            "at": iso(e["at"]),
+            "detail": json.loads(e["detail"]) if e["detail"] else {},
+        }
+        for e in tx.sql(
+            "SELECT kind, step_idx, attempt, actor, detail, at FROM events WHERE task_id = ? ORDER BY id",
+            (task_id,),
+        )
     ]
     out["replies"] = [
         dict(r, received_at=iso(r["received_at"]))
-        for r in tx.sql("SELECT step_idx, attempt, kind, outcome, error, sent_by, received_at, status "
-                        "FROM replies WHERE task_id = ? ORDER BY id", (task_id,))
+        for r in tx.sql(
+            "SELECT step_idx, attempt, kind, outcome, error, sent_by, received_at, status "
+            "FROM replies WHERE task_id = ? ORDER BY id",
+            (task_id,),
+        )
     ]
     return out
 
@@ -104,13 +125,21 @@ def list_alerts(tx: Tx, include_acked: bool = True) -> list[dict[str, Any]]:
     sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
     if not include_acked:
         sql += " WHERE acked_at IS NULL"
-    return [dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"])) for a in tx.sql(sql + " ORDER BY id")]
+    return [
+        dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"]))
+        for a in tx.sql(sql + " ORDER BY id")
+    ]
 
 
 def list_leases(tx: Tx) -> list[dict[str, Any]]:
     return [
-        dict(r, expires_at=iso(r["expires_at"]), acquired_at=iso(r["acquired_at"]), renewed_at=iso(r["renewed_at"]),
-             active=bool(r["active"]) and r["holder"] is not None)
+        dict(
+            r,
+            expires_at=iso(r["expires_at"]),
+            acquired_at=iso(r["acquired_at"]),
+            renewed_at=iso(r["renewed_at"]),
+            active=bool(r["active"]) and r["holder"] is not None,
+        )
         for r in tx.all("list_leases")
     ]
 
@@ -119,8 +148,10 @@ def state_counts(tx: Tx, correlation_prefix: str | None = None) -> dict[str, int
     if correlation_prefix is None:
         rows = tx.sql("SELECT state, COUNT(*) AS n FROM tasks GROUP BY state")
     else:
-        rows = tx.sql("SELECT state, COUNT(*) AS n FROM tasks WHERE substr(correlation_id, 1, ?) = ? GROUP BY state",
-                      (len(correlation_prefix), correlation_prefix))
+        rows = tx.sql(
+            "SELECT state, COUNT(*) AS n FROM tasks WHERE substr(correlation_id, 1, ?) = ? GROUP BY state",
+            (len(correlation_prefix), correlation_prefix),
+        )
     return {r["state"]: int(r["n"]) for r in rows}
 
 
@@ -134,13 +165,19 @@ def max_event_id(tx: Tx) -> int:
 
 
 def events_after(tx: Tx, task_id: int, after: int) -> list[Row]:
-    return tx.sql("SELECT id, kind, step_idx, attempt, actor, detail, at FROM events WHERE task_id = ? AND id > ? "
-                  "ORDER BY id", (task_id, after))
+    return tx.sql(
+        "SELECT id, kind, step_idx, attempt, actor, detail, at FROM events WHERE task_id = ? AND id > ? "
+        "ORDER BY id",
+        (task_id, after),
+    )
 
 
 def messages_after(tx: Tx, queue: str, after: int, limit: int = 500) -> list[Row]:
-    return tx.sql("SELECT id, task_id, correlation_id, kind, body, created_at FROM messages WHERE queue = ? AND id > ? "
-                  "ORDER BY id LIMIT ?", (queue, after, limit))
+    return tx.sql(
+        "SELECT id, task_id, correlation_id, kind, body, created_at FROM messages WHERE queue = ? AND id > ? "
+        "ORDER BY id LIMIT ?",
+        (queue, after, limit),
+    )
 
 
 def task_state(tx: Tx, task_id: int) -> str | None:

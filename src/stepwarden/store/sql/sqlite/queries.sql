@@ -167,7 +167,8 @@ WHERE name = :name AND holder = :holder AND term = :term AND expires_at > {now}
 RETURNING term, expires_at;
 
 -- name: lease_resign
-UPDATE leases SET holder = NULL, expires_at = {now}
+-- The holder's name stays as a record of who led last; the lease is free because it has expired.
+UPDATE leases SET expires_at = {now}
 WHERE name = :name AND holder = :holder AND term = :term;
 
 -- name: term_begin
