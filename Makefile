@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 .PHONY: venv demo test lint clean
 
 $(BIN)/stepwarden: pyproject.toml
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "stepwarden needs Python 3.11 or newer (set PY=python3.11)")'
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
@@ -17,8 +18,8 @@ demo: venv
 	$(BIN)/stepwarden demo
 
 lint: venv
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
 
 test: venv lint
