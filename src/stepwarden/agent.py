@@ -168,10 +168,12 @@ class AgentRole:
             room = agent.concurrency - self.inflight[name]
             # An open breaker stops this instance pulling the agent's requests (AGT6); a half-open
             # one lets a single trial request through.
-            if room <= 0 or not self.breakers[name].allow(now):
+            breaker = self.breakers[name]
+            trial_busy = breaker.state == "half_open" and breaker.trial_in_flight
+            if room <= 0 or breaker.rejecting(now) or trial_busy:
                 continue
-            if self.breakers[name].state == "half_open":
-                room = 1
+            if breaker.state != "closed":  # cooling off is over: take one request as the trial
+                room = min(room, 1)
             for msg in await self.store.claim_requests(self.me, [name], room):
                 got += 1
                 self.inflight[name] += 1

@@ -127,6 +127,10 @@ class CircuitBreaker:
     opened_at: float = 0.0
     trial_in_flight: bool = False
 
+    def rejecting(self, now: float) -> bool:
+        """Is the breaker open and cooling off? A query with no side effect, unlike :meth:`allow`."""
+        return self.state == "open" and now - self.opened_at < self.cool_off
+
     def allow(self, now: float) -> bool:
         """May a call go to the service now?"""
         if self.state == "closed":
