@@ -22,6 +22,7 @@ from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, Permanent, Transient
 from .policies import Backoff, CircuitBreaker
 from .store import RequestMsg, Store
+from .store.transitions import event
 from .workflow import check_ident
 
 log = logging.getLogger("stepwarden.agent")
@@ -139,8 +140,9 @@ class AgentRole:
             max_workers=threads or max(4, sum(a.concurrency for a in agents.values())),
             thread_name_prefix="stepwarden-agent",
         )
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.tasks: dict[asyncio.Task[None], RequestMsg] = {}
         self.completed = 0
+        self._notes: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -178,8 +180,8 @@ class AgentRole:
                 got += 1
                 self.inflight[name] += 1
                 t = asyncio.create_task(self.execute(agent, msg), name=f"request-{msg.id}")
-                self.tasks.add(t)
-                t.add_done_callback(self.tasks.discard)
+                self.tasks[t] = msg
+                t.add_done_callback(lambda done: self.tasks.pop(done, None))
         return got
 
     async def execute(self, agent: Agent, msg: RequestMsg) -> None:
@@ -249,20 +251,17 @@ class AgentRole:
                 except TimeoutError:
                     if deadline - self.clock.monotonic() <= 0.001:
                         return None  # complete-by: cancel and stay silent (AGT4)
-                    breaker.record_failure(self.clock.monotonic())
                     last = "operation timed out"
+                    self._failed(agent.name, last)
                 except Exception as e:
                     kind = agent.classify(e)
                     if kind == "permanent":
-                        breaker.record_success()  # the service answered: it is up
+                        self._succeeded(agent.name)  # the service answered: it is up
                         return "error", None, _describe(e)
-                    if breaker.record_failure(self.clock.monotonic()):
-                        log.warning(
-                            "agent %s: circuit breaker opened after %d failures", agent.name, breaker.failures
-                        )
                     last = _describe(e)
+                    self._failed(agent.name, last)
                 else:
-                    breaker.record_success()
+                    self._succeeded(agent.name)
                     return "ok", result, None
             delay = backoff.delay(n, self.rng)
             if n == tries or self.clock.monotonic() + delay >= deadline:
@@ -273,6 +272,33 @@ class AgentRole:
         if self.clock.monotonic() >= deadline:
             return None
         return "retry", None, f"transient: {last}"
+
+    def _failed(self, agent: str, why: str) -> None:
+        if self.breakers[agent].record_failure(self.clock.monotonic()):
+            log.warning("agent %s: circuit breaker opened (%s)", agent, why)
+            self._note("breaker_opened", agent, why)
+
+    def _succeeded(self, agent: str) -> None:
+        was = self.breakers[agent].state
+        self.breakers[agent].record_success()
+        if was != "closed":
+            log.info("agent %s: circuit breaker closed", agent)
+            self._note("breaker_closed", agent, "a trial call succeeded")
+
+    def _note(self, kind: str, agent: str, why: str) -> None:
+        """Record a breaker change as an event for operators, without holding up the call (AGT3)."""
+
+        async def write() -> None:
+            try:
+                await self.store.transact(
+                    lambda tx: event(tx, kind, None, self.me, agent=agent, reason=why[:300])
+                )
+            except Exception as e:
+                log.warning("could not record %s for %s: %r", kind, agent, e)
+
+        t = asyncio.create_task(write())
+        self._notes.add(t)
+        t.add_done_callback(self._notes.discard)
 
     async def _call(self, handler: Handler, req: Request, timeout: float) -> Any:
         if inspect.iscoroutinefunction(handler):
@@ -286,11 +312,22 @@ class AgentRole:
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
         if self.tasks:
-            _, pending = await asyncio.wait(set(self.tasks), timeout=self.settings.shutdown_grace)
+            running = dict(self.tasks)
+            _, pending = await asyncio.wait(set(running), timeout=self.settings.shutdown_grace)
             for t in pending:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1)
+            # Hand the unfinished attempts back at once, without counting a failure, instead of
+            # leaving them to expire at complete-by.
+            for t in pending:
+                msg = running[t]
+                try:
+                    await self.store.send_reply(
+                        self.me, msg.id, "released", None, "agent stopped before the call finished"
+                    )
+                except Exception as e:
+                    log.warning("request %s: could not release it (it will expire): %r", msg.id, e)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

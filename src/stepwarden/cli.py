@@ -295,6 +295,21 @@ def leases(ctx: click.Context, as_json: bool) -> None:
 
 
 @cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--all", "include_stopped", is_flag=True, help="Include workers that stopped.")
+@click.pass_context
+def workers(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
+    """Worker processes: roles, agents, last heartbeat, circuit breaker states."""
+    rows = _open(ctx).transact_sync(views.list_workers, include_stopped)
+    if as_json:
+        _print_json(rows)
+        return
+    from .cli_render import workers_table
+
+    workers_table(rows)
+
+
+@cli.command()
 @click.argument("task_id", required=False)
 @click.option("--reply-to", default=None, metavar="QUEUE", help="Follow a reply queue instead of one task.")
 @click.option("--timeout", type=float, default=None, help="Stop after this many seconds.")

@@ -151,3 +151,22 @@ def leases_table(rows: list[dict[str, Any]]) -> None:
             "yes" if r["active"] else "no",
         )
     console.print(t)
+
+
+def workers_table(rows: list[dict[str, Any]]) -> None:
+    console = Console()
+    if not rows:
+        console.print("no workers")
+        return
+    t = Table("id", "roles", "agents", "heartbeat", "breakers", "stopped", box=None)
+    for w in rows:
+        breakers = " ".join(f"{a}:{s}" for a, s in w["breakers"].items()) or "-"
+        t.add_row(
+            w["id"],
+            ",".join(w["roles"]),
+            ",".join(w["agents"]) or "-",
+            _short(w["heartbeat_at"]),
+            breakers,
+            _short(w["stopped_at"]),
+        )
+    console.print(t)

@@ -98,7 +98,7 @@ class Worker:
         store = app.store
         clock = app.clock
         await store.register_workflows(list(app.workflows.values()), self.identity)
-        await _safe(store.worker_beat(self.identity, s.roles, list(self.agents)))
+        await _safe(self._beat())
         log.info(
             "worker %s starting: roles=%s agents=%s store=%s",
             self.identity,
@@ -140,7 +140,15 @@ class Worker:
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.heartbeat)
             except TimeoutError:
-                await _safe(self.app.store.worker_beat(self.identity, self.settings.roles, list(self.agents)))
+                await _safe(self._beat())
+
+    async def _beat(self) -> None:
+        breakers: dict[str, str] = (
+            {n: b.state for n, b in self.agent_role.breakers.items()} if self.agent_role else {}
+        )
+        await self.app.store.worker_beat(
+            self.identity, self.settings.roles, list(self.agents), breakers=breakers
+        )
 
 
 async def _safe(coro: object) -> None:

@@ -92,13 +92,23 @@ class Store:
         await self.transact(_resign, name, holder, term)
 
     async def worker_beat(
-        self, worker_id: str, roles: Sequence[str], agents: Sequence[str], stopped: bool = False
+        self,
+        worker_id: str,
+        roles: Sequence[str],
+        agents: Sequence[str],
+        stopped: bool = False,
+        breakers: dict[str, str] | None = None,
     ) -> None:
+        """Record that a worker is alive, with its agents' breaker states, for operators."""
+
         def beat(tx: Tx) -> None:
             if stopped:
                 tx.run("worker_stop", id=worker_id)
-            elif tx.run("worker_beat", id=worker_id) == 0:
+                return
+            text = json.dumps(breakers or {})
+            if tx.run("worker_beat", id=worker_id, breakers=text) == 0:
                 tx.run("worker_upsert", id=worker_id, roles=",".join(roles), agents=",".join(agents))
+                tx.run("worker_beat", id=worker_id, breakers=text)
 
         await self.transact(beat)
 

@@ -236,7 +236,9 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             "finish_request", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], outcome=r["outcome"]
         )
         out.accepted += 1
-        if r["outcome"] == "ok":
+        if r["outcome"] == "released":
+            release_attempt(tx, task, step, me, r["error"] or "released")
+        elif r["outcome"] == "ok":
             done = "completed" if r["kind"] == "do" else "compensated"
             tx.run(
                 "complete_step",
@@ -264,6 +266,29 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
         if task["state"] in FINAL_TASK_STATES:
             out.finished.append((task["id"], task["state"]))
     return out
+
+
+def release_attempt(tx: Tx, task: Row, step: Row, me: str, why: str) -> None:
+    """Give an attempt back without counting a failure: its agent stopped gracefully (DEP4)."""
+    undo = step["state"] == "compensating"
+    back_to = "compensating" if undo else "pending"
+    changed = tx.one(
+        "fail_step",
+        task_id=task["id"],
+        idx=step["idx"],
+        attempt=step["attempt"],
+        expect=step["state"],
+        error=why[:2000],
+        fwd=0,
+        comp=0,
+        state=back_to,
+        final=False,
+    )
+    if changed is None:
+        raise LostOwnership(f"step {task['id']}/{step['name']} attempt {step['attempt']} moved under us")
+    tx.run("release_task", task_id=task["id"], state=back_to, delay=0, failed=0, error=None)
+    event(tx, "released", task["id"], me, step["idx"], step["attempt"], step=step["name"], reason=why[:200])
+    task["state"] = back_to
 
 
 def fail_attempt(

@@ -183,3 +183,22 @@ def messages_after(tx: Tx, queue: str, after: int, limit: int = 500) -> list[Row
 def task_state(tx: Tx, task_id: int) -> str | None:
     rows = tx.sql("SELECT state FROM tasks WHERE id = ?", (task_id,))
     return str(rows[0]["state"]) if rows else None
+
+
+def list_workers(tx: Tx, include_stopped: bool = False) -> list[dict[str, Any]]:
+    """Worker processes with their roles, agents, last heartbeat and breaker states (AGT3)."""
+    sql = "SELECT id, roles, agents, started_at, heartbeat_at, stopped_at, breakers FROM workers"
+    if not include_stopped:
+        sql += " WHERE stopped_at IS NULL"
+    return [
+        {
+            "id": r["id"],
+            "roles": [x for x in r["roles"].split(",") if x],
+            "agents": [x for x in r["agents"].split(",") if x],
+            "started_at": iso(r["started_at"]),
+            "heartbeat_at": iso(r["heartbeat_at"]),
+            "stopped_at": iso(r["stopped_at"]),
+            "breakers": json.loads(r["breakers"]) if r["breakers"] else {},
+        }
+        for r in tx.sql(sql + " ORDER BY started_at")
+    ]

@@ -190,7 +190,7 @@ VALUES (:id, :roles, :agents, {now}, {now})
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = {now}, stopped_at = NULL;
 
 -- name: worker_beat
-UPDATE workers SET heartbeat_at = {now} WHERE id = :id;
+UPDATE workers SET heartbeat_at = {now}, breakers = :breakers WHERE id = :id;
 
 -- name: worker_stop
 UPDATE workers SET stopped_at = {now} WHERE id = :id;

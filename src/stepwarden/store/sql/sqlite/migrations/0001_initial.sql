@@ -166,5 +166,6 @@ CREATE TABLE workers (
     agents       TEXT NOT NULL,
     started_at   REAL NOT NULL,
     heartbeat_at REAL NOT NULL,
-    stopped_at   REAL
+    stopped_at   REAL,
+    breakers     TEXT
 );
