@@ -18,7 +18,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from ..errors import UnknownWorkflow
 from ..workflow import Workflow
 from . import transitions as t
-from .base import ApplyResult, RequestMsg, SweepResult, Tx
+from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -121,7 +121,10 @@ def _register(tx: Tx, workflows: list[Workflow], by: str) -> None:
 
 
 def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[RequestMsg]:
-    rows = tx.all("claim_requests", me=me, agents=json.dumps(agents), limit=limit)
+    rows: list[Row] = []
+    for agent in agents:  # one indexed range per agent, already in claim order
+        if len(rows) < limit:
+            rows += tx.all("claim_requests", me=me, agent=agent, limit=limit - len(rows))
     return [
         RequestMsg(
             id=r["id"],

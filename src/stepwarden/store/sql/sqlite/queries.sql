@@ -35,7 +35,7 @@ VALUES (:task_id, :idx, :name, :agent, :operation, :compensate, :budget, :policy
 UPDATE tasks SET locked_by = :me,
                  state = CASE WHEN state = 'pending' THEN 'processing' ELSE state END,
                  updated_at = {now}
-WHERE id IN (SELECT id FROM tasks
+WHERE id IN (SELECT id FROM tasks INDEXED BY tasks_claimable
              WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND run_at <= {now}
              ORDER BY priority DESC, id LIMIT :limit)
 RETURNING id, state, input, priority, correlation_id, reply_to, cancel_requested, workflow;
@@ -82,8 +82,8 @@ UPDATE steps SET state = 'skipped' WHERE task_id = :task_id AND started_at IS NU
 
 -- name: claim_requests
 UPDATE requests SET state = 'taken', taken_by = :me, taken_at = {now}
-WHERE id IN (SELECT id FROM requests
-             WHERE state = 'queued' AND agent IN (SELECT value FROM json_each(:agents))
+WHERE id IN (SELECT id FROM requests INDEXED BY requests_queued
+             WHERE state = 'queued' AND agent = :agent
                AND complete_by > {now}
              ORDER BY priority DESC, id LIMIT :limit)
 RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,
