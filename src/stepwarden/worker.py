@@ -124,6 +124,7 @@ class Worker:
             )
             jobs.append(asyncio.create_task(self.keeper.run(stop), name="supervisor"))
         jobs.append(asyncio.create_task(self._heartbeat(stop), name="heartbeat"))
+        jobs.append(asyncio.create_task(store.listen(self._woken, stop), name="listen"))
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -134,6 +135,13 @@ class Worker:
             await asyncio.wait(jobs, timeout=s.agent.shutdown_grace + 5)
             await _safe(store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True))
             log.info("worker %s stopped", self.identity)
+
+    def _woken(self, channel: str) -> None:
+        """A database notification: new work may be waiting, so poll now instead of at the next tick."""
+        if channel in ("stepwarden_tasks", "stepwarden_replies"):
+            self.wake.set()
+        if channel == "stepwarden_requests" and self.agent_role is not None:
+            self.agent_role.wake.set()
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

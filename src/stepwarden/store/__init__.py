@@ -44,5 +44,7 @@ def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: 
             raise InputError("sqlite URL has no path: use sqlite:///relative.db or sqlite:////absolute.db")
         return SQLiteStore(path, clock=clock, migrate=migrate)
     if url.startswith(("postgresql://", "postgres://")):
-        raise InputError("the PostgreSQL store is not available in this version; use sqlite:///PATH")
-    raise InputError(f"unsupported store URL {url!r}: expected sqlite:///PATH")
+        from .postgres import PostgresStore
+
+        return PostgresStore(url, clock=clock, migrate=migrate)
+    raise InputError(f"unsupported store URL {url[:80]!r}: expected sqlite:///PATH or postgresql://...")

@@ -29,6 +29,7 @@ class Store:
 
     dialect = "abstract"
     url = ""
+    threads = 1  # transactions in flight at once from one process (SQLite has one writer anyway)
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
@@ -48,10 +49,14 @@ class Store:
         """Run a transaction off the event loop, on this store's own thread (one connection)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"stepwarden-{self.dialect}"
+                max_workers=self.threads, thread_name_prefix=f"stepwarden-{self.dialect}"
             )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: self.transact_sync(fn, *args, **kwargs))
+
+    async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
+        """Wake-up hints from the database (PostgreSQL LISTEN); stores without them just wait."""
+        await stop.wait()
 
     # -- verbs -------------------------------------------------------------------------------
     async def register_workflows(self, workflows: Sequence[Workflow], by: str) -> None:

@@ -203,7 +203,7 @@ def _results(steps: list[Row]) -> dict[str, Any]:
 def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResult:
     """Apply agents' replies: only the current attempt's, received before complete-by (SCH4)."""
     out = ApplyResult()
-    for r in tx.all("new_replies", limit=limit):
+    for r in sorted(tx.all("new_replies", limit=limit), key=lambda r: (r["task_id"], r["id"])):
         task = tx.one("task_for_update", task_id=r["task_id"])
         steps = tx.all("steps_of_task", task_id=r["task_id"])
         step = next((s for s in steps if s["idx"] == r["step_idx"]), None)
@@ -218,7 +218,8 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             and task["state"] in ("processing", "compensating")
         )
         if not current or task is None or step is None:
-            tx.run("mark_reply", id=r["id"], status="stale", me=me)
+            if not tx.run("mark_reply", id=r["id"], status="stale", me=me):
+                continue  # another scheduler judged it first
             event(
                 tx,
                 "stale_reply",
@@ -231,7 +232,8 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             )
             out.stale += 1
             continue
-        tx.run("mark_reply", id=r["id"], status="accepted", me=me)
+        if not tx.run("mark_reply", id=r["id"], status="accepted", me=me):
+            continue
         tx.run(
             "finish_request", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], outcome=r["outcome"]
         )
@@ -409,11 +411,15 @@ def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: rando
     if tx.one("lease_holds", name=lease, holder=me, term=term) is None:
         raise LostOwnership(f"lease {lease!r} term {term} is no longer held by {me}")
     out = SweepResult()
-    for x in tx.all("expired_steps", limit=limit):
+    # Lock tasks in id order (no deadlocks between concurrent transitions), then re-check each
+    # candidate under the lock: a reply may have been applied since the scan.
+    for x in sorted(tx.all("expired_steps", limit=limit), key=lambda r: (r["task_id"], r["idx"])):
         task = tx.one("task_for_update", task_id=x["task_id"])
         steps = tx.all("steps_of_task", task_id=x["task_id"])
         step = next(s for s in steps if s["idx"] == x["idx"])
-        assert task is not None
+        still = tx.one("still_expired", task_id=x["task_id"], idx=x["idx"], attempt=x["attempt"])
+        if task is None or still is None:
+            continue
         tx.run("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
         now = tx.one("now")
         event(

@@ -136,6 +136,14 @@ WHERE s.state IN ('running', 'compensating') AND s.complete_by IS NOT NULL AND s
                     AND r.status = 'new')
 ORDER BY s.complete_by LIMIT :limit;
 
+-- name: still_expired
+SELECT 1 AS ok FROM steps s
+WHERE s.task_id = :task_id AND s.idx = :idx AND s.attempt = :attempt
+  AND s.state IN ('running', 'compensating') AND s.complete_by < {now}
+  AND NOT EXISTS (SELECT 1 FROM replies r
+                  WHERE r.task_id = s.task_id AND r.step_idx = s.idx AND r.attempt = s.attempt
+                    AND r.status = 'new');
+
 -- name: lease_holds
 SELECT 1 AS ok FROM leases
 WHERE name = :name AND holder = :holder AND term = :term AND expires_at > {now};

@@ -1,0 +1,232 @@
+"""The PostgreSQL store (DEP2): many workers on many machines, one database.
+
+Transactions run at READ COMMITTED on a ``psycopg_pool`` connection pool. Claims use a
+``MATERIALIZED`` CTE with ``FOR UPDATE SKIP LOCKED`` so schedulers and agents take disjoint
+batches without waiting for each other; every other transition locks its task row first
+(``FOR UPDATE``), and the supervisor's fence takes ``FOR SHARE`` on its lease row so a successor
+cannot be granted the lease while a fenced sweep is still writing. Deadlines and leases use the
+server's clock (``statement_timestamp()``), one clock for every machine.
+
+Transitions are the same Python functions as on SQLite (``transitions.py``), run in a worker
+thread on a pooled connection; only the SQL text differs. LISTEN/NOTIFY is a wake-up hint
+carried by an async psycopg connection; polling remains the fallback, so a lost notification
+only costs latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from ..clock import SYSTEM_CLOCK, Clock, SystemClock
+from ..errors import InputError, MigrationError, StoreError
+from .base import Row
+from .core import Store
+from .sql import load_migrations, load_queries, split_statements
+
+try:
+    import psycopg
+    from psycopg.rows import dict_row
+    from psycopg_pool import ConnectionPool
+except ImportError:  # pragma: no cover - exercised only without the extra
+    psycopg = None  # type: ignore[assignment]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+log = logging.getLogger("stepwarden.postgres")
+
+# Channels of the wake-up hints, by the query that makes new work for someone.
+NOTIFY_ON = {
+    "insert_task": "stepwarden_tasks",
+    "insert_request": "stepwarden_requests",
+    "insert_reply": "stepwarden_replies",
+    "release_task": "stepwarden_tasks",
+    "finish_task": "stepwarden_done",
+}
+CHANNELS = sorted(set(NOTIFY_ON.values()))
+SYSTEM_NOW = "extract(epoch from statement_timestamp())::float8"
+FAKE_NOW = "COALESCE(NULLIF(current_setting('stepwarden.now', true), '')::float8, " + SYSTEM_NOW + ")"
+_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+def _to_psycopg(sql: str) -> str:
+    return _PARAM.sub(r"%(\1)s", sql)
+
+
+class PgTx:
+    def __init__(self, conn: Any, queries: dict[str, str], notify: set[str]) -> None:
+        self.conn = conn
+        self.q = queries
+        self.notify = notify
+
+    def _exec(self, query: str, params: dict[str, Any]) -> Any:
+        channel = NOTIFY_ON.get(query)
+        if channel:
+            self.notify.add(channel)
+        return self.conn.execute(self.q[query], params, prepare=True)
+
+    def one(self, query: str, /, **params: Any) -> Row | None:
+        cur = self._exec(query, params)
+        rows = cur.fetchall() if cur.description else []
+        return rows[0] if rows else None
+
+    def all(self, query: str, /, **params: Any) -> list[Row]:
+        return list(self._exec(query, params).fetchall())
+
+    def run(self, query: str, /, **params: Any) -> int:
+        return int(self._exec(query, params).rowcount)
+
+    def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
+        if isinstance(params, tuple):
+            text = text.replace("?", "%s")
+        cur = self.conn.execute(text, params)
+        return list(cur.fetchall()) if cur.description else []
+
+
+def parse_url(url: str) -> tuple[str, dict[str, str]]:
+    """Split our own options (``?listen=off&pool_size=N``) off a libpq URL."""
+    parts = urlsplit(url)
+    ours: dict[str, str] = {}
+    theirs: list[tuple[str, str]] = []
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if k in ("listen", "pool_size"):
+            ours[k] = v
+        else:
+            theirs.append((k, v))
+    return urlunsplit(parts._replace(query=urlencode(theirs))), ours
+
+
+class PostgresStore(Store):
+    dialect = "postgres"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        migrate: bool = True,
+        pool_size: int | None = None,
+        listen: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if psycopg is None:
+            raise InputError("PostgreSQL needs the postgres extra: pip install 'stepwarden[postgres]'")
+        conninfo, opts = parse_url(url)
+        self.url = url
+        self.conninfo = conninfo
+        self.clock = clock
+        self.listen_enabled = (
+            listen if listen is not None else opts.get("listen", "on") not in ("off", "0", "false")
+        )
+        self.fake_time = not isinstance(clock, SystemClock)
+        self.queries = {
+            k: _to_psycopg(v)
+            for k, v in load_queries("postgres", FAKE_NOW if self.fake_time else SYSTEM_NOW).items()
+        }
+        size = pool_size or int(opts.get("pool_size", "4"))
+        self.threads = size
+        self.pool = ConnectionPool(
+            conninfo,
+            min_size=1,
+            max_size=size,
+            open=False,
+            name="stepwarden",
+            kwargs={"row_factory": dict_row, "autocommit": False},
+            check=ConnectionPool.check_connection,
+            reconnect_timeout=0,
+        )
+        try:
+            self.pool.open(wait=True, timeout=10)
+        except Exception as e:
+            self.pool.close()
+            raise StoreError(f"cannot connect to PostgreSQL at {_redact(conninfo)}: {e}") from None
+        if migrate:
+            self.migrate()
+
+    def transact_sync(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        notify: set[str] = set()
+        with self.pool.connection() as conn:
+            with conn.transaction():
+                if self.fake_time:
+                    conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
+                out = fn(PgTx(conn, self.queries, notify), *args, **kwargs)
+                for channel in notify:
+                    conn.execute("SELECT pg_notify(%s, '')", (channel,))
+            return out
+
+    def migrate(self) -> int:
+        """Apply missing migrations, serialised across processes by an advisory lock."""
+        with self.pool.connection() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(7413000001)")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+                " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+            )
+            row: Any = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
+            current = int(row["v"])
+            known = load_migrations("postgres")
+            if known and current > known[-1][0]:
+                raise MigrationError(
+                    f"the store's schema is version {current}, newer than this stepwarden knows "
+                    f"({known[-1][0]}); upgrade stepwarden"
+                )
+            applied = 0
+            for version, name, script in known:
+                if version <= current:
+                    continue
+                for stmt in split_statements(script):
+                    conn.execute(stmt)
+                conn.execute(
+                    "INSERT INTO schema_migrations VALUES (%s, %s, extract(epoch from now()))",
+                    (version, name),
+                )
+                applied += 1
+            return applied
+
+    async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
+        """Call ``wake(channel)`` on every notification until ``stop``; reconnect with back-off."""
+        if not self.listen_enabled:
+            await stop.wait()
+            return
+        delay = 0.2
+        while not stop.is_set():
+            try:
+                aconn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
+                async with aconn:
+                    for ch in CHANNELS:
+                        await aconn.execute(f"LISTEN {ch}")
+                    delay = 0.2
+                    for ch in CHANNELS:  # anything sent while we were not listening
+                        wake(ch)
+                    gen = aconn.notifies()
+                    stopper = asyncio.create_task(stop.wait())
+                    try:
+                        while not stop.is_set():
+                            nxt = asyncio.ensure_future(anext(gen))
+                            done, _ = await asyncio.wait({nxt, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                            if nxt in done:
+                                wake(nxt.result().channel)
+                            else:
+                                nxt.cancel()
+                                with contextlib.suppress(BaseException):
+                                    await nxt
+                    finally:
+                        stopper.cancel()
+            except Exception as e:
+                log.warning("LISTEN connection lost (%r); polling until it is back", e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+                delay = min(5.0, delay * 2)
+
+    def close(self) -> None:
+        super().close()
+        self.pool.close()
+
+
+def _redact(conninfo: str) -> str:
+    return re.sub(r"://([^:@/]+):[^@/]*@", r"://\1:***@", conninfo)

@@ -1,0 +1,1 @@
+"""Helpers for testing applications and stepwarden itself (a throwaway PostgreSQL server)."""
