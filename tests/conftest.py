@@ -1,8 +1,14 @@
-"""Suite-wide hooks: in CI (STEPWARDEN_NO_SKIPS=1) a skipped test fails the run."""
+"""Suite-wide fixtures and hooks.
+
+In CI (STEPWARDEN_NO_SKIPS=1) a skipped test fails the run.
+"""
 
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,3 +22,68 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter is not None:
             reporter.write_line(f"STEPWARDEN_NO_SKIPS: {skipped} test(s) skipped; failing the run", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- PostgreSQL for the tests -------------------------------------------------------------------
+# The server named by STEPWARDEN_TEST_POSTGRES (an admin URL, e.g. postgresql://postgres@host/postgres)
+# when set, else one this test process starts itself (pgserver's binaries, or initdb/pg_ctl on
+# PATH). A migrated template database is made once; each test gets a fresh copy of it, which takes
+# milliseconds (CREATE DATABASE ... TEMPLATE).
+
+
+def _admin_execute(admin_url: str, sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+def _with_db(admin_url: str, db: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(admin_url)
+    return urlunsplit(parts._replace(path="/" + db))
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = os.environ.get("STEPWARDEN_TEST_POSTGRES")
+    if url:
+        yield url
+        return
+    from stepwarden.testing.postgres import LocalPostgres
+
+    pg = LocalPostgres(Path(tmp_path_factory.mktemp("pg")) / "data").start()
+    try:
+        yield pg.url("postgres")
+    finally:
+        pg.stop("immediate")
+
+
+@pytest.fixture(scope="session")
+def pg_template(pg_admin_url: str) -> str:
+    from stepwarden.store import open_store
+
+    name = f"sw_template_{uuid.uuid4().hex[:8]}"
+    _admin_execute(pg_admin_url, f'CREATE DATABASE "{name}"')
+    open_store(_with_db(pg_admin_url, name)).close()  # runs the migrations
+    return name
+
+
+@pytest.fixture
+def pg_url(pg_admin_url: str, pg_template: str) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for one test."""
+    name = f"sw_test_{uuid.uuid4().hex[:10]}"
+    _admin_execute(pg_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+    try:
+        yield _with_db(pg_admin_url, name)
+    finally:
+        _admin_execute(pg_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The same test on both stores."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    return str(request.getfixturevalue("pg_url"))
