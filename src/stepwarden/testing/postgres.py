@@ -8,6 +8,7 @@ restarted on the same port and reached through a proxy.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -19,14 +20,11 @@ RUN_AS = "stepwarden-pg"
 
 
 def find_bin_dir() -> Path:
-    try:
-        import pgserver
-
-        path = Path(pgserver.__file__).parent / "pginstall" / "bin"
+    spec = importlib.util.find_spec("pgserver")  # located, not imported: its import has side effects
+    if spec is not None and spec.origin:
+        path = Path(spec.origin).parent / "pginstall" / "bin"
         if (path / "pg_ctl").exists():
             return path
-    except ImportError:
-        pass
     found = shutil.which("pg_ctl")
     if found:
         return Path(found).resolve().parent
