@@ -138,7 +138,7 @@ class PostgresStore(Store):
             name="stepwarden",
             kwargs={"row_factory": dict_row, "autocommit": False},
             check=ConnectionPool.check_connection,
-            reconnect_timeout=0,
+            timeout=5.0,
         )
         try:
             self.pool.open(wait=True, timeout=10)
