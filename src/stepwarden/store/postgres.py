@@ -159,7 +159,7 @@ class PostgresStore(Store):
                     conn.execute("SELECT pg_notify(%s, '')", (channel,))
             return out
 
-    def migrate(self) -> int:
+    def migrate(self, target: int | None = None) -> int:
         """Apply missing migrations, serialised across processes by an advisory lock."""
         with self.pool.connection() as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(7413000001)")
@@ -177,7 +177,7 @@ class PostgresStore(Store):
                 )
             applied = 0
             for version, name, script in known:
-                if version <= current:
+                if version <= current or (target is not None and version > target):
                     continue
                 for stmt in split_statements(script):
                     conn.execute(stmt)

@@ -124,7 +124,7 @@ class SQLiteStore(Store):
             raise ValueError("use a connection from store.connect() so rows and the clock match")
         return SqliteTx(conn, self.queries)
 
-    def migrate(self) -> int:
+    def migrate(self, target: int | None = None) -> int:
         """Apply missing migrations under the write lock (safe when many processes start at once)."""
         folder = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(folder):
@@ -146,7 +146,7 @@ class SQLiteStore(Store):
                 )
             applied = 0
             for version, name, script in known:
-                if version <= current:
+                if version <= current or (target is not None and version > target):
                     continue
                 for stmt in split_statements(script):
                     conn.execute(stmt)
