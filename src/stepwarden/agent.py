@@ -174,19 +174,22 @@ class AgentRole:
             trial_busy = breaker.state == "half_open" and breaker.trial_in_flight
             if room <= 0 or breaker.rejecting(now) or trial_busy:
                 continue
-            if breaker.state != "closed":  # cooling off is over: take one request as the trial
+            trial = breaker.state != "closed"  # cooling off is over: take one request as the trial
+            if trial:
                 room = min(room, 1)
             for msg in await self.store.claim_requests(self.me, [name], room):
+                if trial:
+                    breaker.allow(now)  # reserve the trial now, so the next pull takes nothing
                 got += 1
                 self.inflight[name] += 1
-                t = asyncio.create_task(self.execute(agent, msg), name=f"request-{msg.id}")
+                t = asyncio.create_task(self.execute(agent, msg, trial), name=f"request-{msg.id}")
                 self.tasks[t] = msg
                 t.add_done_callback(lambda done: self.tasks.pop(done, None))
         return got
 
-    async def execute(self, agent: Agent, msg: RequestMsg) -> None:
+    async def execute(self, agent: Agent, msg: RequestMsg, trial: bool = False) -> None:
         try:
-            outcome = await self._attempt(agent, msg)
+            outcome = await self._attempt(agent, msg, trial)
             if outcome is None:
                 log.info(
                     "request %s (%s/%s attempt %d) passed complete-by: cancelled, no reply",
@@ -216,7 +219,9 @@ class AgentRole:
                 log.warning("request %s: reply failed (try %d): %r", msg.id, n, e)
                 await self.clock.sleep(0.2 * n)
 
-    async def _attempt(self, agent: Agent, msg: RequestMsg) -> tuple[str, Any, str | None] | None:
+    async def _attempt(
+        self, agent: Agent, msg: RequestMsg, trial: bool = False
+    ) -> tuple[str, Any, str | None] | None:
         """Returns (outcome, result, error) to send, or None to stay silent (complete-by passed)."""
         deadline = self.clock.monotonic() + msg.remaining
         handler = agent.operations.get(msg.operation)
@@ -243,7 +248,7 @@ class AgentRole:
             left = deadline - self.clock.monotonic()
             if left <= 0:
                 return None
-            if not breaker.allow(self.clock.monotonic()):
+            if not ((trial and n == 1) or breaker.allow(self.clock.monotonic())):
                 last = f"circuit breaker for {agent.name!r} is open"
             else:
                 try:

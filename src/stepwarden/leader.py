@@ -103,6 +103,8 @@ class LeaseKeeper:
                 await self._sleep_or_stop(stop, s.retry_every)
                 continue
             await self._lead(got[0], sent, stop)
+            # Having just given the lease up (a stall, a lost renewal), let a healthier peer win it.
+            await self._sleep_or_stop(stop, s.retry_every)
 
     async def _lead(self, term: int, sent: float, stop: asyncio.Event) -> None:
         s = self.settings
@@ -133,14 +135,7 @@ class LeaseKeeper:
                     reason = f"leader work made no progress for {now - ctx.last_progress:.1f}s"
                     break
                 sent = now
-                try:
-                    ok = await asyncio.wait_for(
-                        self.store.renew_lease(self.name, self.holder, term, s.ttl),
-                        timeout=max(0.001, trust_until - now),
-                    )
-                except (TimeoutError, Exception) as e:
-                    log.warning("lease %s: renewal failed: %r", self.name, e)
-                    ok = False
+                ok = await self._renew(term, trust_until - now)
                 if not ok:
                     if self.clock.monotonic() >= trust_until:
                         reason = "renewal failed and the trust window ran out"
@@ -158,6 +153,24 @@ class LeaseKeeper:
                 await self._resign(term)
             self.term = None
             self.on_change("lost", term)
+
+    async def _renew(self, term: int, budget: float) -> bool:
+        """Renew, giving up when the trust window ends (measured on our Clock, not the loop's)."""
+        renewal = asyncio.create_task(self.store.renew_lease(self.name, self.holder, term, self.settings.ttl))
+        timer = asyncio.create_task(self.clock.sleep(max(0.0, budget)))
+        try:
+            await asyncio.wait({renewal, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            timer.cancel()
+        if not renewal.done():
+            renewal.cancel()
+            log.warning("lease %s: renewal still pending when the trust window ended", self.name)
+            return False
+        try:
+            return bool(renewal.result())
+        except Exception as e:
+            log.warning("lease %s: renewal failed: %r", self.name, e)
+            return False
 
     async def _resign(self, term: int) -> None:
         try:

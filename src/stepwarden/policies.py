@@ -29,7 +29,10 @@ class Backoff:
 
     def delay(self, n: int, rng: random.Random | None = None) -> float:
         """Delay before retry number ``n`` (1-based); jitter spreads retries of many tasks apart."""
-        base = min(self.maximum, self.initial * self.multiplier ** max(0, n - 1))
+        try:
+            base = min(self.maximum, self.initial * self.multiplier ** max(0, n - 1))
+        except OverflowError:  # a huge retry number: the cap applies
+            base = self.maximum
         if self.jitter and rng is not None:
             base *= 1 - self.jitter + 2 * self.jitter * rng.random()
         return max(0.0, min(base, self.maximum * (1 + self.jitter)))
@@ -96,14 +99,15 @@ class Retry:
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Retry:
-        b = d.get("backoff") or {}
-        ia = d.get("in_attempt") or {}
-        assert isinstance(b, dict) and isinstance(ia, dict)
+        b = d.get("backoff")
+        ia = d.get("in_attempt")
+        assert isinstance(b, dict | None) and isinstance(ia, dict | None)
+        default = cls()  # a missing key means the same default as Retry() itself
         return cls(
             max_failures=int(d.get("max_failures", 3)),  # type: ignore[call-overload]
-            backoff=Backoff(**b),
+            backoff=Backoff(**b) if b else default.backoff,
             tries=int(d.get("tries", 4)),  # type: ignore[call-overload]
-            in_attempt=Backoff(**ia),
+            in_attempt=Backoff(**ia) if ia else default.in_attempt,
             escalation=d.get("escalation"),  # type: ignore[arg-type]
             escalation_wait=float(d.get("escalation_wait", 60.0)),  # type: ignore[arg-type]
         )

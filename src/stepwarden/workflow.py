@@ -21,7 +21,7 @@ MAX_KEY_LEN = 255
 
 def check_name(kind: str, value: object) -> str:
     """A workflow, queue or worker name: letters, digits, ``_ . : -``, up to 128 characters."""
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise InputError(
             f"invalid {kind} {_show(value)}: use 1-128 letters, digits, '_', '.', ':' or '-', "
             "starting with a letter or digit"
@@ -31,7 +31,7 @@ def check_name(kind: str, value: object) -> str:
 
 def check_ident(kind: str, value: object) -> str:
     """An agent or operation name: a Python-identifier-like word (dashes allowed), up to 64 characters."""
-    if not isinstance(value, str) or not IDENT_RE.match(value):
+    if not isinstance(value, str) or not IDENT_RE.fullmatch(value):
         raise InputError(
             f"invalid {kind} {_show(value)}: use 1-64 letters, digits, '_' or '-', not starting with a digit"
         )

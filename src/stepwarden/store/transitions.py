@@ -315,6 +315,8 @@ def fail_attempt(
         decision = policy.after_failure(step["comp_failures"] + 1, "error", rng)
         if permanent or decision.escalated:
             decision = Decision("error", escalated=True)
+    elif task["cancel_requested"]:  # an operator asked to stop: undo now, do not retry (CMP4)
+        decision = Decision("compensate", escalated=True)
     elif permanent:
         decision = Decision("compensate" if step["on_error"] == "compensate" else "error", escalated=True)
     else:
@@ -390,7 +392,10 @@ def fail_attempt(
             error=error[:500],
             failures=failures,
         )
-        begin_compensation(tx, task, me, reason=f"step {step['name']!r} failed: {error[:200]}")
+        why = (
+            "cancel requested" if task["cancel_requested"] else f"step {step['name']!r} failed: {error[:200]}"
+        )
+        begin_compensation(tx, task, me, reason=why)
         return "compensate"
     if undo:
         text = f"compensation of step {step['name']!r} failed ({error[:200]}); its effect is NOT undone"

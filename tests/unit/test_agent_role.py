@@ -1,0 +1,482 @@
+"""The agent role against the real store: in-attempt retries, classification, deadlines, threads,
+circuit breaking and capacity (AGT1-AGT7).
+
+Agent deadlines are real time (``asyncio.wait_for``), so these tests use a store on the system
+clock and short budgets; the breaker's cool-off test drives the role's clock by hand instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from stepwarden.agent import Agent, AgentRole, AgentSettings, Request, default_classify
+from stepwarden.clock import FakeClock
+from stepwarden.errors import Permanent, Transient
+from stepwarden.policies import Backoff, Retry
+from stepwarden.store import Store, open_store
+from stepwarden.store import transitions as t
+from stepwarden.workflow import Workflow, encode_input
+
+ME = "agent-1:1:abc"
+Factory = Callable[..., Workflow]
+
+
+@pytest.fixture
+def rt_store(tmp_path: Path) -> Any:
+    """A store on the real clock: the agent's deadlines are real time."""
+    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
+    yield s
+    s.close()
+
+
+def dispatch(
+    store: Store, make_workflow: Factory, n: int = 1, *, budget: float = 5.0, tries: int = 4
+) -> list[int]:
+    """Submit ``n`` one-step tasks (operation ``svc.do_s``) and dispatch them: ``n`` queued requests."""
+    retry = Retry(tries=tries, in_attempt=Backoff(initial=0.01, maximum=0.02, jitter=0.0))
+    wf = make_workflow("s", budget=budget, retry=retry, compensate=False)
+    ids = [
+        store.transact_sync(
+            t.submit,
+            wf,
+            encode_input({"n": i}),
+            correlation_id=None,
+            idempotency_key=None,
+            priority=0,
+            reply_to=None,
+        )[0]
+        for i in range(n)
+    ]
+    assert store.transact_sync(t.claim_and_dispatch, "sched", 100) == n
+    return ids
+
+
+def replies(store: Store) -> list[dict[str, Any]]:
+    return store.transact_sync(
+        lambda tx: tx.sql("SELECT task_id, attempt, outcome, result, error, sent_by FROM replies ORDER BY id")
+    )
+
+
+def request_states(store: Store) -> list[str]:
+    return [
+        r["state"] for r in store.transact_sync(lambda tx: tx.sql("SELECT state FROM requests ORDER BY id"))
+    ]
+
+
+def kinds(store: Store) -> list[str]:
+    return [e["kind"] for e in store.transact_sync(lambda tx: tx.sql("SELECT kind FROM events ORDER BY id"))]
+
+
+def make_role(store: Store, agent: Agent, **kw: Any) -> AgentRole:
+    return AgentRole(store, {agent.name: agent}, ME, **kw)
+
+
+async def finish(role: AgentRole, timeout: float = 2.0) -> None:
+    """Wait for every request the role took to be done (replied, or given up silently)."""
+    if role.tasks:
+        done, pending = await asyncio.wait(set(role.tasks), timeout=timeout)
+        assert not pending, "requests still running"
+        for d in done:
+            d.result()
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
+
+
+async def until(pred: Callable[[], bool], timeout: float = 2.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+# -- classification (AGT5) ----------------------------------------------------------------------------
+
+
+def _http_error(code: int) -> httpx.HTTPStatusError:
+    req = httpx.Request("POST", "http://svc/charge")
+    return httpx.HTTPStatusError("x", request=req, response=httpx.Response(code, request=req))
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (Permanent("declined"), "permanent"),
+        (Transient("busy"), "transient"),
+        (TimeoutError(), "transient"),
+        (ConnectionResetError(), "transient"),
+        (httpx.ConnectError("refused"), "transient"),
+        (_http_error(503), "transient"),
+        (_http_error(429), "transient"),
+        (_http_error(402), "permanent"),
+        (_http_error(404), "permanent"),
+        (ValueError("a bug"), "permanent"),
+    ],
+)
+def test_default_classification(exc: BaseException, kind: str) -> None:
+    assert default_classify(exc) == kind
+
+
+# -- one attempt ---------------------------------------------------------------------------------------
+
+
+def test_transient_failures_are_retried_in_the_attempt_then_one_ok_reply(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    [task_id] = dispatch(rt_store, make_workflow, tries=4)
+    agent = Agent("svc")
+    seen: list[Request] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> dict[str, int]:
+        seen.append(req)
+        if len(seen) < 3:
+            raise Transient("503 from upstream")
+        return {"charged": len(seen)}
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        assert await role.pull() == 1
+        await finish(role)
+
+    run(body())
+    assert len(seen) == 3
+    assert {(r.task_id, r.attempt, r.kind, r.idempotency_key) for r in seen} == {
+        (task_id, 1, "do", f"{task_id}:s")
+    }
+    assert seen[0].input == {"n": 0} and seen[0].payload == {"input": {"n": 0}, "results": {}}
+    [rep] = replies(rt_store)
+    assert (rep["task_id"], rep["attempt"], rep["outcome"], rep["result"], rep["sent_by"]) == (
+        task_id,
+        1,
+        "ok",
+        '{"charged": 3}',
+        ME,
+    )
+    assert request_states(rt_store) == ["replied"]
+    # and the scheduler accepts it
+    rt_store.transact_sync(t.apply_replies, "sched", 10, random.Random(0))
+    assert rt_store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks"))[0]["state"] == "processed"
+
+
+def test_transient_tries_used_up_send_a_retry_reply(rt_store: Store, make_workflow: Factory) -> None:
+    dispatch(rt_store, make_workflow, tries=3)
+    agent = Agent("svc", breaker_threshold=100)
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        calls.append(1)
+        raise ConnectionError(f"reset #{len(calls)}")
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        await role.pull()
+        await finish(role)
+
+    run(body())
+    assert len(calls) == 3
+    [rep] = replies(rt_store)
+    assert (rep["outcome"], rep["result"]) == ("retry", None)
+    assert rep["error"] == "transient: ConnectionError: reset #3"
+
+
+def test_permanent_failure_sends_an_error_reply_at_once(rt_store: Store, make_workflow: Factory) -> None:
+    dispatch(rt_store, make_workflow, tries=5)
+    agent = Agent("svc")
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        calls.append(1)
+        raise Permanent("card declined")
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        await role.pull()
+        await finish(role)
+
+    run(body())
+    assert calls == [1]
+    [rep] = replies(rt_store)
+    assert (rep["outcome"], rep["error"]) == ("error", "card declined")
+
+
+def test_an_operation_this_worker_does_not_have_gets_an_error_reply(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    dispatch(rt_store, make_workflow)
+    agent = Agent("svc")
+
+    @agent.operation
+    async def other(req: Request) -> None: ...
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        await role.pull()
+        await finish(role)
+
+    run(body())
+    [rep] = replies(rt_store)
+    assert rep["outcome"] == "error" and "no operation 'do_s'" in rep["error"]
+
+
+# -- complete-by (AGT4) ------------------------------------------------------------------------------
+
+
+def test_an_async_handler_running_at_complete_by_is_cancelled_and_sends_nothing(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    dispatch(rt_store, make_workflow, budget=0.3)
+    agent = Agent("svc")
+    marks: dict[str, float] = {}
+
+    async def body() -> None:
+        cancelled = asyncio.Event()
+
+        @agent.operation
+        async def do_s(req: Request) -> str:
+            marks["start"] = time.monotonic()
+            marks["deadline"] = req.deadline
+            try:
+                await asyncio.Event().wait()  # the remote service hangs
+            except asyncio.CancelledError:
+                marks["cancelled"] = time.monotonic()
+                cancelled.set()
+                raise
+            return "never"
+
+        role = make_role(rt_store, agent)
+        assert await role.pull() == 1
+        await asyncio.wait_for(cancelled.wait(), timeout=2.0)
+        await finish(role)
+        assert role.inflight["svc"] == 0
+
+    run(body())
+    assert marks["cancelled"] >= marks["deadline"] - 0.01  # at complete-by, not before
+    assert marks["cancelled"] - marks["start"] == pytest.approx(0.3, abs=0.15)
+    assert replies(rt_store) == []  # no result, no error: the supervisor decides
+    assert request_states(rt_store) == ["taken"]
+
+
+def test_a_plain_function_past_complete_by_has_its_late_result_discarded(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    dispatch(rt_store, make_workflow, budget=0.3)
+    agent = Agent("svc")
+    release, returned = threading.Event(), threading.Event()
+
+    @agent.operation
+    def do_s(req: Request) -> str:
+        release.wait(5)
+        returned.set()
+        return "late"
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        await role.pull()
+        await finish(role)  # the role gives up at complete-by while the thread runs on
+        assert not returned.is_set()
+        release.set()
+        assert await asyncio.to_thread(returned.wait, 2)
+        await asyncio.sleep(0)
+
+    run(body())
+    assert replies(rt_store) == []
+
+
+def test_plain_function_handlers_run_in_threads(rt_store: Store, make_workflow: Factory) -> None:
+    dispatch(rt_store, make_workflow, n=2)
+    agent = Agent("svc")
+    both = threading.Barrier(2, timeout=2)  # passes only if the two calls run at the same time
+    threads: list[str] = []
+
+    @agent.operation
+    def do_s(req: Request) -> int:
+        threads.append(threading.current_thread().name)
+        both.wait()
+        return req.input["n"] * 10  # type: ignore[no-any-return]
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        assert await role.pull() == 2
+        await finish(role, timeout=3)
+
+    run(body())
+    assert len(threads) == 2 and all(n.startswith("stepwarden-agent") for n in threads)
+    assert threading.main_thread().name not in threads
+    assert sorted((r["outcome"], r["result"]) for r in replies(rt_store)) == [("ok", "0"), ("ok", "10")]
+
+
+# -- circuit breaker and capacity (AGT3, AGT6) -----------------------------------------------------
+
+
+def test_the_breaker_opens_after_repeated_failures_and_the_role_stops_pulling(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    dispatch(rt_store, make_workflow, tries=5)
+    agent = Agent("svc", breaker_threshold=2, breaker_cool_off=60.0)
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise Transient("down")
+        return "up"
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        await role.pull()
+        await finish(role)
+        # two failures opened the breaker: the remaining three tries failed fast, without calls
+        assert len(calls) == 2
+        assert role.breakers["svc"].state == "open"
+        [rep] = replies(rt_store)
+        assert rep["outcome"] == "retry" and "circuit breaker" in rep["error"]
+        # operators can see it
+        await until(lambda: "breaker_opened" in kinds(rt_store), timeout=2.0)
+        # new work for this agent is left for healthy instances
+        dispatch(rt_store, make_workflow, n=2)
+        assert await role.pull() == 0
+        assert request_states(rt_store) == ["replied", "queued", "queued"]
+        healthy = AgentRole(rt_store, {"svc": agent}, "agent-2:2:def")
+        assert await healthy.pull() == 2
+        await finish(healthy)
+
+    run(body())
+    assert [r["outcome"] for r in replies(rt_store)] == ["retry", "ok", "ok"]
+    assert {r["sent_by"] for r in replies(rt_store)[1:]} == {"agent-2:2:def"}
+
+
+def test_after_the_cool_off_a_trial_request_reaches_the_service_and_closes_the_breaker(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    dispatch(store, make_workflow, tries=1, budget=60.0)
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Transient("down")
+        return "up"
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock)
+        await role.pull()
+        await finish(role)
+        assert role.breakers["svc"].state == "open"
+        dispatch(store, make_workflow, tries=1, budget=60.0)
+        assert await role.pull() == 0
+        clock.advance(10.0)
+        assert await role.pull() == 1  # the half-open trial
+        await finish(role)
+        assert len(calls) == 2, "the trial request must reach the service"
+        assert role.breakers["svc"].state == "closed"
+
+    run(body())
+    assert [r["outcome"] for r in replies(store)] == ["retry", "ok"]
+
+
+def test_after_the_cool_off_only_one_trial_request_is_taken(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    dispatch(store, make_workflow, tries=1, budget=60.0)
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+    calls: list[int] = []
+
+    async def body() -> None:
+        gate = asyncio.Event()
+
+        @agent.operation
+        async def do_s(req: Request) -> str:
+            calls.append(1)
+            if len(calls) == 1:
+                raise Transient("down")
+            await gate.wait()  # the trial call is slow
+            return "up"
+
+        role = make_role(store, agent, clock=clock)
+        await role.pull()
+        await finish(role)
+        dispatch(store, make_workflow, n=3, tries=1, budget=60.0)
+        clock.advance(10.0)
+        taken = [await role.pull(), await role.pull()]  # what run() does after a successful pull
+        await until(lambda: len(calls) == 2)
+        gate.set()
+        await finish(role)
+        assert taken == [1, 0], "a half-open breaker lets a single trial request through"
+
+    run(body())
+    assert [r["outcome"] for r in replies(store)] == ["retry", "ok"]
+    assert request_states(store).count("queued") == 2
+
+
+def test_capacity_limits_how_many_requests_an_instance_takes(rt_store: Store, make_workflow: Factory) -> None:
+    dispatch(rt_store, make_workflow, n=5)
+    agent = Agent("svc", concurrency=2)
+    running: list[int] = []
+    peak: list[int] = [0]
+
+    async def body() -> None:
+        gate = asyncio.Event()
+
+        @agent.operation
+        async def do_s(req: Request) -> int:
+            running.append(1)
+            peak[0] = max(peak[0], len(running))
+            await gate.wait()
+            running.pop()
+            return 1
+
+        role = make_role(rt_store, agent)
+        assert await role.pull() == 2
+        await until(lambda: len(running) == 2)
+        assert await role.pull() == 0  # full
+        assert sorted(request_states(rt_store)) == ["queued"] * 3 + ["taken"] * 2
+        gate.set()
+        await finish(role)
+        assert await role.pull() == 2
+        await finish(role)
+        assert await role.pull() == 1
+        await finish(role)
+
+    run(body())
+    assert peak[0] == 2
+    assert len(replies(rt_store)) == 5
+
+
+def test_the_role_loop_serves_requests_until_stopped(rt_store: Store, make_workflow: Factory) -> None:
+    agent = Agent("svc", concurrency=4)
+
+    @agent.operation
+    async def do_s(req: Request) -> int:
+        return int(req.input["n"])
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        role = make_role(rt_store, agent, settings=AgentSettings(poll_interval=0.01, idle_poll_max=0.02))
+        loop_task = asyncio.create_task(role.run(stop))
+        await asyncio.to_thread(dispatch, rt_store, make_workflow, 6)
+        end = time.monotonic() + 3
+        while len(replies(rt_store)) < 6:
+            assert time.monotonic() < end, "the role did not serve all requests"
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(loop_task, 2)
+        assert role.completed == 6
+
+    run(body())
+    assert sorted(r["result"] for r in replies(rt_store)) == [str(i) for i in range(6)]

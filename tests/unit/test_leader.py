@@ -1,0 +1,392 @@
+"""Leader election with LeaseKeeper, on a fake clock shared by the keeper and the store.
+
+Time moves only through ``fake_time.run_for`` (FakeClock.advance in 1/8 s steps, letting the event
+loop settle between steps), so every expectation below is stated in exact lease seconds. Settings
+throughout: TTL 5 s, renew every 1 s, trust margin 1 s, retry every 1 s, stall after 3 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from stepwarden.clock import FakeClock
+from stepwarden.leader import Leadership, LeaseKeeper, LeaseSettings
+from stepwarden.store import views
+
+S = LeaseSettings(ttl=5.0, renew_every=1.0, retry_every=1.0, margin=1.0, stall_after=3.0)
+LEASE = "supervisor"
+
+
+class Work:
+    """A leader's work that records when each term's run starts and is cancelled (fake monotonic)."""
+
+    def __init__(self, clock: FakeClock, *, progress: bool = True) -> None:
+        self.clock = clock
+        self.progress = progress
+        self.started: list[tuple[int, float]] = []
+        self.cancelled: list[tuple[int, float]] = []
+
+    async def __call__(self, ctx: Leadership) -> None:
+        self.started.append((ctx.term, self.clock.monotonic()))
+        try:
+            while True:
+                if self.progress:
+                    ctx.progress()
+                await self.clock.sleep(0.25)
+        except asyncio.CancelledError:
+            self.cancelled.append((ctx.term, self.clock.monotonic()))
+            raise
+
+    @property
+    def running(self) -> bool:
+        return len(self.started) > len(self.cancelled)
+
+
+class Flaky:
+    """The store as one keeper sees it: can be cut off (partition/crash), refuse or stall renewals."""
+
+    def __init__(self, store: Any, clock: FakeClock) -> None:
+        self.store = store
+        self.clock = clock
+        self.down = False
+        self.refuse = False
+        self.renew_delay = 0.0
+        self.hang = False
+        self.renewals = 0
+
+    def _check(self) -> None:
+        if self.down:
+            raise ConnectionError("database unreachable")
+
+    async def acquire_lease(self, *args: Any) -> Any:
+        self._check()
+        return await self.store.acquire_lease(*args)
+
+    async def renew_lease(self, *args: Any) -> bool:
+        self._check()
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.renew_delay:
+            await self.clock.sleep(self.renew_delay)
+        if self.refuse:
+            return False
+        ok: bool = await self.store.renew_lease(*args)
+        self.renewals += ok
+        return ok
+
+    async def resign_lease(self, *args: Any) -> None:
+        self._check()
+        await self.store.resign_lease(*args)
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
+
+
+class Keepers:
+    """Starts keepers as tasks and always stops them, so a failing assertion leaves nothing running."""
+
+    def __init__(self, fake_time: Any) -> None:
+        self.fake_time = fake_time
+        self.running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    def start(self, keeper: LeaseKeeper) -> tuple[asyncio.Event, asyncio.Task[None]]:
+        stop = asyncio.Event()
+        task = asyncio.create_task(keeper.run(stop))
+        self.running.append((stop, task))
+        return stop, task
+
+    async def close(self) -> None:
+        for stop, _ in self.running:
+            stop.set()
+        tasks = [t for _, t in self.running]
+        for _ in range(80):  # let keepers blocked on the fake clock (a slow renewal) finish too
+            if all(t.done() for t in tasks):
+                break
+            await self.fake_time.run_for(0.25)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def terms(store: Any) -> list[tuple[int, str, float | None, float | None]]:
+    rows = store.transact_sync(lambda tx: tx.all("list_terms"))
+    return [(r["term"], r["holder"], r["acquired_at"], r["ended_at"]) for r in rows]
+
+
+def lease_row(store: Any) -> dict[str, Any]:
+    return store.transact_sync(lambda tx: tx.sql("SELECT * FROM leases WHERE name = ?", (LEASE,)))[0]
+
+
+def event_kinds(store: Any) -> list[str]:
+    return [r["kind"] for r in store.transact_sync(lambda tx: tx.sql("SELECT kind FROM events ORDER BY id"))]
+
+
+# -----------------------------------------------------------------------------------------------
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="margin"):
+        LeaseSettings(ttl=5, margin=5)
+    with pytest.raises(ValueError, match="renew_every"):
+        LeaseSettings(ttl=5, margin=1, renew_every=4)
+    with pytest.raises(ValueError, match="retry_every"):
+        LeaseSettings(retry_every=0)
+
+
+def test_a_second_keeper_cannot_acquire_while_the_first_renews(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa, wb = Work(clock), Work(clock)
+        a = LeaseKeeper(tracked_store, LEASE, "A", wa, settings=S, clock=clock)
+        b = LeaseKeeper(tracked_store, LEASE, "B", wb, settings=S, clock=clock)
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            assert (a.is_leader, a.term) == (True, 1)
+            ks.start(b)
+            await fake_time.run_for(30.0)  # six TTLs
+            assert (a.is_leader, b.is_leader) == (True, False)
+            assert wb.started == [] and wa.started == [(1, 1000.0)] and wa.running
+            row = lease_row(tracked_store)
+            assert (row["holder"], row["term"]) == ("A", 1)
+            assert (
+                row["expires_at"] > clock.wall() + S.ttl - S.renew_every - 0.01
+            )  # renewed within the last second
+            assert terms(tracked_store) == [(1, "A", 1_700_000_000.0, None)]
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_when_the_leader_stops_renewing_the_other_acquires_after_ttl_with_the_next_term(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa, wb = Work(clock), Work(clock)
+        cut = Flaky(tracked_store, clock)
+        a = LeaseKeeper(cut, LEASE, "A", wa, settings=S, clock=clock)  # type: ignore[arg-type]
+        b = LeaseKeeper(tracked_store, LEASE, "B", wb, settings=S, clock=clock)
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            ks.start(b)
+            await fake_time.run_for(2.5)  # A renewed at +1 and +2: the lease now runs to +7
+            expires = lease_row(tracked_store)["expires_at"]
+            assert expires == 1_700_000_007.0
+            cut.down = True  # A is cut off from the database (or crashed: it can neither renew nor resign)
+            await fake_time.run_for(0.5)
+            # its next renewal failed at +3: its work is cancelled at once, though the lease runs on
+            assert not a.is_leader and wa.cancelled == [(1, 1003.0)]
+            await fake_time.run_for(3.875)  # +6.875, just before the lease expires
+            assert not b.is_leader and wb.started == []
+            await fake_time.run_for(1.125)  # +8: B's retry at +7 found the lease expired
+            assert (b.is_leader, b.term) == (True, 2)
+            assert wb.started == [(2, 1007.0)]
+            assert lease_row(tracked_store)["holder"] == "B"
+            assert terms(tracked_store) == [
+                (1, "A", 1_700_000_000.0, 1_700_000_007.0),
+                (2, "B", 1_700_000_007.0, None),
+            ]
+            assert "lease_resigned" not in event_kinds(tracked_store)
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_graceful_stop_resigns_so_the_other_acquires_at_its_next_retry(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa, wb = Work(clock), Work(clock)
+        changes: list[tuple[str, int]] = []
+        a = LeaseKeeper(
+            tracked_store,
+            LEASE,
+            "A",
+            wa,
+            settings=S,
+            clock=clock,
+            on_change=lambda w, t: changes.append((w, t)),
+        )
+        b = LeaseKeeper(tracked_store, LEASE, "B", wb, settings=S, clock=clock)
+        try:
+            stop_a, task_a = ks.start(a)
+            await fake_time.settle()
+            ks.start(b)
+            await fake_time.run_for(2.5)
+            stop_a.set()
+            await fake_time.settle()
+            assert task_a.done() and not a.is_leader
+            assert wa.cancelled == [(1, 1002.5)]
+            assert changes == [("acquired", 1), ("lost", 1)]
+            await fake_time.run_for(0.5)  # B's next retry, at +3: far sooner than the TTL
+            assert (b.is_leader, b.term) == (True, 2)
+            assert wb.started == [(2, 1003.0)]
+            assert terms(tracked_store) == [
+                (1, "A", 1_700_000_000.0, 1_700_000_002.5),
+                (2, "B", 1_700_000_003.0, None),
+            ]
+            assert event_kinds(tracked_store) == ["lease_acquired", "lease_resigned", "lease_acquired"]
+            [row] = tracked_store.transact_sync(views.list_leases)
+            assert (row["holder"], row["term"], row["active"]) == ("B", 2, True)
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_a_refused_renewal_cancels_the_work_at_once(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa = Work(clock)
+        flaky = Flaky(tracked_store, clock)
+        a = LeaseKeeper(flaky, LEASE, "A", wa, settings=S, clock=clock)  # type: ignore[arg-type]
+        try:
+            ks.start(a)
+            await fake_time.run_for(1.5)
+            flaky.refuse = True
+            await fake_time.run_for(0.5)
+            assert not a.is_leader
+            assert wa.cancelled == [(1, 1002.0)]
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_a_renewal_still_in_flight_when_trust_ends_does_not_extend_it(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa, wb = Work(clock), Work(clock)
+        slow = Flaky(tracked_store, clock)
+        a = LeaseKeeper(slow, LEASE, "A", wa, settings=S, clock=clock)  # type: ignore[arg-type]
+        b = LeaseKeeper(tracked_store, LEASE, "B", wb, settings=S, clock=clock)
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            ks.start(b)
+            await fake_time.run_for(1.5)
+            slow.renew_delay = 3.5  # the renewal sent at +2 would reach the database only at +5.5
+            await fake_time.run_for(6.0)
+            # trust counts from the last renewal that succeeded, sent at +1: +1 + TTL - margin = +5.
+            # The renewal still in flight then is abandoned; the work stops at +5, not later.
+            assert slow.renewals == 1
+            assert wa.cancelled[0] == (1, 1005.0)
+            assert terms(tracked_store)[0] == (1, "A", 1_700_000_000.0, 1_700_000_005.0)
+            assert event_kinds(tracked_store)[:2] == ["lease_acquired", "lease_resigned"]
+            assert not (wa.running and wb.running)
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_a_hung_renewal_stops_the_work_when_the_trust_window_ends(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa, wb = Work(clock), Work(clock)
+        hung = Flaky(tracked_store, clock)
+        a = LeaseKeeper(hung, LEASE, "A", wa, settings=S, clock=clock)  # type: ignore[arg-type]
+        b = LeaseKeeper(tracked_store, LEASE, "B", wb, settings=S, clock=clock)
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            ks.start(b)
+            await fake_time.run_for(1.5)  # renewed at +1: trusted until +1 + 5 - 1 = +5
+            hung.hang = True  # the renewal sent at +2 never returns (a paused or partitioned process)
+            await fake_time.run_for(4.0)  # +5.5
+            assert not wa.running, "the work must stop when the trust window ends"
+            await fake_time.run_for(1.0)  # +6.5: the lease expired at +6 and B took over at its retry
+            assert b.is_leader
+            # never two leaders' work at once
+            assert wa.cancelled[0][1] <= wb.started[0][1]
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_a_leader_whose_work_stops_making_progress_gives_up_the_lease(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        stalled = Work(clock, progress=False)
+        a = LeaseKeeper(tracked_store, LEASE, "A", stalled, settings=S, clock=clock)
+        try:
+            ks.start(a)
+            await fake_time.run_for(3.0)
+            assert a.is_leader and stalled.running  # 3 s without progress is still within stall_after
+            await fake_time.run_for(1.0)
+            assert stalled.cancelled[:1] == [(1, 1004.0)]  # noticed at the first renewal past 3 s
+            assert terms(tracked_store)[0] == (1, "A", 1_700_000_000.0, 1_700_000_004.0)
+            assert "lease_resigned" in event_kinds(tracked_store)
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_a_stalled_leader_lets_a_healthy_keeper_take_over(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        stalled, healthy = Work(clock, progress=False), Work(clock)
+        a = LeaseKeeper(tracked_store, LEASE, "A", stalled, settings=S, clock=clock)
+        b = LeaseKeeper(tracked_store, LEASE, "B", healthy, settings=S, clock=clock)
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            ks.start(b)
+            await fake_time.run_for(6.0)  # A gives up at +4; B retries at +5
+            assert b.is_leader and healthy.running
+            assert [holder for _, holder, _, _ in terms(tracked_store)] == ["A", "B"]
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_terms_are_recorded_without_overlap(tracked_store: Any, clock: FakeClock, fake_time: Any) -> None:
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        keepers = [
+            LeaseKeeper(tracked_store, LEASE, name, Work(clock), settings=S, clock=clock) for name in "ABC"
+        ]
+        try:
+            stops = {k.holder: ks.start(k)[0] for k in keepers}
+            for _ in range(3):
+                await fake_time.run_for(2.0)
+                [leader] = [k for k in keepers if k.is_leader]
+                stops[leader.holder].set()
+            await fake_time.run_for(2.0)
+            recorded = terms(tracked_store)
+            assert [t for t, _, _, _ in recorded] == [1, 2, 3]
+            assert len({h for _, h, _, _ in recorded}) == 3  # each keeper led once, then stopped
+            for (_, _, _, ended), (_, _, acquired, _) in itertools.pairwise(recorded):
+                assert ended is not None and ended <= acquired
+            assert recorded[-1][3] is not None
+            assert not any(k.is_leader for k in keepers)
+        finally:
+            await ks.close()
+
+    run(body())

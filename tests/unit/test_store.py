@@ -1,0 +1,891 @@
+"""The SQLite store's transitions, on a fake clock: submission, claims, replies, the supervisor's
+sweep, escalation, compensation, cancel, retry, fencing and migrations.
+
+Time is the FakeClock's: the SQL reads it through ``sw_now()``, so ``clock.advance`` moves deadlines.
+The default workflow (conftest ``make_workflow``) is a -> b -> c on agent ``svc``, 10 s budget per
+attempt, each step undone by ``svc.undo_<step>``, back-off exactly 10 s then 20 s, 3 failures allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sqlite3
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from stepwarden.clock import FakeClock
+from stepwarden.errors import InputError, LostOwnership, MigrationError, NotFound
+from stepwarden.policies import Backoff, Retry
+from stepwarden.store import ApplyResult, RequestMsg, SQLiteStore, Store, SweepResult, open_store, views
+from stepwarden.store import transitions as t
+from stepwarden.supervisor import Supervisor, SupervisorSettings
+from stepwarden.workflow import Workflow, encode_input
+
+ME = "sched-1:1:aaa"
+AGENT = "agent-1:1:bbb"
+SUP = "sup-1:1:ccc"
+Factory = Callable[..., Workflow]
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coro)
+
+
+def submit(store: Store, wf: Workflow, value: Any = None, **kw: Any) -> int:
+    return submit_full(store, wf, value, **kw)[0]
+
+
+def submit_full(store: Store, wf: Workflow, value: Any = None, **kw: Any) -> tuple[int, bool]:
+    opts: dict[str, Any] = {"correlation_id": None, "idempotency_key": None, "priority": 0, "reply_to": None}
+    opts.update(kw)
+    text = encode_input({"order": 1} if value is None else value)
+    return store.transact_sync(t.submit, wf, text, **opts)
+
+
+def claim(store: Store, limit: int = 10, me: str = ME) -> int:
+    return store.transact_sync(t.claim_and_dispatch, me, limit)
+
+
+def apply(store: Store, limit: int = 50, me: str = ME) -> ApplyResult:
+    return store.transact_sync(t.apply_replies, me, limit, random.Random(0))
+
+
+def take(store: Store, limit: int = 10, agent: str = "svc") -> list[RequestMsg]:
+    return run(store.claim_requests(AGENT, [agent], limit))  # type: ignore[no-any-return]
+
+
+def send(
+    store: Store, request_id: int, outcome: str = "ok", result: Any = None, error: str | None = None
+) -> None:
+    run(store.send_reply(AGENT, request_id, outcome, result, error))
+
+
+def lease(store: Store, holder: str = SUP, ttl: float = 1e6) -> int:
+    got = run(store.acquire_lease("supervisor", holder, ttl))
+    assert got is not None
+    return int(got[0])
+
+
+def sweep(store: Store, term: int, limit: int = 100, me: str = SUP) -> SweepResult:
+    return store.transact_sync(t.sweep_expired, me, "supervisor", term, limit, random.Random(0))
+
+
+def q(store: Store, sql: str, *params: Any) -> list[dict[str, Any]]:
+    return store.transact_sync(lambda tx: tx.sql(sql, params))
+
+
+def task(store: Store, task_id: int) -> dict[str, Any]:
+    return q(store, "SELECT * FROM tasks WHERE id = ?", task_id)[0]
+
+
+def steps(store: Store, task_id: int) -> list[dict[str, Any]]:
+    return q(store, "SELECT * FROM steps WHERE task_id = ? ORDER BY idx", task_id)
+
+
+def step(store: Store, task_id: int, name: str) -> dict[str, Any]:
+    return next(s for s in steps(store, task_id) if s["name"] == name)
+
+
+def states(store: Store, task_id: int) -> tuple[str, list[str]]:
+    return task(store, task_id)["state"], [s["state"] for s in steps(store, task_id)]
+
+
+def requests(store: Store, task_id: int) -> list[dict[str, Any]]:
+    return q(store, "SELECT * FROM requests WHERE task_id = ? ORDER BY id", task_id)
+
+
+def last_request(store: Store, task_id: int, name: str) -> dict[str, Any]:
+    idx = step(store, task_id, name)["idx"]
+    return [r for r in requests(store, task_id) if r["step_idx"] == idx][-1]
+
+
+def event_kinds(store: Store, task_id: int) -> list[str]:
+    return [e["kind"] for e in q(store, "SELECT kind FROM events WHERE task_id = ? ORDER BY id", task_id)]
+
+
+def alerts(store: Store) -> list[dict[str, Any]]:
+    return store.transact_sync(views.list_alerts)
+
+
+def reply(
+    store: Store, task_id: int, name: str, outcome: str = "ok", result: Any = None, error: str | None = None
+) -> None:
+    """The agent's answer to the step's latest request."""
+    send(store, last_request(store, task_id, name)["id"], outcome, result, error)
+
+
+def complete(store: Store, task_id: int, name: str, result: Any = None) -> ApplyResult:
+    reply(store, task_id, name, "ok", {"done": name} if result is None else result)
+    r = apply(store)
+    assert r.accepted == 1, r
+    return r
+
+
+def snapshot(store: Store) -> dict[str, list[dict[str, Any]]]:
+    """Everything a transition may change, except the audit tables."""
+    return {
+        table: q(
+            store, f"SELECT * FROM {table} ORDER BY rowid" if table != "steps" else "SELECT * FROM steps"
+        )
+        for table in ("tasks", "steps", "requests", "alerts", "leases")
+    }
+
+
+def count(store: Store, table: str) -> int:
+    return int(q(store, f"SELECT COUNT(*) AS n FROM {table}")[0]["n"])
+
+
+# -- submission ------------------------------------------------------------------------------------
+
+
+def test_submit_writes_the_task_and_one_row_per_step(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    wf = make_workflow("a", "b", "c", budget=7.5)
+    task_id, created = submit_full(store, wf, {"sku": "x"}, correlation_id="order-9", priority=3)
+    assert created
+    row = task(store, task_id)
+    assert (row["state"], row["workflow"], row["correlation_id"], row["priority"]) == (
+        "pending",
+        "wf",
+        "order-9",
+        3,
+    )
+    assert json.loads(row["input"]) == {"sku": "x"}
+    assert row["created_at"] == clock.wall() and row["locked_by"] is None
+    assert [
+        (s["idx"], s["name"], s["operation"], s["compensate"], s["state"], s["attempt"], s["budget"])
+        for s in steps(store, task_id)
+    ] == [
+        (0, "a", "svc.do_a", "svc.undo_a", "pending", 0, 7.5),
+        (1, "b", "svc.do_b", "svc.undo_b", "pending", 0, 7.5),
+        (2, "c", "svc.do_c", "svc.undo_c", "pending", 0, 7.5),
+    ]
+    assert event_kinds(store, task_id) == ["received"]
+
+
+def test_submit_is_one_transaction_a_failure_leaves_nothing(
+    store: SQLiteStore, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every step row gets idx 0: the task and the first step are written, the second one fails.
+    monkeypatch.setitem(store.queries, "insert_step", store.queries["insert_step"].replace(":idx", "0"))
+    with pytest.raises(sqlite3.IntegrityError):
+        submit(store, make_workflow())
+    assert (count(store, "tasks"), count(store, "steps"), count(store, "events")) == (0, 0, 0)
+
+
+def test_idempotency_key_returns_the_existing_task(store: Store, make_workflow: Factory) -> None:
+    wf = make_workflow()
+    first = submit_full(store, wf, {"n": 1}, idempotency_key="order-1:v1")
+    again = submit_full(store, wf, {"n": 2}, idempotency_key="order-1:v1")
+    other = submit_full(store, wf, {"n": 3}, idempotency_key="order-2:v1")
+    assert first == (first[0], True)
+    assert again == (first[0], False)
+    assert other[1] and other[0] != first[0]
+    assert count(store, "tasks") == 2 and count(store, "steps") == 6
+    assert json.loads(task(store, first[0])["input"]) == {"n": 1}
+    assert event_kinds(store, first[0]) == ["received"]
+
+
+def test_higher_priority_is_claimed_first_then_oldest(store: Store, make_workflow: Factory) -> None:
+    wf = make_workflow()
+    ids = {
+        p: submit(store, wf, priority=prio)
+        for p, prio in [("low", 0), ("high1", 5), ("mid", 1), ("high2", 5)]
+    }
+    order = []
+    for _ in range(4):
+        assert claim(store, limit=1) == 1
+        locked = {r["id"] for r in q(store, "SELECT id FROM tasks WHERE locked_by IS NOT NULL")}
+        order.append(next(p for p, i in ids.items() if i in locked and p not in order))
+    assert order == ["high1", "high2", "mid", "low"]
+    assert claim(store) == 0
+
+
+def test_claim_is_exclusive_between_two_schedulers(
+    db_path: Any, clock: FakeClock, make_workflow: Factory
+) -> None:
+    s1 = open_store(f"sqlite:///{db_path}", clock=clock)
+    s2 = open_store(f"sqlite:///{db_path}", clock=clock)
+    try:
+        wf = make_workflow()
+        ids = [submit(s1, wf) for _ in range(40)]
+        barrier = threading.Barrier(2)
+        got: dict[str, int] = {}
+
+        def scheduler(s: Store, me: str) -> None:
+            barrier.wait()
+            n = 0
+            while (k := s.transact_sync(t.claim_and_dispatch, me, 3)) > 0:
+                n += k
+            got[me] = n
+
+        threads = [threading.Thread(target=scheduler, args=(s, f"s{i}")) for i, s in enumerate((s1, s2))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=20)
+        assert got["s0"] + got["s1"] == 40
+        for task_id in ids:
+            assert event_kinds(s1, task_id).count("claimed") == 1
+            assert len(requests(s1, task_id)) == 1
+            assert task(s1, task_id)["locked_by"] in ("s0", "s1")
+            assert task(s1, task_id)["locked_by"] == requests(s1, task_id)[0]["dispatched_by"]
+    finally:
+        s1.close()
+        s2.close()
+
+
+# -- dispatch and replies --------------------------------------------------------------------------
+
+
+def test_dispatch_starts_attempt_one_with_complete_by_from_the_database_clock(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    task_id = submit(store, make_workflow(budget=12.0), {"sku": "x"})
+    clock.advance(100.0)
+    now = clock.wall()
+    assert claim(store) == 1
+    a, b, _ = steps(store, task_id)
+    assert (a["state"], a["attempt"], a["locked_by"]) == ("running", 1, ME)
+    assert a["complete_by"] == pytest.approx(now + 12.0, abs=1e-6)
+    assert (b["state"], b["attempt"]) == ("pending", 0)
+    row = task(store, task_id)
+    assert (row["state"], row["locked_by"]) == ("processing", ME)
+    [req] = requests(store, task_id)
+    assert (req["attempt"], req["kind"], req["agent"], req["operation"], req["state"]) == (
+        1,
+        "do",
+        "svc",
+        "do_a",
+        "queued",
+    )
+    assert req["idempotency_key"] == f"{task_id}:a"
+    assert req["complete_by"] == a["complete_by"]
+    assert json.loads(req["payload"]) == {"input": {"sku": "x"}, "results": {}}
+    clock.advance(2.5)
+    [msg] = take(store)
+    assert msg.remaining == pytest.approx(12.0 - 2.5, abs=1e-6)
+    assert (msg.attempt, msg.idempotency_key) == (1, f"{task_id}:a")
+    assert requests(store, task_id)[0]["state"] == "taken"
+
+
+def test_agents_cannot_take_a_request_whose_complete_by_passed(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    submit(store, make_workflow())
+    claim(store)
+    clock.advance(10.0)
+    assert take(store) == []
+
+
+def test_current_reply_completes_the_step_and_dispatches_the_next(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    task_id = submit(store, make_workflow(), {"sku": "x"})
+    claim(store)
+    [msg] = take(store)
+    clock.advance(9.0)
+    send(store, msg.id, "ok", {"reserved": 2})
+    r = apply(store, me="sched-2")
+    assert (r.accepted, r.stale) == (1, 0)
+    a, b, c = steps(store, task_id)
+    assert (a["state"], json.loads(a["result"])) == ("completed", {"reserved": 2})
+    assert (b["state"], b["attempt"], b["locked_by"]) == ("running", 1, "sched-2")
+    assert b["complete_by"] == pytest.approx(clock.wall() + 10.0, abs=1e-6)
+    assert c["state"] == "pending"
+    req_b = last_request(store, task_id, "b")
+    assert json.loads(req_b["payload"]) == {"input": {"sku": "x"}, "results": {"a": {"reserved": 2}}}
+    assert event_kinds(store, task_id)[-2:] == ["step_completed", "dispatched"]
+
+
+def test_completion_and_next_dispatch_commit_together(
+    store: SQLiteStore, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task_id = submit(store, make_workflow())
+    claim(store)
+    reply(store, task_id, "a", "ok", {"r": 1})
+    before = snapshot(store)
+    with monkeypatch.context() as m:
+        m.setitem(store.queries, "insert_request", "INSERT INTO no_such_table VALUES (1)")
+        with pytest.raises(sqlite3.OperationalError):
+            apply(store)
+    assert snapshot(store) == before  # the step did not complete without its successor dispatched
+    assert q(store, "SELECT status FROM replies") == [{"status": "new"}]
+    assert apply(store).accepted == 1
+    assert states(store, task_id) == ("processing", ["completed", "running", "pending"])
+
+
+def test_a_task_runs_to_processed_and_reports_on_its_reply_queue(
+    store: Store, make_workflow: Factory
+) -> None:
+    task_id = submit(store, make_workflow(), correlation_id="order-7", reply_to="web-1")
+    claim(store)
+    for name in ("a", "b", "c"):
+        r = complete(store, task_id, name, {"out": name})
+    assert r.finished == [(task_id, "processed")]
+    assert states(store, task_id) == ("processed", ["completed"] * 3)
+    assert task(store, task_id)["locked_by"] is None and task(store, task_id)["finished_at"] is not None
+    msgs = q(store, "SELECT kind, correlation_id, body FROM messages WHERE queue = 'web-1' ORDER BY id")
+    assert [m["kind"] for m in msgs] == [
+        "received",
+        "step_completed",
+        "step_completed",
+        "step_completed",
+        "processed",
+    ]
+    assert {m["correlation_id"] for m in msgs} == {"order-7"}
+    assert json.loads(msgs[-1]["body"])["results"] == {
+        "a": {"out": "a"},
+        "b": {"out": "b"},
+        "c": {"out": "c"},
+    }
+
+
+@pytest.mark.parametrize(("late_by", "accepted"), [(0.0, True), (0.001, False), (5.0, False)])
+def test_reply_after_complete_by_is_stale_and_changes_nothing(
+    store: Store, clock: FakeClock, make_workflow: Factory, late_by: float, accepted: bool
+) -> None:
+    task_id = submit(store, make_workflow())
+    claim(store)
+    [msg] = take(store)
+    clock.advance(10.0 + late_by)
+    send(store, msg.id, "ok", {"late": True})
+    before = snapshot(store)
+    r = apply(store)
+    if accepted:  # exactly at complete-by is still in time
+        assert (r.accepted, r.stale) == (1, 0)
+        assert step(store, task_id, "a")["state"] == "completed"
+        return
+    assert (r.accepted, r.stale) == (0, 1)
+    assert snapshot(store) == before
+    assert states(store, task_id) == ("processing", ["running", "pending", "pending"])
+    assert q(store, "SELECT status FROM replies") == [{"status": "stale"}]
+    stale = q(store, "SELECT step_idx, attempt, detail FROM events WHERE kind = 'stale_reply'")
+    assert [(e["step_idx"], e["attempt"], json.loads(e["detail"])["current_attempt"]) for e in stale] == [
+        (0, 1, 1)
+    ]
+
+
+def test_late_reply_of_an_old_attempt_after_a_rescue_is_stale(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    task_id = submit(store, make_workflow())
+    claim(store)
+    [old] = take(store)
+    clock.advance(10.5)
+    assert sweep(store, term).rescued == 1
+    clock.advance(10.0)  # the back-off
+    assert claim(store) == 1
+    [new] = take(store)
+    assert (old.attempt, new.attempt) == (1, 2)
+    assert old.idempotency_key == new.idempotency_key  # stable across attempts
+    send(store, old.id, "ok", {"from": "attempt 1"})  # the slow agent finally answers
+    before = snapshot(store)
+    r = apply(store)
+    assert (r.accepted, r.stale) == (0, 1)
+    assert snapshot(store) == before
+    a = step(store, task_id, "a")
+    assert (a["state"], a["attempt"], a["result"]) == ("running", 2, None)
+    # the current attempt still completes normally afterwards
+    send(store, new.id, "ok", {"from": "attempt 2"})
+    assert apply(store).accepted == 1
+    a = step(store, task_id, "a")
+    assert (a["state"], json.loads(a["result"])) == ("completed", {"from": "attempt 2"})
+    assert step(store, task_id, "b")["state"] == "running"
+
+
+def test_a_reply_for_the_wrong_kind_or_a_finished_step_is_stale(store: Store, make_workflow: Factory) -> None:
+    task_id = submit(store, make_workflow())
+    claim(store)
+    reply(store, task_id, "a", "ok", 1)
+    reply(store, task_id, "a", "ok", 2)  # a duplicate reply to the same attempt
+    r = apply(store)
+    assert (r.accepted, r.stale) == (1, 1)
+    assert json.loads(step(store, task_id, "a")["result"]) == 1
+
+
+# -- the supervisor's sweep ------------------------------------------------------------------------
+
+
+def test_sweep_rescues_only_expired_attempts_and_backs_off(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    wf = make_workflow()
+    early = submit(store, wf)
+    claim(store)
+    clock.advance(5.0)
+    later = submit(store, wf)
+    claim(store)
+    clock.advance(5.5)  # early's attempt expired 0.5 s ago; later's has 4.5 s left
+    later_before = (task(store, later), steps(store, later), requests(store, later))
+    r = sweep(store, term)
+    assert (r.rescued, r.escalated) == (1, 0)
+    assert (task(store, later), steps(store, later), requests(store, later)) == later_before
+    a = step(store, early, "a")
+    assert (a["state"], a["failure_count"], a["attempt"], a["locked_by"], a["complete_by"]) == (
+        "pending",
+        1,
+        1,
+        None,
+        None,
+    )
+    assert "passed complete-by" in a["last_error"]
+    row = task(store, early)
+    assert (row["state"], row["locked_by"], row["failure_count"]) == ("pending", None, 1)
+    assert row["run_at"] == pytest.approx(clock.wall() + 10.0, abs=1e-6)
+    assert (requests(store, early)[0]["state"], requests(store, early)[0]["outcome"]) == (
+        "expired",
+        "expired",
+    )
+    assert event_kinds(store, early)[-2:] == ["rescued", "retry_scheduled"]
+    # not claimable until the back-off has passed on the database clock
+    clock.advance(9.875)
+    assert claim(store) == 0
+    clock.advance(0.125)
+    assert claim(store) == 1
+    a = step(store, early, "a")
+    assert (a["state"], a["attempt"], a["failure_count"]) == ("running", 2, 1)
+    # a second expiry doubles the back-off
+    clock.advance(10.5)
+    sweep(store, term)
+    assert task(store, early)["run_at"] == pytest.approx(clock.wall() + 20.0, abs=1e-6)
+
+
+def test_sweep_leaves_an_expired_attempt_whose_reply_is_waiting(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    task_id = submit(store, make_workflow())
+    claim(store)
+    clock.advance(9.0)
+    reply(store, task_id, "a", "ok", {"x": 1})  # in time, not yet applied
+    clock.advance(2.0)
+    assert sweep(store, term).rescued == 0
+    assert apply(store).accepted == 1
+    assert step(store, task_id, "a")["state"] == "completed"
+
+
+def test_reaching_max_failures_escalates_to_error_with_an_alert(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    wf = make_workflow("a", "b", retry=Retry(max_failures=2, backoff=Backoff(initial=10, jitter=0)))
+    task_id = submit(store, wf)
+    claim(store)
+    complete(store, task_id, "a")
+    clock.advance(10.5)
+    assert sweep(store, term).escalated == 0
+    clock.advance(10.0)
+    claim(store)
+    clock.advance(10.5)
+    r = sweep(store, term)
+    assert (r.rescued, r.escalated) == (1, 1)
+    assert states(store, task_id) == ("error", ["completed", "failed"])
+    assert step(store, task_id, "b")["failure_count"] == 2
+    [al] = alerts(store)
+    assert (al["kind"], al["task_id"], al["step"]) == ("task_error", task_id, "b")
+    assert "'b' failed after 2 failure(s)" in al["message"]
+    assert r.alerts[0]["id"] == al["id"]
+    assert event_kinds(store, task_id)[-1] == "error"
+    clock.advance(1000.0)
+    assert claim(store) == 0 and sweep(store, term).rescued == 0  # an error task stays put
+
+
+def test_reaching_max_failures_can_compensate_in_reverse_order(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    escalate = Retry(max_failures=1, escalation="compensate")
+    wf = make_workflow("a", "b", "c", "d", steps={"c": {"retry": escalate}})
+    task_id = submit(store, wf, reply_to="web-1")
+    claim(store)
+    complete(store, task_id, "a", {"reserved": "r-1"})
+    complete(store, task_id, "b", {"charged": "c-1"})
+    clock.advance(10.5)  # c's only attempt expires
+    r = sweep(store, term)
+    assert (r.rescued, r.escalated) == (1, 1)
+    assert states(store, task_id) == ("compensating", ["completed", "completed", "compensating", "skipped"])
+    undo_order = []
+    for _ in range(3):
+        req = requests(store, task_id)[-1]
+        assert req["kind"] == "undo"
+        name = steps(store, task_id)[req["step_idx"]]["name"]
+        undo_order.append(name)
+        assert (req["attempt"], req["operation"], req["idempotency_key"]) == (
+            2,
+            f"undo_{name}",
+            f"{task_id}:{name}",
+        )
+        payload = json.loads(req["payload"])
+        assert payload["undo"] == {"a": {"reserved": "r-1"}, "b": {"charged": "c-1"}, "c": None}[name]
+        complete(store, task_id, name)
+    assert undo_order == ["c", "b", "a"]
+    assert states(store, task_id) == ("compensated", ["compensated", "compensated", "compensated", "skipped"])
+    assert [m["kind"] for m in q(store, "SELECT kind FROM messages ORDER BY id")][-2:] == [
+        "step_compensated",
+        "compensated",
+    ]
+    assert alerts(store) == []
+
+
+def test_wait_escalation_retries_after_the_extended_wait_and_alerts(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    wf = make_workflow("a", retry=Retry(max_failures=1, escalation="wait", escalation_wait=300.0))
+    task_id = submit(store, wf)
+    claim(store)
+    clock.advance(10.5)
+    r = sweep(store, term)
+    assert (r.rescued, r.escalated) == (1, 0)
+    assert task(store, task_id)["state"] == "pending"
+    assert task(store, task_id)["run_at"] == pytest.approx(clock.wall() + 300.0, abs=1e-6)
+    assert [a["kind"] for a in alerts(store)] == ["step_escalated"]
+    clock.advance(299.0)
+    assert claim(store) == 0
+    clock.advance(1.0)
+    assert claim(store) == 1
+
+
+# -- error replies -----------------------------------------------------------------------------------
+
+
+def test_transient_retry_reply_counts_a_failure_and_backs_off(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    task_id = submit(store, make_workflow())
+    claim(store)
+    reply(store, task_id, "a", "retry", error="transient: 503")
+    apply(store)
+    a = step(store, task_id, "a")
+    assert (a["state"], a["failure_count"], a["last_error"]) == ("pending", 1, "transient: 503")
+    assert task(store, task_id)["run_at"] == pytest.approx(clock.wall() + 10.0, abs=1e-6)
+    assert claim(store) == 0
+
+
+def test_permanent_error_reply_applies_on_error_at_once(store: Store, make_workflow: Factory) -> None:
+    task_id = submit(store, make_workflow(retry=Retry(max_failures=5)))
+    claim(store)
+    complete(store, task_id, "a")
+    reply(store, task_id, "b", "error", error="card declined")
+    r = apply(store)
+    assert r.finished == [(task_id, "error")]
+    assert states(store, task_id) == ("error", ["completed", "failed", "pending"])
+    assert step(store, task_id, "b")["failure_count"] == 1  # far below max_failures: no retry
+    [al] = alerts(store)
+    assert (al["kind"], al["step"]) == ("task_error", "b")
+    assert "card declined" in al["message"]
+    assert task(store, task_id)["last_error"] == "card declined"
+
+
+def test_permanent_error_with_on_error_compensate_undoes_started_steps(
+    store: Store, make_workflow: Factory
+) -> None:
+    wf = make_workflow(steps={"b": {"on_error": "compensate", "compensate": None}})
+    task_id = submit(store, wf)
+    claim(store)
+    complete(store, task_id, "a")
+    reply(store, task_id, "b", "error", error="card declined")
+    apply(store)
+    assert states(store, task_id) == ("compensating", ["compensating", "failed", "skipped"])
+    assert last_request(store, task_id, "a")["kind"] == "undo"
+    complete(store, task_id, "a")
+    assert states(store, task_id) == ("compensated", ["compensated", "failed", "skipped"])
+    assert alerts(store) == []
+
+
+def test_a_compensation_that_keeps_failing_ends_in_error_naming_the_step(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    wf = make_workflow(steps={"b": {"on_error": "compensate", "compensate": None}})  # 3 failures allowed
+    task_id = submit(store, wf)
+    claim(store)
+    complete(store, task_id, "a")
+    reply(store, task_id, "b", "error", error="declined")
+    apply(store)
+    # undo of a: 1st attempt says "retry", 2nd expires, 3rd says "retry" again
+    reply(store, task_id, "a", "retry", error="transient: 502")
+    apply(store)
+    assert (task(store, task_id)["state"], step(store, task_id, "a")["comp_failures"]) == ("compensating", 1)
+    assert claim(store) == 0  # backing off
+    clock.advance(10.0)
+    assert claim(store) == 1
+    clock.advance(10.5)
+    assert sweep(store, term).rescued == 1
+    clock.advance(20.0)
+    assert claim(store) == 1
+    assert [r["kind"] for r in requests(store, task_id) if r["step_idx"] == 0] == [
+        "do",
+        "undo",
+        "undo",
+        "undo",
+    ]
+    reply(store, task_id, "a", "retry", error="transient: 502")
+    r = apply(store)
+    assert states(store, task_id) == ("error", ["failed", "failed", "skipped"])
+    [al] = alerts(store)
+    assert (al["kind"], al["task_id"], al["step"]) == ("compensation_failed", task_id, "a")
+    assert "NOT undone" in al["message"]
+    assert r.alerts[0]["kind"] == "compensation_failed"
+
+
+# -- cancel and retry -----------------------------------------------------------------------------------
+
+
+def test_cancel_of_a_pending_task_compensates_its_started_steps_then_ends_cancelled(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    task_id = submit(store, make_workflow(), reply_to="web-1")
+    claim(store)
+    complete(store, task_id, "a")
+    clock.advance(10.5)
+    sweep(store, term)  # b is backing off: the task is pending, unlocked
+    assert task(store, task_id)["state"] == "pending"
+    assert store.transact_sync(t.cancel_task, task_id, "operator") == "compensating"
+    assert states(store, task_id) == ("compensating", ["completed", "pending", "skipped"])
+    assert claim(store) == 1  # at once, not after the back-off
+    for name in ("b", "a"):  # b started (its attempt expired), so it is undone too, first
+        assert last_request(store, task_id, name)["kind"] == "undo"
+        complete(store, task_id, name)
+    assert states(store, task_id) == ("cancelled", ["compensated", "compensated", "skipped"])
+    kinds = event_kinds(store, task_id)
+    assert kinds.index("cancel_requested") < kinds.index("cancelled") == len(kinds) - 1
+    assert q(store, "SELECT kind FROM messages ORDER BY id DESC LIMIT 1") == [{"kind": "cancelled"}]
+
+
+def test_cancel_of_a_task_that_never_started_ends_cancelled_without_undo(
+    store: Store, make_workflow: Factory
+) -> None:
+    task_id = submit(store, make_workflow())
+    store.transact_sync(t.cancel_task, task_id, "operator")
+    assert claim(store) == 1
+    assert states(store, task_id) == ("cancelled", ["skipped"] * 3)
+    assert requests(store, task_id) == []
+
+
+def test_cancel_while_a_step_runs_takes_effect_when_its_reply_arrives(
+    store: Store, make_workflow: Factory
+) -> None:
+    task_id = submit(store, make_workflow())
+    claim(store)
+    complete(store, task_id, "a")
+    assert store.transact_sync(t.cancel_task, task_id, "operator") == "processing"
+    assert states(store, task_id) == ("processing", ["completed", "running", "pending"])
+    assert claim(store) == 0
+    assert len(requests(store, task_id)) == 2  # nothing new dispatched yet
+    complete(store, task_id, "b")
+    assert states(store, task_id) == ("compensating", ["completed", "compensating", "skipped"])
+    complete(store, task_id, "b")
+    complete(store, task_id, "a")
+    assert states(store, task_id) == ("cancelled", ["compensated", "compensated", "skipped"])
+
+
+def test_cancel_is_honoured_when_the_running_step_then_fails(store: Store, make_workflow: Factory) -> None:
+    task_id = submit(store, make_workflow())
+    claim(store)
+    complete(store, task_id, "a")
+    store.transact_sync(t.cancel_task, task_id, "operator")
+    reply(store, task_id, "b", "error", error="card declined")  # the running step fails for good
+    apply(store)
+    # the operator asked to undo the task: what it started is compensated and it ends cancelled
+    assert task(store, task_id)["state"] == "compensating"
+    for name in ("b", "a"):
+        assert last_request(store, task_id, name)["kind"] == "undo"
+        complete(store, task_id, name)
+    assert states(store, task_id) == ("cancelled", ["compensated", "compensated", "skipped"])
+
+
+def test_cancel_refuses_finished_tasks_and_unknown_ids(store: Store, make_workflow: Factory) -> None:
+    task_id = submit(store, make_workflow("a"))
+    claim(store)
+    complete(store, task_id, "a")
+    with pytest.raises(InputError, match="already processed"):
+        store.transact_sync(t.cancel_task, task_id, "operator")
+    with pytest.raises(NotFound):
+        store.transact_sync(t.cancel_task, 999, "operator")
+
+
+def _errored_at_b(store: Store, clock: FakeClock, wf: Workflow, term: int) -> int:
+    """a completes; b expires once, then fails permanently: the task is error at b."""
+    task_id = submit(store, wf)
+    claim(store)
+    complete(store, task_id, "a", {"a": 1})
+    clock.advance(10.5)
+    sweep(store, term)
+    clock.advance(10.0)
+    claim(store)
+    reply(store, task_id, "b", "error", error="bad sku")
+    apply(store)
+    assert states(store, task_id) == ("error", ["completed", "failed", "pending"])
+    return task_id
+
+
+def test_retry_task_resumes_from_the_failed_step_with_a_fresh_failure_count(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    wf = make_workflow(retry=Retry(max_failures=2, backoff=Backoff(initial=10, jitter=0)))
+    task_id = _errored_at_b(store, clock, wf, term)
+    assert step(store, task_id, "b")["failure_count"] == 2
+    store.transact_sync(t.retry_task, task_id, None, "operator")
+    row = task(store, task_id)
+    assert (row["state"], row["locked_by"], row["last_error"]) == ("pending", None, None)
+    assert claim(store) == 1
+    a, b, _ = steps(store, task_id)
+    assert (a["state"], a["attempt"]) == ("completed", 1)  # never runs again
+    assert (b["state"], b["attempt"]) == ("running", 3)
+    assert json.loads(last_request(store, task_id, "b")["payload"])["results"] == {"a": {"a": 1}}
+    # the retried step gets its full failure budget again: one expiry is a retry, not an escalation
+    clock.advance(10.5)
+    assert sweep(store, term).escalated == 0
+    assert task(store, task_id)["state"] == "pending"
+    clock.advance(10.0)
+    claim(store)
+    complete(store, task_id, "b")
+    complete(store, task_id, "c")
+    assert states(store, task_id) == ("processed", ["completed"] * 3)
+    assert "retried" in event_kinds(store, task_id)
+
+
+def test_retry_task_refuses_bad_states_and_steps(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    wf = make_workflow()
+    running = submit(store, wf)
+    claim(store)
+    with pytest.raises(InputError, match="is processing"):
+        store.transact_sync(t.retry_task, running, None, "operator")
+    with pytest.raises(NotFound):
+        store.transact_sync(t.retry_task, 999, None, "operator")
+    failed = _errored_at_b(store, clock, wf, term)
+    before = snapshot(store)
+    with pytest.raises(InputError, match="has no step 'zz'; its steps are a, b, c"):
+        store.transact_sync(t.retry_task, failed, "zz", "operator")
+    with pytest.raises(InputError, match="step 'c' comes after step 'b'"):
+        store.transact_sync(t.retry_task, failed, "c", "operator")
+    assert snapshot(store) == before
+    # from an earlier, completed step is allowed: it runs again
+    store.transact_sync(t.retry_task, failed, "a", "operator")
+    claim(store)
+    assert step(store, failed, "a")["state"] == "running"
+
+
+def test_retry_of_a_cancelled_task_restarts_from_the_first_step_only(
+    store: Store, make_workflow: Factory
+) -> None:
+    task_id = submit(store, make_workflow())
+    store.transact_sync(t.cancel_task, task_id, "operator")
+    claim(store)
+    assert task(store, task_id)["state"] == "cancelled"
+    with pytest.raises(InputError, match="restarts from its first step"):
+        store.transact_sync(t.retry_task, task_id, "b", "operator")
+    store.transact_sync(t.retry_task, task_id, None, "operator")
+    assert claim(store) == 1
+    assert states(store, task_id) == ("processing", ["running", "pending", "pending"])
+    assert task(store, task_id)["cancel_requested"] == 0
+
+
+# -- fencing and batches -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["old-term", "other-holder", "expired", "taken-over"])
+def test_sweep_with_a_lease_not_held_raises_lost_ownership_and_writes_nothing(
+    store: Store, clock: FakeClock, make_workflow: Factory, case: str
+) -> None:
+    term = lease(store, ttl=60.0)
+    submit(store, make_workflow())
+    claim(store)
+    clock.advance(30.0)  # the attempt is long expired; the lease still has 30 s
+    me, use = SUP, term
+    if case == "old-term":
+        use = term - 1
+    elif case == "other-holder":
+        me = "sup-2:2:ddd"
+    elif case == "expired":
+        clock.advance(30.0)
+    else:
+        clock.advance(30.0)
+        assert lease(store, holder="sup-2:2:ddd") == term + 1
+    before = snapshot(store)
+    n_events = count(store, "events")
+    with pytest.raises(LostOwnership, match="supervisor"):
+        sweep(store, use, me=me)
+    assert snapshot(store) == before
+    assert count(store, "events") == n_events
+
+
+def test_sweep_is_bounded_by_its_batch_size(store: Store, clock: FakeClock, make_workflow: Factory) -> None:
+    term = lease(store)
+    ids = [submit(store, make_workflow()) for _ in range(5)]
+    claim(store)
+    clock.advance(10.5)
+    assert [sweep(store, term, limit=2).rescued for _ in range(4)] == [2, 2, 1, 0]
+    assert all(step(store, i, "a")["failure_count"] == 1 for i in ids)
+
+
+def test_supervisor_sweeps_batch_after_batch_until_done(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term = lease(store)
+    for _ in range(5):
+        submit(store, make_workflow())
+    claim(store)
+    clock.advance(10.5)
+    sup = Supervisor(store, SUP, clock=clock, settings=SupervisorSettings(batch=2))
+    sizes: list[int] = []
+    real = store.sweep_expired
+
+    async def spy(*args: Any) -> SweepResult:
+        r = await real(*args)
+        sizes.append(r.rescued)
+        return r
+
+    store.sweep_expired = spy  # type: ignore[method-assign]
+    assert run(sup.sweep(term)).rescued == 5
+    assert sizes == [2, 2, 1]
+
+
+# -- migrations ------------------------------------------------------------------------------------
+
+
+def test_migrations_are_idempotent_and_keep_data(
+    db_path: Any, clock: FakeClock, make_workflow: Factory
+) -> None:
+    first = open_store(f"sqlite:///{db_path}", clock=clock)
+    task_id = submit(first, make_workflow())
+    first.close()
+    again = open_store(f"sqlite:///{db_path}", clock=clock)
+    try:
+        assert isinstance(again, SQLiteStore)
+        assert again.migrate() == 0
+        assert q(again, "SELECT version FROM schema_migrations") == [{"version": 1}]
+        assert task(again, task_id)["state"] == "pending"
+    finally:
+        again.close()
+
+
+def test_a_store_with_a_newer_schema_is_refused(db_path: Any, clock: FakeClock) -> None:
+    s = open_store(f"sqlite:///{db_path}", clock=clock)
+    q(s, "INSERT INTO schema_migrations VALUES (99, 'future', 0)")
+    s.close()
+    with pytest.raises(MigrationError, match="schema is version 99, newer than this stepwarden knows"):
+        open_store(f"sqlite:///{db_path}", clock=clock)
+
+
+def test_a_store_in_a_missing_directory_is_refused(tmp_path: Any, clock: FakeClock) -> None:
+    with pytest.raises(MigrationError, match="does not exist"):
+        open_store(f"sqlite:///{tmp_path}/nope/sw.db", clock=clock)
