@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from stepwarden.clock import FakeClock
+from stepwarden.policies import Backoff, Retry
+from stepwarden.workflow import Step, Workflow
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -87,3 +92,43 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
     return str(request.getfixturevalue("pg_url"))
+
+
+# -- small workflows on a fake clock ------------------------------------------------------------
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_workflow(
+    *names: str,
+    name: str = "wf",
+    agent: str = "svc",
+    budget: float = 10.0,
+    retry: Retry | None = None,
+    compensate: bool = True,
+    on_error: str = "error",
+    steps: dict[str, dict[str, Any]] | None = None,
+) -> Workflow:
+    """A pipeline of steps ``names`` (default a, b, c) calling ``<agent>.do_<step>``, undone by
+    ``<agent>.undo_<step>``. The default retry policy has no jitter: back-off is exactly 10 s, 20 s, ...
+    ``steps={"b": {"on_error": "compensate"}}`` overrides the arguments of one step."""
+    retry = retry or Retry(max_failures=3, backoff=Backoff(initial=10.0, maximum=1000.0, jitter=0.0))
+    out = []
+    for n in names or ("a", "b", "c"):
+        kw: dict[str, Any] = {
+            "complete_by": budget,
+            "retry": retry,
+            "compensate": f"{agent}.undo_{n}" if compensate else None,
+            "on_error": on_error,
+        }
+        kw.update((steps or {}).get(n, {}))
+        out.append(Step(n, f"{agent}.do_{n}", **kw))
+    return Workflow.of(name, out)
+
+
+@pytest.fixture(name="make_workflow")
+def make_workflow_fixture() -> Callable[..., Workflow]:
+    return make_workflow

@@ -19,9 +19,7 @@ from typing import Any
 import pytest
 
 from stepwarden.clock import FakeClock
-from stepwarden.policies import Backoff, Retry
 from stepwarden.store import SQLiteStore, Store, open_store
-from stepwarden.workflow import Step, Workflow
 
 
 class TrackedStore(SQLiteStore):
@@ -80,38 +78,6 @@ def wait_until(pred: Callable[[], bool], timeout: float = 2.0, interval: float =
         time.sleep(interval)
 
 
-def make_workflow(
-    *names: str,
-    name: str = "wf",
-    agent: str = "svc",
-    budget: float = 10.0,
-    retry: Retry | None = None,
-    compensate: bool = True,
-    on_error: str = "error",
-    steps: dict[str, dict[str, Any]] | None = None,
-) -> Workflow:
-    """A pipeline of steps ``names`` (default a, b, c) calling ``<agent>.do_<step>``, undone by
-    ``<agent>.undo_<step>``. The default retry policy has no jitter: back-off is exactly 10 s, 20 s, ...
-    ``steps={"b": {"on_error": "compensate"}}`` overrides the arguments of one step."""
-    retry = retry or Retry(max_failures=3, backoff=Backoff(initial=10.0, maximum=1000.0, jitter=0.0))
-    out = []
-    for n in names or ("a", "b", "c"):
-        kw: dict[str, Any] = {
-            "complete_by": budget,
-            "retry": retry,
-            "compensate": f"{agent}.undo_{n}" if compensate else None,
-            "on_error": on_error,
-        }
-        kw.update((steps or {}).get(n, {}))
-        out.append(Step(n, f"{agent}.do_{n}", **kw))
-    return Workflow.of(name, out)
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "stepwarden.db"
@@ -138,11 +104,6 @@ def tracked_store(db_path: Path, clock: FakeClock, fake_time: FakeTime) -> Itera
     fake_time.stores.append(s)
     yield s
     s.close()
-
-
-@pytest.fixture(name="make_workflow")
-def make_workflow_fixture() -> Callable[..., Workflow]:
-    return make_workflow
 
 
 @pytest.fixture(name="wait_until")

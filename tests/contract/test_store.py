@@ -16,10 +16,11 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import psycopg
 import pytest
 
 from stepwarden.clock import FakeClock
-from stepwarden.errors import InputError, LostOwnership, MigrationError, NotFound
+from stepwarden.errors import InputError, LostOwnership, NotFound
 from stepwarden.policies import Backoff, Retry
 from stepwarden.store import ApplyResult, RequestMsg, SQLiteStore, Store, SweepResult, open_store, views
 from stepwarden.store import transitions as t
@@ -29,6 +30,8 @@ from stepwarden.workflow import Workflow, encode_input
 ME = "sched-1:1:aaa"
 AGENT = "agent-1:1:bbb"
 SUP = "sup-1:1:ccc"
+INTEGRITY_ERRORS = (sqlite3.IntegrityError, psycopg.IntegrityError)
+OPERATIONAL_ERRORS = (sqlite3.OperationalError, psycopg.errors.SyntaxError, psycopg.errors.UndefinedTable)
 Factory = Callable[..., Workflow]
 
 
@@ -131,12 +134,8 @@ def complete(store: Store, task_id: int, name: str, result: Any = None) -> Apply
 
 def snapshot(store: Store) -> dict[str, list[dict[str, Any]]]:
     """Everything a transition may change, except the audit tables."""
-    return {
-        table: q(
-            store, f"SELECT * FROM {table} ORDER BY rowid" if table != "steps" else "SELECT * FROM steps"
-        )
-        for table in ("tasks", "steps", "requests", "alerts", "leases")
-    }
+    order = {"tasks": "id", "steps": "task_id, idx", "requests": "id", "alerts": "id", "leases": "name"}
+    return {table: q(store, f"SELECT * FROM {table} ORDER BY {key}") for table, key in order.items()}
 
 
 def count(store: Store, table: str) -> int:
@@ -176,8 +175,12 @@ def test_submit_is_one_transaction_a_failure_leaves_nothing(
     store: SQLiteStore, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every step row gets idx 0: the task and the first step are written, the second one fails.
-    monkeypatch.setitem(store.queries, "insert_step", store.queries["insert_step"].replace(":idx", "0"))
-    with pytest.raises(sqlite3.IntegrityError):
+    monkeypatch.setitem(
+        store.queries,
+        "insert_step",
+        store.queries["insert_step"].replace(":idx", "0").replace("%(idx)s", "0"),
+    )
+    with pytest.raises(INTEGRITY_ERRORS):
         submit(store, make_workflow())
     assert (count(store, "tasks"), count(store, "steps"), count(store, "events")) == (0, 0, 0)
 
@@ -211,10 +214,10 @@ def test_higher_priority_is_claimed_first_then_oldest(store: Store, make_workflo
 
 
 def test_claim_is_exclusive_between_two_schedulers(
-    db_path: Any, clock: FakeClock, make_workflow: Factory
+    store_url: str, clock: FakeClock, make_workflow: Factory
 ) -> None:
-    s1 = open_store(f"sqlite:///{db_path}", clock=clock)
-    s2 = open_store(f"sqlite:///{db_path}", clock=clock)
+    s1 = open_store(store_url, clock=clock)
+    s2 = open_store(store_url, clock=clock)
     try:
         wf = make_workflow()
         ids = [submit(s1, wf) for _ in range(40)]
@@ -316,7 +319,7 @@ def test_completion_and_next_dispatch_commit_together(
     before = snapshot(store)
     with monkeypatch.context() as m:
         m.setitem(store.queries, "insert_request", "INSERT INTO no_such_table VALUES (1)")
-        with pytest.raises(sqlite3.OperationalError):
+        with pytest.raises(OPERATIONAL_ERRORS):
             apply(store)
     assert snapshot(store) == before  # the step did not complete without its successor dispatched
     assert q(store, "SELECT status FROM replies") == [{"status": "new"}]
@@ -857,35 +860,3 @@ def test_supervisor_sweeps_batch_after_batch_until_done(
     store.sweep_expired = spy  # type: ignore[method-assign]
     assert run(sup.sweep(term)).rescued == 5
     assert sizes == [2, 2, 1]
-
-
-# -- migrations ------------------------------------------------------------------------------------
-
-
-def test_migrations_are_idempotent_and_keep_data(
-    db_path: Any, clock: FakeClock, make_workflow: Factory
-) -> None:
-    first = open_store(f"sqlite:///{db_path}", clock=clock)
-    task_id = submit(first, make_workflow())
-    first.close()
-    again = open_store(f"sqlite:///{db_path}", clock=clock)
-    try:
-        assert isinstance(again, SQLiteStore)
-        assert again.migrate() == 0
-        assert q(again, "SELECT version FROM schema_migrations") == [{"version": 1}]
-        assert task(again, task_id)["state"] == "pending"
-    finally:
-        again.close()
-
-
-def test_a_store_with_a_newer_schema_is_refused(db_path: Any, clock: FakeClock) -> None:
-    s = open_store(f"sqlite:///{db_path}", clock=clock)
-    q(s, "INSERT INTO schema_migrations VALUES (99, 'future', 0)")
-    s.close()
-    with pytest.raises(MigrationError, match="schema is version 99, newer than this stepwarden knows"):
-        open_store(f"sqlite:///{db_path}", clock=clock)
-
-
-def test_a_store_in_a_missing_directory_is_refused(tmp_path: Any, clock: FakeClock) -> None:
-    with pytest.raises(MigrationError, match="does not exist"):
-        open_store(f"sqlite:///{tmp_path}/nope/sw.db", clock=clock)

@@ -1,0 +1,361 @@
+"""Bad command-line input: exit 2, one ``error:`` line on stderr, nothing written (SPEC 3, SUB4, REL4).
+
+Each case runs against a store holding one task; the store's tables (row counts of all of them, every
+row of tasks and steps) must be identical before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import (
+    DEMO_APP,
+    WORKFLOW,
+    Db,
+    MiB,
+    Result,
+    assert_one_error_line,
+    clean_env,
+    make_db,
+    order,
+    submit_in_process,
+    sw,
+)
+
+GOOD = json.dumps(order())
+SUBMIT = ("submit", WORKFLOW, "--input", GOOD)
+
+# "{tid}" stands for the id of the task already in the store.
+CASES: dict[str, tuple[str, ...]] = {
+    # submit: the workflow and the input (SUB4)
+    "unknown-workflow": ("submit", "no-such-workflow", "--input", GOOD),
+    "non-json-input": ("submit", WORKFLOW, "--input", "{not json"),
+    "empty-input": ("submit", WORKFLOW, "--input", ""),
+    "nan-input": ("submit", WORKFLOW, "--input", '{"order_id": NaN}'),
+    "infinite-input": ("submit", WORKFLOW, "--input", "1e999"),
+    "missing-input-option": ("submit", WORKFLOW),
+    "input-file-missing": ("submit", WORKFLOW, "--input", "@missing-file.json"),
+    "input-file-empty-name": ("submit", WORKFLOW, "--input", "@"),
+    "input-file-is-directory": ("submit", WORKFLOW, "--input", "@."),
+    # submit: names (SUB4)
+    "workflow-with-spaces": ("submit", "process order", "--input", GOOD),
+    "workflow-sql": ("submit", ";DROP TABLE tasks", "--input", GOOD),
+    "workflow-quote": ("submit", "process-order' OR '1'='1", "--input", GOOD),
+    "workflow-empty": ("submit", "", "--input", GOOD),
+    "workflow-too-long": ("submit", "w" * 129, "--input", GOOD),
+    "reply-to-semicolon": (*SUBMIT, "--reply-to", "q;DROP TABLE messages"),
+    "reply-to-space": (*SUBMIT, "--reply-to", "web 1"),
+    "reply-to-slash": (*SUBMIT, "--reply-to", "../queue"),
+    "reply-to-empty": (*SUBMIT, "--reply-to", ""),
+    "reply-to-too-long": (*SUBMIT, "--reply-to", "q" * 129),
+    "correlation-id-too-long": (*SUBMIT, "--correlation-id", "c" * 256),
+    "correlation-id-escape": (*SUBMIT, "--correlation-id", "c\x1b[31md"),
+    "correlation-id-newline": (*SUBMIT, "--correlation-id", "c\nd"),
+    "correlation-id-empty": (*SUBMIT, "--correlation-id", ""),
+    "idempotency-key-too-long": (*SUBMIT, "--idempotency-key", "k" * 256),
+    "idempotency-key-bell": (*SUBMIT, "--idempotency-key", "k\x07"),
+    "idempotency-key-tab": (*SUBMIT, "--idempotency-key", "k\tk"),
+    "idempotency-key-trailing-newline": (*SUBMIT, "--idempotency-key", "k\n"),
+    # submit: priority (SUB5)
+    "priority-word": (*SUBMIT, "--priority", "high"),
+    "priority-float": (*SUBMIT, "--priority", "1.5"),
+    "priority-huge": (*SUBMIT, "--priority", "99999999999999999999"),
+    "priority-over-int32": (*SUBMIT, "--priority", "2147483648"),
+    "priority-under-int32": (*SUBMIT, "--priority", "-2147483648"),
+    # task ids
+    "show-word": ("task", "show", "abc"),
+    "show-zero": ("task", "show", "0"),
+    "show-negative": ("task", "show", "-1"),
+    "show-float": ("task", "show", "1.0"),
+    "show-20-digits": ("task", "show", "9" * 20),
+    "show-sql": ("task", "show", "1 OR 1=1"),
+    "show-unknown": ("task", "show", "999999"),
+    "show-unknown-json": ("task", "show", "999999", "--json"),
+    "cancel-unknown": ("task", "cancel", "999999"),
+    "cancel-word": ("task", "cancel", "abc"),
+    "retry-unknown": ("task", "retry", "999999"),
+    "retry-pending-task": ("task", "retry", "{tid}"),
+    "retry-sql-step": ("task", "retry", "{tid}", "--step", "x'; DROP TABLE steps; --"),
+    "task-unknown-subcommand": ("task", "frobnicate", "{tid}"),
+    # listings
+    "tasks-state-bogus": ("tasks", "--state", "bogus"),
+    "tasks-state-sql": ("tasks", "--state", "pending' OR '1'='1"),
+    "tasks-limit-zero": ("tasks", "--limit", "0"),
+    # watch
+    "watch-neither": ("watch",),
+    "watch-both": ("watch", "{tid}", "--reply-to", "q1"),
+    "watch-unknown-task": ("watch", "999999", "--timeout", "10"),
+    "watch-word": ("watch", "abc", "--timeout", "10"),
+    "watch-timeout-word": ("watch", "{tid}", "--timeout", "soon"),
+    # click usage errors are one line too
+    "unknown-command": ("frobnicate",),
+    "unknown-option": ("tasks", "--frobnicate"),
+    "unknown-global-option": ("--frobnicate", "tasks"),
+    "extra-argument": ("tasks", "extra"),
+    "bad-log-level": ("--log-level", "LOUD", "tasks"),
+    "missing-command": (),
+    "demo-zero-orders": ("demo", "--orders", "0"),
+    # worker: validated before it runs
+    "worker-roles-bogus": ("worker", "--roles", "bogus"),
+    "worker-roles-empty": ("worker", "--roles", ""),
+    "worker-agent-role-without-app": ("worker", "--roles", "agent"),
+    "worker-app-no-such-module": ("worker", "--app", "nosuchmodule_stepwarden_test:app"),
+    "worker-app-not-an-app": ("worker", "--app", "os:path"),
+    "worker-app-no-attribute": ("worker", "--app", "stepwarden.demo.app:no_such_attr"),
+    "worker-app-no-colon": ("worker", "--app", "stepwarden.demo.app"),
+    "worker-name": ("worker", "--app", DEMO_APP, "--name", "bad name;"),
+    "worker-concurrency-zero": ("worker", "--app", DEMO_APP, "--concurrency", "0"),
+    "worker-concurrency-word": ("worker", "--app", DEMO_APP, "--concurrency", "many"),
+    "worker-agents-unknown": ("worker", "--app", DEMO_APP, "--agents", "bogus"),
+}
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Db, int]:
+    """One store per module with one pending task (correlation id, idempotency key and reply queue set).
+
+    Shared by every case that must write nothing: each compares the store before and after itself.
+    """
+    db = make_db(tmp_path_factory.mktemp("bad-input"))
+    tid = submit_in_process(
+        db.url, order("seed-1"), correlation_id="seed-1", idempotency_key="seed-key", reply_to="q1"
+    )
+    return db, tid
+
+
+def refused_and_unchanged(db: Db, *args: str | bytes, **kw: object) -> str:
+    """Run a bad command: exit 2 with one clear line, and the store exactly as it was."""
+    before = db.snapshot()
+    r = db.sw(*args, timeout=30, **kw)  # type: ignore[arg-type]
+    line = assert_one_error_line(r)
+    assert len(line) < 400, f"an error line must be short, not echo the input: {line[:200]}..."
+    assert db.snapshot() == before, f"a refused command changed the store\n{r}"
+    return line
+
+
+@pytest.mark.parametrize("args", list(CASES.values()), ids=list(CASES))
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(
+    seeded: tuple[Db, int], args: tuple[str, ...]
+) -> None:
+    db, tid = seeded
+    refused_and_unchanged(db, *(a.replace("{tid}", str(tid)) for a in args))
+
+
+def test_unknown_workflow_names_the_workflow(seeded: tuple[Db, int]) -> None:
+    line = refused_and_unchanged(seeded[0], "submit", "no-such-workflow", "--input", GOOD)
+    assert "no-such-workflow" in line
+
+
+def test_input_file_over_1mib_is_refused(seeded: tuple[Db, int], tmp_path: Path) -> None:
+    db, _ = seeded
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps(order("x" * (2 * MiB))))
+    line = refused_and_unchanged(db, "submit", WORKFLOW, "--input", f"@{big}")
+    assert "limit" in line or "large" in line or "bytes" in line, line
+
+
+def test_input_file_one_byte_over_the_limit_is_refused(seeded: tuple[Db, int], tmp_path: Path) -> None:
+    db, _ = seeded
+    text = json.dumps({"order_id": ""}, separators=(",", ":"))
+    text = json.dumps({"order_id": "x" * (MiB + 1 - len(text))}, separators=(",", ":"))
+    assert len(text.encode()) == MiB + 1
+    f = tmp_path / "over.json"
+    f.write_text(text)
+    refused_and_unchanged(db, "submit", WORKFLOW, "--input", f"@{f}")
+
+
+def test_stdin_over_1mib_is_refused(seeded: tuple[Db, int]) -> None:
+    db, _ = seeded
+    refused_and_unchanged(db, "submit", WORKFLOW, "--input", "-", stdin=json.dumps(order("x" * (2 * MiB))))
+
+
+def test_stdin_of_multibyte_text_over_1mib_in_bytes_is_refused(seeded: tuple[Db, int]) -> None:
+    # 600 Ki characters, 1.2 MiB of UTF-8: the limit is in bytes.
+    db, _ = seeded
+    refused_and_unchanged(
+        db, "submit", WORKFLOW, "--input", "-", stdin=json.dumps(order("é" * 600_000), ensure_ascii=False)
+    )
+
+
+def test_non_json_stdin_is_refused(seeded: tuple[Db, int]) -> None:
+    refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", "-", stdin="{not json")
+
+
+def test_empty_stdin_is_refused(seeded: tuple[Db, int]) -> None:
+    refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", "-", stdin="")
+
+
+def test_oversize_inline_input_is_refused(seeded: tuple[Db, int], tmp_path: Path) -> None:
+    # Linux caps one command-line argument at 128 KiB (MAX_ARG_STRLEN), so an inline argument over 1 MiB
+    # cannot reach the console script through exec; call the same entry point (stepwarden.cli:main, what
+    # the console script runs with sys.argv[1:]) with the argument built inside the child.
+    db, _ = seeded
+    big = tmp_path / "inline.json"
+    big.write_text(json.dumps(order("x" * (2 * MiB))))
+    code = (
+        "import sys; from stepwarden.cli import main; "
+        "main(['--db', sys.argv[1], 'submit', 'process-order', '--input', open(sys.argv[2]).read()])"
+    )
+    before = db.snapshot()
+    p = subprocess.run(
+        [sys.executable, "-c", code, db.url, str(big)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=clean_env(),
+    )
+    r = Result(["(inline)"], p.returncode, p.stdout, p.stderr, 0.0)
+    line = assert_one_error_line(r)
+    assert len(line) < 400
+    assert db.snapshot() == before
+
+
+def test_big_inline_argument_is_accepted(db: Db) -> None:
+    # The inline path itself works for big (but legal) inputs: 100 KiB.
+    tid = db.submit(order("y" * (100 * 1024)))
+    assert db.task(tid)["input"]["order_id"] == "y" * (100 * 1024)
+
+
+def test_non_utf8_input_file_is_refused(seeded: tuple[Db, int], tmp_path: Path) -> None:
+    f = tmp_path / "latin1.json"
+    f.write_bytes(b'{"order_id": "caf\xe9"}')
+    refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", f"@{f}")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: deeply nested JSON raises RecursionError in parse_input, reported as exit 1 instead of 2",
+)
+def test_deeply_nested_input_is_bad_input(seeded: tuple[Db, int], tmp_path: Path) -> None:
+    f = tmp_path / "deep.json"
+    f.write_text("[" * 100_000 + "]" * 100_000)
+    refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", f"@{f}")
+
+
+@pytest.mark.xfail(
+    strict=True, reason="BUG: stdin that is not UTF-8 raises UnicodeDecodeError in _read_input: exit 1, not 2"
+)
+def test_non_utf8_stdin_is_bad_input(seeded: tuple[Db, int]) -> None:
+    refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", "-", stdin=b'{"order_id": "caf\xe9"}')
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a lone surrogate escape makes encode_input's text.encode() raise UnicodeEncodeError: exit 1",
+)
+def test_lone_surrogate_in_json_is_bad_input(seeded: tuple[Db, int]) -> None:
+    refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", '{"order_id": "\\ud800"}')
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: non-UTF-8 bytes in an inline --input make parse_input's text.encode() raise: exit 1, not 2",
+)
+def test_non_utf8_inline_argument_is_bad_input(seeded: tuple[Db, int]) -> None:
+    refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", b'{"order_id": "caf\xe9"}')
+
+
+@pytest.mark.xfail(
+    strict=True, reason="BUG: _task_id accepts str.isdigit() digits such as '²' that int() rejects: exit 1"
+)
+def test_superscript_task_id_is_bad_input(seeded: tuple[Db, int]) -> None:
+    refused_and_unchanged(seeded[0], "task", "show", "²")
+
+
+def test_reply_queue_with_trailing_newline_is_refused(seeded: tuple[Db, int]) -> None:
+    refused_and_unchanged(seeded[0], *SUBMIT, "--reply-to", "q\n")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a missing command raises click's NoArgsIsHelpError, printed as a multi-line 'error: Usage:'",
+)
+@pytest.mark.parametrize("args", [(), ("task",)], ids=["no-arguments", "task-without-subcommand"])
+def test_missing_command_is_help_or_one_line(tmp_path: Path, args: tuple[str, ...]) -> None:
+    r = sw(*args, cwd=tmp_path)
+    if r.returncode == 0:
+        assert "Usage" in r.stdout and r.stderr.strip() == "", str(r)
+    else:
+        assert_one_error_line(r)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("submit", WORKFLOW, "--input", "{not json"),
+        ("submit", "bad name", "--input", GOOD),
+        (*SUBMIT, "--priority", "99999999999999999999"),
+        (*SUBMIT, "--correlation-id", "c" * 256),
+        ("tasks", "--state", "bogus"),
+        ("watch",),
+        ("worker", "--roles", "bogus"),
+        ("worker", "--app", "os:path"),
+    ],
+    ids=lambda a: "-".join(x[:12] for x in a[:3]),
+)
+def test_bad_input_creates_no_store_file(tmp_path: Path, args: tuple[str, ...]) -> None:
+    missing = tmp_path / "never.db"
+    r = sw("--db", f"sqlite:///{missing}", *args, cwd=tmp_path)
+    assert_one_error_line(r)
+    assert not missing.exists(), f"a refused command created the store file\n{r}"
+
+
+def test_unsupported_store_url_is_bad_input(tmp_path: Path) -> None:
+    r = sw("--db", "mysql://localhost/x", "tasks", cwd=tmp_path)
+    assert_one_error_line(r)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- REL4: nothing a user sends is executed as SQL ------------------------------------------------
+
+
+def test_sql_in_correlation_id_is_stored_literally(db: Db) -> None:
+    before = db.snapshot()
+    evil = "x'); DROP TABLE tasks; --"
+    tid = db.submit(order("evil-1"), "--correlation-id", evil)
+    after = db.snapshot()
+    assert after["tables"] == before["tables"], "a table disappeared"
+    assert after["counts"]["tasks"] == before["counts"]["tasks"] + 1
+    rows = db.json("tasks", "--json")
+    assert [t["correlation_id"] for t in rows if t["id"] == tid] == [evil]
+    shown = db.task(tid)
+    assert shown["correlation_id"] == evil
+    assert shown["events"][0]["detail"].get("correlation_id") == evil
+    assert "DROP" in db.ok("tasks").stdout, "the human listing shows the correlation id as text"
+
+
+def test_sql_in_idempotency_key_matches_nothing_else(db: Db) -> None:
+    seed_id = db.submit(order("seed-1"), "--idempotency-key", "seed-key")
+    evil = "seed-key' OR '1'='1"
+    first = db.submit(order("evil-2"), "--idempotency-key", evil)
+    again = db.submit(order("evil-2"), "--idempotency-key", evil)
+    assert first != seed_id, "the injected key matched the seed task's key"
+    assert again == first
+    assert db.task(first)["idempotency_key"] == evil
+
+
+def test_sql_in_the_input_is_stored_literally(db: Db) -> None:
+    data = order("'; DELETE FROM steps; --", sku='"); DROP TABLE events; --')
+    before = db.snapshot()
+    tid = db.submit(data)
+    assert db.task(tid)["input"] == data
+    after = db.snapshot()
+    assert after["tables"] == before["tables"]
+    assert after["counts"]["steps"] == before["counts"]["steps"] + 3
+
+
+def test_sql_in_watched_reply_queue_reads_nothing_else(seeded: tuple[Db, int]) -> None:
+    db, _ = seeded
+    before = db.snapshot()
+    r = db.sw("watch", "--reply-to", "q1' OR '1'='1", "--timeout", "0.5")
+    if r.returncode == 0:
+        assert r.stdout.strip() == "", f"the injected queue name read another queue's messages\n{r}"
+    else:
+        assert_one_error_line(r)
+    assert db.snapshot() == before
