@@ -18,8 +18,8 @@ demo: venv
 	$(BIN)/stepwarden demo
 
 lint: venv
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
 
 test: venv lint
