@@ -134,6 +134,25 @@ def worker(
 
     click.echo(f"worker {w.identity} on {app.url}", err=True)
     asyncio.run(main())
+    _exit_despite_stuck_threads()
+
+
+def _exit_despite_stuck_threads() -> None:
+    """A plain-function operation cannot be interrupted; once the worker has released its
+    attempts and resigned, do not let such a thread keep the process alive past SIGTERM."""
+    import threading
+
+    stuck = [
+        t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if any(t.name.startswith("stepwarden-agent") for t in stuck):
+        log.warning(
+            "exiting with %d operation thread(s) still running; their results are discarded", len(stuck)
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _read_input(value: str) -> Any:

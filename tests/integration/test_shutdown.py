@@ -69,10 +69,5 @@ def test_sigterm_agent_mid_async_step_releases_the_attempt(cluster: Cluster) -> 
     assert [r["outcome"] for r in run1] == ["cancelled"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: agent.py drain() leaves the handler thread running (pool.shutdown(wait=False)); "
-    "the interpreter joins it at exit, so the worker outlives SIGTERM until the plain function returns",
-)
 def test_sigterm_agent_mid_plain_function_step_still_exits(cluster: Cluster) -> None:
     stop_agent_mid_step(cluster, "long-sync")
