@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -16,8 +15,8 @@ from typing import Any
 
 from .agent import Agent, default_classify
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
-from .store import FINAL_TASK_STATES, SQLiteStore, Store, open_store, resolve_url, transitions, views
+from .errors import InputError, NotFound, UnknownWorkflow
+from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
 from .store.base import Tx
 from .worker import Worker, WorkerSettings
 from .workflow import DEFAULT_MAX_INPUT_BYTES, Step, Workflow, check_key, check_name, encode_input
@@ -169,21 +168,31 @@ class App:
         return task_id
 
     @contextmanager
-    def transaction(self) -> Iterator[AppTransaction]:
-        """One transaction of the caller's, in which tasks are submitted with business rows (SUB2)."""
+    def transaction(self, connection: Any = None) -> Iterator[AppTransaction]:
+        """A transaction in which business rows and tasks commit together, or not at all (SUB2).
+
+        Without ``connection``: a new connection to the store's database, committed when the block
+        ends and rolled back if it raises. With ``connection`` (your own ``sqlite3`` or psycopg
+        connection to the same database, already inside your transaction): tasks are written in
+        your transaction, and you commit or roll back as usual.
+        """
         store = self.store
-        if not isinstance(store, SQLiteStore):
-            raise StepwardenError("app.transaction() needs the SQLite store in this version")
+        if connection is not None:
+            tx = store.tx_on(connection)
+            yield AppTransaction(self, connection, tx)
+            if hasattr(tx, "send_notifications"):
+                tx.send_notifications()  # delivered when the caller commits
+            return
         conn = store.connect()
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            tx = AppTransaction(self, conn, store.tx_on(conn))
+            store.begin(conn)
+            tx = store.tx_on(conn)
             try:
-                yield tx
+                yield AppTransaction(self, conn, tx)
             except BaseException:
-                conn.execute("ROLLBACK")
+                store.rollback(conn)
                 raise
-            conn.execute("COMMIT")
+            store.commit(conn, tx)
         finally:
             conn.close()
 
@@ -211,12 +220,13 @@ class App:
 class AppTransaction:
     """The caller's open transaction: run their SQL and submit tasks; all commit or none."""
 
-    def __init__(self, app: App, conn: sqlite3.Connection, tx: Tx) -> None:
+    def __init__(self, app: App, conn: Any, tx: Tx) -> None:
         self.app = app
         self.connection = conn
         self._tx = tx
 
-    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> sqlite3.Cursor:
+    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
+        """Your SQL in this transaction, with the driver's placeholders (``?`` sqlite3, ``%s`` psycopg)."""
         return self.connection.execute(sql, params)
 
     def submit(

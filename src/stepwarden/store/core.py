@@ -39,6 +39,23 @@ class Store:
     def transact_sync(self, fn: Callable[Concatenate[Tx, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         raise NotImplementedError
 
+    def connect(self) -> Any:
+        """A new connection of this dialect's driver, for a caller's own transaction (SUB2)."""
+        raise NotImplementedError
+
+    def tx_on(self, conn: Any) -> Tx:
+        """Our named queries on the caller's connection, inside the caller's transaction."""
+        raise NotImplementedError
+
+    def begin(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def commit(self, conn: Any, tx: Any) -> None:
+        raise NotImplementedError
+
+    def rollback(self, conn: Any) -> None:
+        raise NotImplementedError
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -68,7 +68,7 @@ class PgTx:
         channel = NOTIFY_ON.get(query)
         if channel:
             self.notify.add(channel)
-        return self.conn.execute(self.q[query], params, prepare=True)
+        return self.conn.cursor(row_factory=dict_row).execute(self.q[query], params, prepare=True)
 
     def one(self, query: str, /, **params: Any) -> Row | None:
         cur = self._exec(query, params)
@@ -84,8 +84,13 @@ class PgTx:
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
         if isinstance(params, tuple):
             text = text.replace("?", "%s")
-        cur = self.conn.execute(text, params)
+        cur = self.conn.cursor(row_factory=dict_row).execute(text, params)
         return list(cur.fetchall()) if cur.description else []
+
+    def send_notifications(self) -> None:
+        for channel in sorted(self.notify):
+            self.conn.execute("SELECT pg_notify(%s, '')", (channel,))
+        self.notify.clear()
 
 
 def parse_url(url: str) -> tuple[str, dict[str, str]]:
@@ -138,6 +143,7 @@ class PostgresStore(Store):
             name="stepwarden",
             kwargs={"row_factory": dict_row, "autocommit": False},
             check=ConnectionPool.check_connection,
+            configure=_configure,
             timeout=5.0,
         )
         try:
@@ -154,10 +160,35 @@ class PostgresStore(Store):
             with conn.transaction():
                 if self.fake_time:
                     conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
-                out = fn(PgTx(conn, self.queries, notify), *args, **kwargs)
-                for channel in notify:
-                    conn.execute("SELECT pg_notify(%s, '')", (channel,))
+                tx = PgTx(conn, self.queries, notify)
+                out = fn(tx, *args, **kwargs)
+                tx.send_notifications()  # delivered when this transaction commits
             return out
+
+    def connect(self) -> Any:
+        """A new connection for a caller's own transaction (``app.transaction()``)."""
+        conn = psycopg.connect(self.conninfo, autocommit=False)
+        _configure(conn)
+        return conn
+
+    def tx_on(self, conn: Any) -> PgTx:
+        """A :class:`Tx` over the caller's psycopg connection, inside the caller's transaction (SUB2)."""
+        if psycopg is None or not isinstance(conn, psycopg.Connection):
+            raise TypeError("the PostgreSQL store needs a psycopg (3) connection to the same database")
+        tx = PgTx(conn, self.queries, set())
+        if self.fake_time:
+            conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
+        return tx
+
+    def begin(self, conn: Any) -> None:
+        pass  # psycopg opens a transaction with the first statement
+
+    def commit(self, conn: Any, tx: Any) -> None:
+        tx.send_notifications()
+        conn.commit()
+
+    def rollback(self, conn: Any) -> None:
+        conn.rollback()
 
     def migrate(self, target: int | None = None) -> int:
         """Apply missing migrations, serialised across processes by an advisory lock."""
@@ -226,6 +257,15 @@ class PostgresStore(Store):
     def close(self) -> None:
         super().close()
         self.pool.close()
+
+
+def _configure(conn: Any) -> None:
+    """Session limits: our transactions never wait on the network, so a session idle inside one
+    belongs to a paused or partitioned process; the server ends it, releasing its row locks (a
+    paused ex-leader's FOR SHARE on its lease must not block the successor's acquire)."""
+    conn.execute("SET idle_in_transaction_session_timeout = '5s'")
+    conn.execute("SET lock_timeout = '10s'")
+    conn.commit()
 
 
 def _redact(conninfo: str) -> str:

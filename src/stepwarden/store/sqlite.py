@@ -36,18 +36,23 @@ class SqliteTx:
         self.conn = conn
         self.q = queries
 
+    def _cur(self) -> sqlite3.Cursor:
+        cur = self.conn.cursor()
+        cur.row_factory = _dict_row  # whatever the connection's own row factory (SUB2)
+        return cur
+
     def one(self, query: str, /, **params: Any) -> Row | None:
-        rows = self.conn.execute(self.q[query], params).fetchall()
+        rows = self._cur().execute(self.q[query], params).fetchall()
         return rows[0] if rows else None
 
     def all(self, query: str, /, **params: Any) -> list[Row]:
-        return self.conn.execute(self.q[query], params).fetchall()
+        return self._cur().execute(self.q[query], params).fetchall()
 
     def run(self, query: str, /, **params: Any) -> int:
-        return self.conn.execute(self.q[query], params).rowcount
+        return self._cur().execute(self.q[query], params).rowcount
 
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
-        return self.conn.execute(text, params).fetchall()
+        return self._cur().execute(text, params).fetchall()
 
 
 class SQLiteStore(Store):
@@ -118,11 +123,21 @@ class SQLiteStore(Store):
         conn.execute("COMMIT")
         return out
 
-    def tx_on(self, conn: sqlite3.Connection) -> SqliteTx:
+    def tx_on(self, conn: Any) -> SqliteTx:
         """A :class:`Tx` over a connection whose transaction the caller manages (SUB2)."""
-        if conn.row_factory is not _dict_row:
-            raise ValueError("use a connection from store.connect() so rows and the clock match")
+        if not isinstance(conn, sqlite3.Connection):
+            raise TypeError("the SQLite store needs a sqlite3.Connection to the same database file")
+        conn.create_function("sw_now", 0, self.clock.wall)
         return SqliteTx(conn, self.queries)
+
+    def begin(self, conn: Any) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+
+    def commit(self, conn: Any, tx: Any) -> None:
+        conn.execute("COMMIT")
+
+    def rollback(self, conn: Any) -> None:
+        conn.execute("ROLLBACK")
 
     def migrate(self, target: int | None = None) -> int:
         """Apply missing migrations under the write lock (safe when many processes start at once)."""

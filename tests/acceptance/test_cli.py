@@ -1,0 +1,417 @@
+"""The command-line contract's happy paths and JSON shapes (SPEC section 3, OPS1-OPS3, DEP5, SCH8)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .helpers import (
+    FINAL,
+    LEASE_KEYS,
+    STEP_KEYS,
+    TASK_KEYS,
+    TASK_STATES,
+    WORKFLOW,
+    Db,
+    MiB,
+    Procs,
+    assert_one_error_line,
+    clean_env,
+    make_db,
+    order,
+    sw,
+    wait_until,
+)
+
+STEPS = ["reserve", "charge", "ship"]
+
+
+def is_iso(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
+
+
+def kinds(events: list[dict[str, Any]]) -> list[str]:
+    return [e["kind"] for e in events]
+
+
+# -- init, submit, input -------------------------------------------------------------------------
+
+
+def test_init_creates_the_store_and_is_idempotent(tmp_path: Path) -> None:
+    db = Db(tmp_path / "fresh.db", tmp_path)
+    first = db.ok("init")
+    assert db.path.exists()
+    assert first.stdout.strip(), "init says what it did"
+    before = db.snapshot()
+    migrations = sqlite3.connect(db.path).execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0]
+    db.ok("init")
+    assert db.snapshot() == before
+    assert (
+        sqlite3.connect(db.path).execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0] == migrations
+    )
+    assert db.json("tasks", "--json") == []
+
+
+def test_submit_prints_the_task_id_and_an_idempotency_key_returns_the_same_id(db: Db) -> None:
+    a = db.submit(order("o-1"), "--idempotency-key", "key-1", "--correlation-id", "o-1")
+    again = db.submit(order("o-1"), "--idempotency-key", "key-1", "--correlation-id", "o-1")
+    other = db.submit(order("o-2"), "--idempotency-key", "key-2")
+    plain1 = db.submit(order("o-3"))
+    plain2 = db.submit(order("o-3"))
+    assert again == a
+    assert len({a, other, plain1, plain2}) == 4, "without a repeated key every submit is a new task"
+    assert sorted(t["id"] for t in db.json("tasks", "--json")) == sorted({a, other, plain1, plain2})
+
+
+def test_submit_accepts_priority_reply_queue_and_correlation_id(db: Db) -> None:
+    hi = db.submit(order("p-1"), "--priority", "100", "--reply-to", "web-1", "--correlation-id", "p-1")
+    lo = db.submit(order("p-2"), "--priority", "-5")
+    assert db.task(hi)["correlation_id"] == "p-1"
+    assert db.task(lo)["correlation_id"] is None
+
+
+def test_input_from_a_file_and_from_stdin(db: Db, tmp_path: Path) -> None:
+    data = order("ünïcode-1", sku="SKU-✓")
+    f = tmp_path / "order.json"
+    f.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+    from_file = int(db.ok("submit", WORKFLOW, "--input", f"@{f}").stdout)
+    from_stdin = int(db.ok("submit", WORKFLOW, "--input", "-", stdin=json.dumps(data)).stdout)
+    assert from_file != from_stdin
+    assert db.task(from_file)["input"] == data
+    assert db.task(from_stdin)["input"] == data
+
+
+def test_input_of_exactly_1mib_is_accepted(db: Db, tmp_path: Path) -> None:
+    empty = json.dumps({"order_id": ""}, separators=(",", ":"))
+    text = json.dumps({"order_id": "x" * (MiB - len(empty))}, separators=(",", ":"))
+    assert len(text.encode()) == MiB
+    f = tmp_path / "limit.json"
+    f.write_text(text)
+    by_file = int(db.ok("submit", WORKFLOW, "--input", f"@{f}").stdout)
+    by_stdin = int(db.ok("submit", WORKFLOW, "--input", "-", stdin=text).stdout)
+    assert db.task(by_file)["input"] == db.task(by_stdin)["input"] == json.loads(text)
+
+
+# -- listings and their JSON shapes ---------------------------------------------------------------
+
+
+def test_tasks_json_shape(db: Db) -> None:
+    a = db.submit(order("s-1"), "--correlation-id", "s-1")
+    b = db.submit(order("s-2"))
+    rows = db.json("tasks", "--json")
+    assert isinstance(rows, list) and [t["id"] for t in rows] == [a, b]
+    for t in rows:
+        assert t.keys() >= TASK_KEYS, sorted(t)
+        assert isinstance(t["id"], int)
+        assert t["workflow"] == WORKFLOW
+        assert t["state"] == "pending"
+        assert t["failure_count"] == 0
+        assert is_iso(t["created_at"]) and is_iso(t["updated_at"]), t
+        assert [s["name"] for s in t["steps"]] == STEPS
+        for s in t["steps"]:
+            assert s.keys() >= STEP_KEYS, sorted(s)
+            assert s["state"] == "pending"
+            assert s["attempt"] == 0 and s["failure_count"] == 0
+            assert s["locked_by"] is None and s["complete_by"] is None
+    assert rows[0]["correlation_id"] == "s-1" and rows[1]["correlation_id"] is None
+
+
+def test_tasks_state_filters(db: Db) -> None:
+    kept = db.submit(order("f-1"))
+    cancelled = db.submit(order("f-2"))
+    db.ok("task", "cancel", str(cancelled))
+    assert [t["id"] for t in db.json("tasks", "--state", "pending", "--json")] == [kept]
+    states = {t["state"] for t in db.json("tasks", "--json")}
+    assert states <= TASK_STATES and len(states) == 2
+    other = (states - {"pending"}).pop()
+    assert [t["id"] for t in db.json("tasks", "--state", other, "--json")] == [cancelled]
+    assert db.json("tasks", "--state", "processed", "--json") == []
+
+
+def test_task_show_json(db: Db) -> None:
+    data = order("show-1")
+    tid = db.submit(data, "--correlation-id", "show-1")
+    t = db.task(tid)
+    assert t["id"] == tid and t["workflow"] == WORKFLOW and t["state"] == "pending"
+    assert t["correlation_id"] == "show-1"
+    assert t["input"] == data
+    assert [s["name"] for s in t["steps"]] == STEPS
+    for s in t["steps"]:
+        assert s.keys() >= STEP_KEYS
+        assert s["attempts"] == []
+    assert kinds(t["events"])[0] == "received"
+    assert all(is_iso(e["at"]) for e in t["events"])
+
+
+def test_empty_store_listings(db: Db) -> None:
+    assert db.json("tasks", "--json") == []
+    assert db.json("alerts", "--json") == []
+    leases = db.json("leases", "--json")
+    assert isinstance(leases, list)
+    assert all(x.keys() >= LEASE_KEYS for x in leases)
+
+
+def test_human_outputs_show_the_task(db: Db) -> None:
+    tid = db.submit(order("h-1"), "--correlation-id", "h-1")
+    listing = db.ok("tasks")
+    assert str(tid) in listing.stdout and "pending" in listing.stdout and "h-1" in listing.stdout
+    shown = db.ok("task", "show", str(tid))
+    assert f"task {tid}" in shown.stdout and "pending" in shown.stdout
+    assert all(name in shown.stdout for name in STEPS)
+    for args in (("alerts",), ("leases",), ("tasks", "--state", "error")):
+        r = db.ok(*args)
+        assert "Traceback" not in r.stderr and r.stderr.strip() == "", str(r)
+
+
+# -- the store's location (DEP5) and read commands that must not create it ------------------------
+
+READ_COMMANDS = [
+    ("tasks",),
+    ("tasks", "--json"),
+    ("task", "show", "1"),
+    ("task", "show", "1", "--json"),
+    ("task", "cancel", "1"),
+    ("task", "retry", "1"),
+    ("alerts",),
+    ("alerts", "--json"),
+    ("leases",),
+    ("leases", "--json"),
+    ("watch", "1", "--timeout", "1"),
+    ("watch", "--reply-to", "q", "--timeout", "1"),
+    ("submit", WORKFLOW, "--input", json.dumps(order())),
+]
+
+
+@pytest.mark.parametrize("args", READ_COMMANDS, ids=lambda a: "-".join(a[:3])[:30])
+def test_commands_on_a_missing_store_exit_1_and_do_not_create_it(
+    tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    missing = tmp_path / "missing.db"
+    r = sw("--db", f"sqlite:///{missing}", *args, cwd=tmp_path)
+    assert_one_error_line(r, code=1)
+    assert list(tmp_path.iterdir()) == [], f"a command created files: {list(tmp_path.iterdir())}\n{r}"
+
+
+def test_db_option_and_environment_variable_select_the_store(tmp_path: Path) -> None:
+    a = make_db(tmp_path, "a.db")
+    b = make_db(tmp_path, "b.db")
+    in_a = a.submit(order("in-a"), "--correlation-id", "in-a")
+    env_b = clean_env(STEPWARDEN_DB=b.url)
+    r = sw(
+        "submit",
+        WORKFLOW,
+        "--input",
+        json.dumps(order("in-b")),
+        "--correlation-id",
+        "in-b",
+        cwd=tmp_path,
+        env=env_b,
+    )
+    assert r.returncode == 0, str(r)
+    in_b = int(r.stdout)
+
+    def correlations(r: Any) -> list[str]:
+        assert r.returncode == 0, str(r)
+        return [t["correlation_id"] for t in json.loads(r.stdout)]
+
+    assert correlations(sw("tasks", "--json", cwd=tmp_path, env=env_b)) == ["in-b"]
+    assert correlations(sw("--db", a.url, "tasks", "--json", cwd=tmp_path, env=env_b)) == ["in-a"], (
+        "--db wins over STEPWARDEN_DB"
+    )
+    assert a.task(in_a)["correlation_id"] == "in-a" and b.task(in_b)["correlation_id"] == "in-b"
+
+
+def test_default_store_is_stepwarden_db_in_the_working_directory(tmp_path: Path) -> None:
+    r = sw("tasks", "--json", cwd=tmp_path)
+    assert_one_error_line(r, code=1)
+    assert "stepwarden.db" in r.stderr
+    assert not (tmp_path / "stepwarden.db").exists()
+    r = sw("init", cwd=tmp_path)
+    assert r.returncode == 0, str(r)
+    assert (tmp_path / "stepwarden.db").exists()
+    r = sw("tasks", "--json", cwd=tmp_path)
+    assert r.returncode == 0 and json.loads(r.stdout) == [], str(r)
+
+
+# -- with a worker: cancel, finish, watch, leases (a store and a worker per module) ----------------
+
+
+@dataclass
+class World:
+    db: Db
+    procs: Procs
+    services: str
+    worker: subprocess.Popen[bytes]
+    cancelled: int
+    cancel_output: str
+    web: int
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """A store with two tasks submitted before any worker ran: one cancelled while pending, one with a
+    reply queue; then the demo's services (no failures) and one worker for the demo app."""
+    folder = tmp_path_factory.mktemp("world")
+    procs = Procs(folder)
+    try:
+        db = make_db(folder)
+        cancelled = db.submit(order("cancel-me"), "--correlation-id", "cancel-me")
+        web = db.submit(order("web-order"), "--correlation-id", "web-order", "--reply-to", "web-1")
+        out = db.ok("task", "cancel", str(cancelled)).stdout
+        url = procs.services()
+        worker = procs.worker(db, url, "acc")
+        yield World(db, procs, url, worker, cancelled, out, web)
+    finally:
+        procs.stop_all()
+
+
+def final(world: World, task_id: int) -> dict[str, Any]:
+    try:
+        return world.db.wait_state(task_id, FINAL)
+    except BaseException:
+        print(world.procs.log_of(world.worker))
+        raise
+
+
+def test_cancel_a_pending_task_then_a_worker_ends_it_cancelled(world: World) -> None:
+    assert str(world.cancelled) in world.cancel_output
+    t = final(world, world.cancelled)
+    assert t["state"] == "cancelled"
+    assert all(s["state"] in ("skipped", "pending") for s in t["steps"]), t["steps"]
+    assert all(s["attempts"] == [] for s in t["steps"]), "a task cancelled before it started calls nothing"
+    effects = httpx.get(f"{world.services}/ledger", timeout=10).json()["effects"]
+    assert not [k for k in effects if k.startswith(f"{world.cancelled}:")], effects
+
+
+def test_a_worker_processes_a_task(world: World) -> None:
+    t = final(world, world.web)
+    assert t["state"] == "processed"
+    assert [s["state"] for s in t["steps"]] == ["completed"] * 3
+    assert all(s["attempt"] >= 1 and s["attempts"] for s in t["steps"])
+    k = kinds(t["events"])
+    assert k[0] == "received" and k[-1] == "processed", k
+    assert k.count("step_completed") == 3, k
+    rows = world.db.json("tasks", "--state", "processed", "--json")
+    assert world.web in [r["id"] for r in rows]
+
+
+def test_cancel_of_a_processed_task_exits_2(world: World) -> None:
+    final(world, world.web)
+    before = world.db.task(world.web)
+    assert_one_error_line(world.db.sw("task", "cancel", str(world.web)))
+    assert world.db.task(world.web) == before
+
+
+def test_retry_of_a_task_not_in_error_exits_2(world: World) -> None:
+    final(world, world.web)
+    before = world.db.task(world.web)
+    assert_one_error_line(world.db.sw("task", "retry", str(world.web)))
+    assert_one_error_line(world.db.sw("task", "retry", str(world.web), "--step", "reserve"))
+    assert world.db.task(world.web) == before
+
+
+def test_watch_a_task_until_it_is_final(world: World) -> None:
+    tid = world.db.submit(order("watched"), "--correlation-id", "watched")
+    r = world.db.sw("watch", str(tid), "--timeout", "30")
+    assert r.returncode == 0, str(r)
+    lines = r.stdout_lines
+    assert lines[-1] == f"task {tid} is processed", str(r)
+    assert r.elapsed < 30, "watch ends when the task is final, not at its timeout"
+    events = [ln.split()[1] for ln in lines[:-1]]
+    assert events[0] == "received" and events[-1] == "processed", events
+    assert events.count("step_completed") == 3, events
+    assert all(is_iso(ln.split()[0]) for ln in lines[:-1])
+
+
+def test_watch_a_reply_queue_prints_its_status_messages_in_order(world: World) -> None:
+    final(world, world.web)
+    r = world.db.sw("watch", "--reply-to", "web-1", "--timeout", "1")
+    assert r.returncode == 0, str(r)
+    msgs = [json.loads(ln) for ln in r.stdout_lines]
+    assert msgs and all(m["task_id"] == world.web and m["correlation_id"] == "web-order" for m in msgs), msgs
+    seq: list[tuple[str, str | None]] = []
+    for m in msgs:  # at least once (SCH8): collapse repeats, the order must hold
+        item = (m["kind"], m.get("step"))
+        if not seq or seq[-1] != item:
+            seq.append(item)
+    expected = [("received", None), *(("step_completed", s) for s in STEPS), ("processed", None)]
+    assert seq == expected, seq
+
+
+def test_watch_an_empty_reply_queue_ends_at_its_timeout(world: World) -> None:
+    r = world.db.sw("watch", "--reply-to", "nobody-listens", "--timeout", "0.5")
+    assert r.returncode == 0 and r.stdout.strip() == "", str(r)
+
+
+def test_leases_json_names_the_supervisor_and_its_holder(world: World) -> None:
+    def supervisor() -> dict[str, Any] | None:
+        rows = world.db.json("leases", "--json")
+        assert isinstance(rows, list) and all(x.keys() >= LEASE_KEYS for x in rows), rows
+        return next((x for x in rows if x["name"] == "supervisor" and x["holder"]), None)
+
+    lease = wait_until(supervisor, 30, "the worker to lead the supervisor lease", 0.3)
+    name, pid, rand = lease["holder"].split(":")
+    assert name == "acc" and pid == str(world.worker.pid) and rand, lease
+    assert isinstance(lease["term"], int) and lease["term"] >= 1
+    assert is_iso(lease["expires_at"])
+    human = world.db.ok("leases").stdout
+    assert "supervisor" in human and lease["holder"] in human
+
+
+def test_alerts_json_is_a_list(world: World) -> None:
+    final(world, world.web)
+    alerts = world.db.json("alerts", "--json")
+    assert isinstance(alerts, list)
+
+
+# -- a step that fails for good: error, alert, retry, cancel (SCH7, OPS2-OPS4) ----------------------
+
+
+def test_failed_task_alerts_and_can_be_retried_and_cancelled(db: Db, procs: Procs) -> None:
+    url = procs.services("--permanent-rate", "1")
+    worker = procs.worker(db, url, "err")
+    tid = db.submit(order("doomed"), "--correlation-id", "doomed")
+    try:
+        t = db.wait_state(tid, FINAL)
+    except BaseException:
+        print(procs.log_of(worker))
+        raise
+    assert t["state"] == "error", t
+    assert t["steps"][0]["state"] == "failed"
+    assert [s["state"] for s in t["steps"][1:]] != ["completed", "completed"]
+
+    alerts = db.json("alerts", "--json")
+    mine = [a for a in alerts if a.get("task_id") == tid]
+    assert mine, alerts
+    assert {"id", "kind", "task_id", "message", "created_at"} <= mine[0].keys()
+    assert str(tid) in db.ok("alerts").stdout
+    assert "error" in db.ok("task", "show", str(tid)).stdout
+
+    r = db.ok("task", "retry", str(tid))
+    assert str(tid) in r.stdout
+
+    def failed_again() -> dict[str, Any] | None:
+        t = db.task(tid)
+        return t if t["state"] == "error" and "retried" in kinds(t["events"]) else None
+
+    t = wait_until(failed_again, 45, f"task {tid} to be retried and fail again", 0.2)
+    assert t["steps"][0]["attempt"] >= 2, "the retry dispatched a new attempt"
+
+    r = db.ok("task", "cancel", str(tid))
+    assert str(tid) in r.stdout
+    assert db.wait_state(tid, FINAL - {"error"})["state"] == "cancelled"

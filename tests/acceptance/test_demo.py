@@ -1,0 +1,69 @@
+"""``stepwarden demo --json`` end to end (SPEC section 4): the summary's shape and its consistency check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .helpers import FINAL, WORKFLOW, Db, clean_env, sw
+
+SUMMARY_KEYS = {
+    "orders",
+    "processed",
+    "error",
+    "compensated",
+    "stuck",
+    "duplicate_effects",
+    "lost",
+    "rescued",
+    "leader_changes",
+    "elapsed_s",
+}
+
+
+def run_demo(tmp_path: Path, *args: str, global_db: bool) -> tuple[dict[str, Any], Db]:
+    """Run the demo on a store in tmp_path (its work folder too, through TMPDIR); returns its summary."""
+    db = Db(tmp_path / "demo.db", tmp_path)
+    where = ("--db", db.url, "demo") if global_db else ("demo", "--db", db.url)
+    r = sw(*where, *args, "--json", cwd=tmp_path, env=clean_env(TMPDIR=str(tmp_path)), timeout=240)
+    lines = r.stdout_lines
+    assert lines, f"demo printed nothing on stdout\n{r}"
+    try:
+        summary = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        pytest.fail(f"the last line of stdout is not JSON\n{r}")
+    assert isinstance(summary, dict), summary
+    assert r.returncode == 0, f"demo exited {r.returncode}; summary: {summary}\n{r.stderr[-3000:]}"
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return summary, db
+
+
+def check_summary(summary: dict[str, Any], orders: int, db: Db) -> None:
+    assert summary.keys() >= SUMMARY_KEYS, sorted(SUMMARY_KEYS - summary.keys())
+    assert summary["orders"] == orders
+    assert summary["stuck"] == 0 and summary["lost"] == 0 and summary["duplicate_effects"] == 0, summary
+    assert summary["processed"] + summary["error"] + summary["compensated"] == orders, summary
+    assert isinstance(summary["elapsed_s"], int | float) and summary["elapsed_s"] > 0
+    # The store it names agrees: every order is one task of the demo's workflow, each in a final state.
+    tasks = db.json("tasks", "--json")
+    assert len(tasks) == orders
+    assert {t["workflow"] for t in tasks} == {WORKFLOW}
+    assert all(t["state"] in FINAL for t in tasks)
+    by_state = {s: sum(t["state"] == s for t in tasks) for s in ("processed", "error", "compensated")}
+    assert by_state == {s: summary[s] for s in by_state}, (by_state, summary)
+    assert len({t["correlation_id"] for t in tasks}) == orders, "the correlation id is the order id"
+
+
+def test_demo_with_chaos(tmp_path: Path) -> None:
+    summary, db = run_demo(tmp_path, "--orders", "40", global_db=False)
+    check_summary(summary, 40, db)
+    assert summary["rescued"] >= 1, f"killing a worker mid-run must leave attempts to rescue: {summary}"
+    assert summary["leader_changes"] >= 1, f"the killed worker led the supervisors: {summary}"
+
+
+def test_demo_without_chaos(tmp_path: Path) -> None:
+    summary, db = run_demo(tmp_path, "--orders", "20", "--no-chaos", global_db=True)
+    check_summary(summary, 20, db)

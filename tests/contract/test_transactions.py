@@ -1,0 +1,85 @@
+"""SUB2 on every store: a business row and its task commit together, or neither does, both in a
+transaction stepwarden opens and in one the caller already has open on their own connection."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import psycopg
+import pytest
+
+from stepwarden import App, Request, Step
+
+
+def make_app(url: str) -> App:
+    app = App(url)
+    inv = app.agent("inv")
+
+    @inv.operation
+    def reserve(req: Request) -> None:
+        return None
+
+    app.workflow("order", [Step("reserve", "inv.reserve", complete_by=5)])
+    return app
+
+
+def ph(app: App) -> str:
+    return "?" if app.store.dialect == "sqlite" else "%s"
+
+
+def rows(app: App, sql: str) -> list[dict[str, Any]]:
+    return app.store.transact_sync(lambda tx: tx.sql(sql))
+
+
+@pytest.fixture
+def app(store_url: str) -> Any:
+    a = make_app(store_url)
+    with a.transaction() as tx:
+        tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY, total INTEGER)")
+    yield a
+    a.close()
+
+
+def test_row_and_task_commit_together(app: App) -> None:
+    with app.transaction() as tx:
+        tx.execute(f"INSERT INTO orders VALUES ({ph(app)}, {ph(app)})", ("o-1", 100))
+        task_id = tx.submit("order", {"order": "o-1"}, correlation_id="o-1", reply_to="web")
+    assert rows(app, "SELECT id, total FROM orders") == [{"id": "o-1", "total": 100}]
+    assert app.task(task_id)["state"] == "pending"
+
+
+def test_an_exception_rolls_back_row_and_task(app: App) -> None:
+    with pytest.raises(RuntimeError), app.transaction() as tx:
+        tx.execute(f"INSERT INTO orders VALUES ({ph(app)}, {ph(app)})", ("o-2", 5))
+        tx.submit("order", {"order": "o-2"}, correlation_id="o-2")
+        raise RuntimeError("the handler failed after submitting")
+    assert rows(app, "SELECT COUNT(*) AS n FROM orders") == [{"n": 0}]
+    assert rows(app, "SELECT COUNT(*) AS n FROM tasks") == [{"n": 0}]
+    assert rows(app, "SELECT COUNT(*) AS n FROM steps") == [{"n": 0}]
+
+
+def test_inside_the_callers_own_connection_and_transaction(app: App, store_url: str) -> None:
+    if store_url.startswith("sqlite:///"):
+        conn: Any = sqlite3.connect(store_url[len("sqlite:///") :], isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+    else:
+        conn = psycopg.connect(store_url)
+    try:
+        conn.execute(f"INSERT INTO orders VALUES ({ph(app)}, {ph(app)})", ("o-3", 7))
+        with app.transaction(conn) as tx:
+            first = tx.submit("order", {"order": "o-3"}, correlation_id="o-3")
+        conn.execute("ROLLBACK") if isinstance(conn, sqlite3.Connection) else conn.rollback()
+        assert rows(app, "SELECT COUNT(*) AS n FROM tasks") == [{"n": 0}], (
+            "the caller's rollback undid the task"
+        )
+        if isinstance(conn, sqlite3.Connection):
+            conn.execute("BEGIN IMMEDIATE")
+        conn.execute(f"INSERT INTO orders VALUES ({ph(app)}, {ph(app)})", ("o-3", 7))
+        with app.transaction(conn) as tx:
+            second = tx.submit("order", {"order": "o-3"}, correlation_id="o-3")
+        conn.execute("COMMIT") if isinstance(conn, sqlite3.Connection) else conn.commit()
+    finally:
+        conn.close()
+    assert first > 0 and app.task(second)["correlation_id"] == "o-3"
+    assert rows(app, "SELECT id FROM orders") == [{"id": "o-3"}]
