@@ -348,3 +348,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         if isinstance(c, Cluster):
             rep.sections.append(("workers and store", c.report()))
     return rep
+
+
+@pytest.fixture
+def pg_cluster(tmp_path: Path, pg_url: str) -> Iterator[Cluster]:
+    """Worker processes on PostgreSQL only, for what only PostgreSQL has (LISTEN, connection faults)."""
+    c = Cluster(tmp_path, pg_url)
+    try:
+        yield c
+    finally:
+        c.close()

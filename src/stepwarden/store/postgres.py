@@ -82,9 +82,9 @@ class PgTx:
         return int(self._exec(query, params).rowcount)
 
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
-        if isinstance(params, tuple):
+        if isinstance(params, tuple) and params:
             text = text.replace("?", "%s")
-        cur = self.conn.cursor(row_factory=dict_row).execute(text, params)
+        cur = self.conn.cursor(row_factory=dict_row).execute(text, params or None)
         return list(cur.fetchall()) if cur.description else []
 
     def send_notifications(self) -> None:

@@ -1,0 +1,234 @@
+"""What only PostgreSQL has: many workers racing on SKIP LOCKED claims, LISTEN switched off for a
+pooler, and connection faults (REL3) — killed backends and a server restart in the middle of a run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pytest
+
+from stepwarden.demo.app import app as demo_app
+from stepwarden.demo.ledger import OrderOutcome, check_ledger, fetch_ledger
+from stepwarden.demo.services import serve_in_thread
+from stepwarden.store import FINAL_TASK_STATES, open_store, views
+from stepwarden.store.core import _register
+from stepwarden.testing.postgres import LocalPostgres
+
+if TYPE_CHECKING:
+    from conftest import Cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > end:
+            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {got!r})")
+        time.sleep(0.05)
+
+
+def test_four_workers_2000_tasks_no_task_claimed_twice(pg_cluster: Cluster) -> None:
+    workers = [pg_cluster.start(f"w{i}") for i in range(1, 5)]
+    ids: list[int] = []
+    for burst in range(20):
+        with pg_cluster.app.transaction() as tx:
+            ids += [tx.submit("one", {"n": burst * 100 + i}) for i in range(100)]
+    pg_cluster.wait(
+        lambda: pg_cluster.one("SELECT COUNT(*) AS n FROM tasks WHERE state = 'processed'")["n"] == len(ids),
+        180,
+        "2000 tasks to be processed",
+    )
+    # The store's own records: one claim event and one request (attempt 1) per task, one owner each.
+    claims = Counter(
+        r["task_id"] for r in pg_cluster.sql("SELECT task_id FROM events WHERE kind = 'claimed'")
+    )
+    assert len(claims) == 2000 and set(claims.values()) == {1}
+    reqs = pg_cluster.sql("SELECT task_id, attempt, dispatched_by, taken_by, outcome FROM requests")
+    assert Counter(r["task_id"] for r in reqs) == Counter({t: 1 for t in ids})
+    identities = {w.identity for w in workers}
+    assert all(r["attempt"] == 1 and r["outcome"] == "ok" for r in reqs)
+    assert all(r["dispatched_by"] in identities and r["taken_by"] in identities for r in reqs)
+    assert len({r["dispatched_by"] for r in reqs}) > 1, "the claims raced between several schedulers"
+    runs = Counter(e["task_id"] for e in pg_cluster.executions("kind = 'do'"))
+    assert runs == Counter({t: 1 for t in ids}), "each task's operation ran exactly once"
+
+
+def test_listen_off_for_a_transaction_pooler_still_processes_by_polling(pg_cluster: Cluster) -> None:
+    pg_cluster.url += "?listen=off"
+    pg_cluster.start("polling")
+    task_id = pg_cluster.submit("one", {"n": 1})
+    wait_for(lambda: pg_cluster.task_state(task_id) == "processed", 30, "the task to be processed")
+    listening = pg_cluster.sql("SELECT COUNT(*) AS n FROM pg_stat_activity WHERE query LIKE 'LISTEN%'")
+    assert listening == [{"n": 0}], "no LISTEN session with listen=off"
+
+
+def test_listen_on_opens_one_listening_session_per_worker(pg_cluster: Cluster) -> None:
+    pg_cluster.start("a")
+    pg_cluster.start("b")
+    wait_for(
+        lambda: (
+            pg_cluster.sql(
+                "SELECT COUNT(DISTINCT pid) AS n FROM pg_stat_activity WHERE datname = current_database() "
+                "AND query LIKE 'LISTEN%'"
+            )
+            == [{"n": 2}]
+        ),
+        20,
+        "both workers to LISTEN",
+    )
+
+
+# -- connection faults with the demo's idempotent services and their ledger -----------------------
+
+
+class DemoRun:
+    """Demo workers on one PostgreSQL database with the fake services, and the ledger check."""
+
+    def __init__(self, tmp: Path, url: str) -> None:
+        self.tmp = tmp
+        self.url = url
+        self.base, self.stop_services = serve_in_thread(seed=3, transient_rate=0.05, hang_rate=0.0)
+        self.env = dict(os.environ, STEPWARDEN_DEMO_SERVICES=self.base)
+        self.store = open_store(url)
+        self.store.transact_sync(_register, list(demo_app.workflows.values()), "test")
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    def start(self, n: int) -> None:
+        for i in range(n):
+            log = open(self.tmp / f"w{i}.log", "ab")  # noqa: SIM115 - the process owns it
+            self.workers.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "stepwarden",
+                        "--db",
+                        self.url,
+                        "worker",
+                        "--app",
+                        "stepwarden.demo.app:app",
+                        "--name",
+                        f"w{i}",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                )
+            )
+
+    def submit(self, n: int) -> list[int]:
+        demo_app.use_store(self.store)
+        return [
+            demo_app.submit(
+                "process-order",
+                {"order_id": f"o{i}", "sku": "s", "quantity": 1, "amount_cents": 100},
+                correlation_id=f"o{i}",
+            )
+            for i in range(n)
+        ]
+
+    def final_count(self) -> int:
+        counts = self.store.transact_sync(views.state_counts)
+        return sum(v for k, v in counts.items() if k in FINAL_TASK_STATES)
+
+    def check(self, n: int) -> None:
+        wait_for(lambda: self.final_count() == n, 150, f"all {n} orders to end final")
+        for i, w in enumerate(self.workers):
+            assert w.poll() is None, f"worker w{i} died:\n{(self.tmp / f'w{i}.log').read_text()[-3000:]}"
+        tasks = self.store.transact_sync(views.list_tasks)
+        report = check_ledger(
+            fetch_ledger(self.base),
+            [OrderOutcome(t["correlation_id"], str(t["id"]), t["state"]) for t in tasks],
+        )
+        assert report.ok, report.problems
+        assert report.duplicate_effects == 0 and report.lost == 0
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.poll() is None:
+                w.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            try:
+                w.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
+        self.store.close()
+        self.stop_services()
+
+
+@pytest.fixture
+def own_postgres(tmp_path: Path) -> Iterator[LocalPostgres]:
+    """A server of this test's own, so restarting it disturbs no other test."""
+    pg = LocalPostgres(tmp_path / "pgdata").start()
+    try:
+        yield pg
+    finally:
+        pg.stop("immediate")
+
+
+def backends(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as c:
+        row = c.execute(
+            "SELECT COUNT(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+
+def kill_backends(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as c:
+        rows = c.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+        return len(rows)
+
+
+def test_workers_recover_when_all_their_connections_are_killed(tmp_path: Path, pg_url: str) -> None:
+    run = DemoRun(tmp_path, pg_url)
+    try:
+        run.start(3)
+        wait_for(lambda: backends(pg_url) >= 6, 30, "the workers to connect")
+        ids = run.submit(150)
+        killed = 0
+        for round_ in range(3):  # mid-run, three times, each after some progress
+            wait_for(lambda n=10 * (round_ + 1): run.final_count() >= n, 60, "progress")
+            killed += kill_backends(pg_url)
+        assert run.final_count() < len(ids), "the faults happened mid-run"
+        assert killed >= 9
+        run.check(len(ids))
+        wait_for(lambda: backends(pg_url) >= 3, 30, "the workers to be connected again")
+    finally:
+        run.close()
+
+
+def test_workers_recover_from_a_postgres_restart_mid_run(tmp_path: Path, own_postgres: LocalPostgres) -> None:
+    with psycopg.connect(own_postgres.url(), autocommit=True) as c:
+        c.execute("CREATE DATABASE faults")
+    url = own_postgres.url("faults")
+    run = DemoRun(tmp_path, url)
+    try:
+        run.start(3)
+        ids = run.submit(150)
+        wait_for(lambda: run.final_count() >= 20, 60, "the run to be under way")
+        run.store.close()
+        own_postgres.restart()  # every connection dies; the server is back on the same port
+        run.store = open_store(url)
+        assert run.final_count() < len(ids), "the restart happened mid-run"
+        run.check(len(ids))
+    finally:
+        run.close()
