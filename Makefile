@@ -18,13 +18,14 @@ demo: venv
 	$(BIN)/stepwarden demo
 
 lint: venv
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/ruff format --check src tests bench scripts
 	$(BIN)/mypy
 
 test: venv lint
 	$(BIN)/python -m pytest -n 2 -q
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python ../shared/contract/check.py
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/contract_on_postgres.py ../shared/contract/check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
