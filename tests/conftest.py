@@ -6,6 +6,8 @@ In CI (STEPWARDEN_NO_SKIPS=1) a skipped test fails the run.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -58,11 +60,15 @@ def pg_admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         return
     from stepwarden.testing.postgres import LocalPostgres
 
-    pg = LocalPostgres(Path(tmp_path_factory.mktemp("pg")) / "data").start()
+    # Not under pytest's basetemp: another pytest run on the machine may prune old basetemps
+    # while this one still runs, and a server whose data directory vanishes dies.
+    home = Path(tempfile.mkdtemp(prefix="stepwarden-test-pg-"))
+    pg = LocalPostgres(home / "data").start()
     try:
         yield pg.url("postgres")
     finally:
         pg.stop("immediate")
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

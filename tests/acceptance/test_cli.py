@@ -18,6 +18,7 @@ from .helpers import (
     FINAL,
     LEASE_KEYS,
     STEP_KEYS,
+    SW,
     TASK_KEYS,
     TASK_STATES,
     WORKFLOW,
@@ -76,6 +77,22 @@ def test_submit_prints_the_task_id_and_an_idempotency_key_returns_the_same_id(db
     assert again == a
     assert len({a, other, plain1, plain2}) == 4, "without a repeated key every submit is a new task"
     assert sorted(t["id"] for t in db.json("tasks", "--json")) == sorted({a, other, plain1, plain2})
+
+
+def test_concurrent_submits_with_one_idempotency_key_make_one_task(db: Db) -> None:
+    payload = json.dumps(order("conc-1"))
+    cmd = [str(SW), "--db", db.url, "submit", WORKFLOW, "--input", payload, "--idempotency-key", "conc-1"]
+    running = [
+        subprocess.Popen(cmd, cwd=db.cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(6)
+    ]
+    outs = []
+    for p in running:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err.decode()
+        outs.append(out.decode().strip())
+    assert len(set(outs)) == 1 and outs[0].isdigit(), outs
+    assert [t["id"] for t in db.json("tasks", "--json")] == [int(outs[0])]
 
 
 def test_submit_accepts_priority_reply_queue_and_correlation_id(db: Db) -> None:
@@ -402,6 +419,9 @@ def test_failed_task_alerts_and_can_be_retried_and_cancelled(db: Db, procs: Proc
     assert str(tid) in db.ok("alerts").stdout
     assert "error" in db.ok("task", "show", str(tid)).stdout
 
+    assert_one_error_line(db.sw("task", "retry", str(tid), "--step", "no-such-step"))
+    assert_one_error_line(db.sw("task", "retry", str(tid), "--step", "ship"))  # after the failed step
+    assert db.task(tid)["state"] == "error"
     r = db.ok("task", "retry", str(tid))
     assert str(tid) in r.stdout
 

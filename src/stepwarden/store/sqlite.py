@@ -10,7 +10,9 @@ wall clock, the same one SQLite's ``julianday('now')`` reads), so tests can move
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -23,6 +25,7 @@ from .base import Row
 from .core import Store
 from .sql import load_migrations, load_queries, split_statements
 
+log = logging.getLogger("stepwarden.sqlite")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -65,6 +68,7 @@ class SQLiteStore(Store):
         clock: Clock = SYSTEM_CLOCK,
         synchronous: str = "FULL",
         busy_timeout: float = 30.0,
+        watch_interval: float = 0.005,
         migrate: bool = True,
     ) -> None:
         super().__init__()
@@ -75,6 +79,7 @@ class SQLiteStore(Store):
         self.clock = clock
         self.synchronous = synchronous.upper()
         self.busy_timeout = busy_timeout
+        self.watch_interval = watch_interval
         self.queries = load_queries("sqlite", "sw_now()")
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
@@ -172,6 +177,39 @@ class SQLiteStore(Store):
             raise
         conn.execute("COMMIT")
         return applied
+
+    async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
+        """SQLite's wake-up hint: ``PRAGMA data_version`` changes whenever another connection
+        commits. A thread reads it every ``watch_interval`` seconds (a read of shared memory, no
+        disk I/O) and wakes the roles when it moves, so idle workers pick up new work in
+        milliseconds without polling the tables."""
+        if self.watch_interval <= 0:
+            await stop.wait()
+            return
+        loop = asyncio.get_running_loop()
+        done = threading.Event()
+
+        def watch() -> None:
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout, check_same_thread=False)
+            try:
+                last = conn.execute("PRAGMA data_version").fetchone()[0]
+                while not done.wait(self.watch_interval):
+                    now = conn.execute("PRAGMA data_version").fetchone()[0]
+                    if now != last:
+                        last = now
+                        for channel in ("stepwarden_tasks", "stepwarden_requests", "stepwarden_replies"):
+                            loop.call_soon_threadsafe(wake, channel)
+            except (sqlite3.Error, RuntimeError) as e:  # RuntimeError: the loop closed under us
+                log.debug("data_version watcher stopped: %r", e)
+            finally:
+                conn.close()
+
+        thread = threading.Thread(target=watch, name="stepwarden-sqlite-watch", daemon=True)
+        thread.start()
+        try:
+            await stop.wait()
+        finally:
+            done.set()
 
     def close(self) -> None:
         super().close()
