@@ -52,8 +52,8 @@ def _load_app(ref: str) -> App:
     sys.path.insert(0, os.getcwd())
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise InputError(f"cannot import {mod_name!r} for --app: {e}") from None
+    except Exception as e:  # ImportError, a relative name (TypeError), or the module's own error
+        raise InputError(f"cannot import {mod_name!r} for --app: {type(e).__name__}: {e}") from None
     obj = getattr(mod, attr, None)
     if not isinstance(obj, App):
         raise InputError(f"{ref} is not a stepwarden App")
@@ -156,24 +156,27 @@ def _exit_despite_stuck_threads() -> None:
 
 
 def _read_input(value: str) -> Any:
+    """Inline JSON, ``@FILE`` or ``-`` (stdin), reading at most the size limit plus one byte, so a
+    device or a pipe that never ends is refused instead of filling memory."""
+    limit = DEFAULT_MAX_INPUT_BYTES
+    where = "standard input"
     if value == "-":
-        text = sys.stdin.read(DEFAULT_MAX_INPUT_BYTES + 1)
+        data = sys.stdin.buffer.read(limit + 1)
     elif value.startswith("@"):
-        path = value[1:]
+        where = f"input file {value[1:]!r}"
         try:
-            size = os.path.getsize(path)
-            if size > DEFAULT_MAX_INPUT_BYTES:
-                raise InputError(
-                    f"task input is {size} bytes, over the limit of {DEFAULT_MAX_INPUT_BYTES} bytes"
-                )
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            with open(value[1:], "rb") as f:
+                data = f.read(limit + 1)
         except OSError as e:
-            raise InputError(f"cannot read input file {path!r}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise InputError(f"input file {path!r} is not UTF-8 text") from None
+            raise InputError(f"cannot read {where}: {e.strerror}") from None
     else:
-        text = value
+        return parse_input(value)
+    if len(data) > limit:
+        raise InputError(f"task input from {where} is over the limit of {limit} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{where} is not UTF-8 text") from None
     return parse_input(text)
 
 
@@ -243,7 +246,7 @@ def task() -> None:
 
 
 def _task_id(value: str) -> int:
-    if not value.isdigit() or int(value) < 1 or len(value) > 18:
+    if not (value.isascii() and value.isdigit()) or len(value) > 18 or int(value) < 1:
         raise InputError(f"invalid task id {value[:40]!r}: expected a positive integer")
     return int(value)
 
@@ -254,7 +257,8 @@ def _task_id(value: str) -> int:
 @click.pass_context
 def task_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """A task with its steps, attempts and events."""
-    view = _open(ctx).transact_sync(views.show_task, _task_id(task_id))
+    tid = _task_id(task_id)
+    view = _open(ctx).transact_sync(views.show_task, tid)
     if as_json:
         _print_json(view)
         return
@@ -337,6 +341,7 @@ def watch(ctx: click.Context, task_id: str | None, reply_to: str | None, timeout
     """Follow one task's events until it is final, or a reply queue's messages."""
     if (task_id is None) == (reply_to is None):
         raise InputError("give a task ID or --reply-to QUEUE (one of them)")
+    tid = _task_id(task_id) if task_id is not None else 0
     store = _open(ctx)
     end = None if timeout is None else time.monotonic() + timeout
     after = 0
@@ -346,7 +351,6 @@ def watch(ctx: click.Context, task_id: str | None, reply_to: str | None, timeout
                 after = m["id"]
                 click.echo(m["body"])
         else:
-            tid = _task_id(task_id or "")
             for e in store.transact_sync(views.events_after, tid, after):
                 after = e["id"]
                 detail = json.loads(e["detail"]) if e["detail"] else {}
@@ -404,6 +408,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except click.exceptions.NoArgsIsHelpError as e:  # a group without its command: show its help
+        click.echo(e.ctx.get_help() if e.ctx is not None else e.format_message())
+        sys.exit(0)
     except click.UsageError as e:
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(2)

@@ -1,4 +1,9 @@
-"""Human-readable output for the CLI (rich tables); ``--json`` bypasses all of this."""
+"""Human-readable output for the CLI (rich tables); ``--json`` bypasses all of this.
+
+The consoles here do not interpret markup: every value may come from a user (a correlation id
+of ``[/]``, an error message with brackets) and must be shown literally. Colour comes only from
+:class:`~rich.text.Text` styles we set ourselves.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 STATE_STYLE = {
     "processed": "green",
@@ -22,9 +28,16 @@ STATE_STYLE = {
 }
 
 
-def _state(s: str | None) -> str:
-    s = s or "-"
-    return f"[{STATE_STYLE.get(s, 'white')}]{s}[/]"
+def _console() -> Console:
+    return Console(markup=False, emoji=False, highlight=False)
+
+
+def _state(s: str | None) -> Text:
+    return Text(s or "-", style=STATE_STYLE.get(s or "", "white"))
+
+
+def _v(value: object) -> str:
+    return "-" if value is None or value == "" else str(value)
 
 
 def _short(t: str | None) -> str:
@@ -32,18 +45,18 @@ def _short(t: str | None) -> str:
 
 
 def tasks_table(rows: list[dict[str, Any]]) -> None:
-    console = Console()
+    console = _console()
     if not rows:
         console.print("no tasks")
         return
     t = Table("id", "workflow", "state", "correlation", "failures", "steps", "updated", box=None)
     for r in rows:
-        steps = " ".join(f"{s['name']}:{_state(s['state'])}" for s in r["steps"])
+        steps = Text(" ").join(Text(f"{s['name']}:").append_text(_state(s["state"])) for s in r["steps"])
         t.add_row(
             str(r["id"]),
-            r["workflow"],
+            _v(r["workflow"]),
             _state(r["state"]),
-            r["correlation_id"] or "-",
+            _v(r["correlation_id"]),
             str(r["failure_count"]),
             steps,
             _short(r["updated_at"]),
@@ -52,14 +65,18 @@ def tasks_table(rows: list[dict[str, Any]]) -> None:
 
 
 def task_detail(v: dict[str, Any]) -> None:
-    console = Console()
-    console.print(
-        f"[bold]task {v['id']}[/] {v['workflow']} v{v['workflow_version']}  {_state(v['state'])}  "
-        f"correlation={v['correlation_id'] or '-'}  failures={v['failure_count']}  "
-        f"locked_by={v['locked_by'] or '-'}  complete_by={_short(v['complete_by'])}"
+    console = _console()
+    head = Text(f"task {v['id']} ", style="bold").append(
+        f"{v['workflow']} v{v['workflow_version']}  ", style=""
     )
+    head.append_text(_state(v["state"]))
+    head.append(
+        f"  correlation={_v(v['correlation_id'])}  failures={v['failure_count']}  "
+        f"locked_by={_v(v['locked_by'])}  complete_by={_short(v['complete_by'])}"
+    )
+    console.print(head)
     if v.get("last_error"):
-        console.print(f"last error: [red]{v['last_error']}[/]")
+        console.print(Text("last error: ").append(str(v["last_error"]), style="red"))
     st = Table(
         "#",
         "step",
@@ -80,7 +97,7 @@ def task_detail(v: dict[str, Any]) -> None:
             _state(s["state"]),
             str(s["attempt"]),
             str(s["failure_count"]),
-            s["locked_by"] or "-",
+            _v(s["locked_by"]),
             _short(s["complete_by"]),
             (s["last_error"] or "")[:60],
         )
@@ -102,23 +119,21 @@ def task_detail(v: dict[str, Any]) -> None:
                 s["name"],
                 str(a["attempt"]),
                 a["kind"],
-                a["outcome"] or a["state"],
+                _v(a["outcome"] or a["state"]),
                 a["dispatched_by"],
-                a["taken_by"] or "-",
+                _v(a["taken_by"]),
                 _short(a["complete_by"]),
             )
     console.print(at)
     et = Table("at", "event", "step", "attempt", "actor", "detail", box=None, title="events")
     for e in v.get("events", []):
         detail = " ".join(f"{k}={val}" for k, val in e["detail"].items())[:80]
-        et.add_row(
-            _short(e["at"]), e["kind"], e["step"] or "-", str(e["attempt"] or "-"), e["actor"] or "-", detail
-        )
+        et.add_row(_short(e["at"]), e["kind"], _v(e["step"]), _v(e["attempt"]), _v(e["actor"]), detail)
     console.print(et)
 
 
 def alerts_table(rows: list[dict[str, Any]]) -> None:
-    console = Console()
+    console = _console()
     if not rows:
         console.print("no alerts")
         return
@@ -127,8 +142,8 @@ def alerts_table(rows: list[dict[str, Any]]) -> None:
         t.add_row(
             str(a["id"]),
             a["kind"],
-            str(a["task_id"] or "-"),
-            a["step"] or "-",
+            _v(a["task_id"]),
+            _v(a["step"]),
             a["message"],
             _short(a["created_at"]),
             _short(a["acked_at"]),
@@ -137,7 +152,7 @@ def alerts_table(rows: list[dict[str, Any]]) -> None:
 
 
 def leases_table(rows: list[dict[str, Any]]) -> None:
-    console = Console()
+    console = _console()
     if not rows:
         console.print("no leases")
         return
@@ -145,7 +160,7 @@ def leases_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         t.add_row(
             r["name"],
-            r["holder"] or "-",
+            _v(r["holder"]),
             str(r["term"]),
             _short(r["expires_at"]),
             "yes" if r["active"] else "no",
@@ -154,7 +169,7 @@ def leases_table(rows: list[dict[str, Any]]) -> None:
 
 
 def workers_table(rows: list[dict[str, Any]]) -> None:
-    console = Console()
+    console = _console()
     if not rows:
         console.print("no workers")
         return

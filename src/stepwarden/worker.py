@@ -51,6 +51,8 @@ class WorkerSettings:
         bad = [r for r in self.roles if r not in ROLES]
         if bad or not self.roles:
             raise InputError(f"unknown role(s) {', '.join(bad) or '(none)'}: choose from {', '.join(ROLES)}")
+        if self.agents is not None and not self.agents:
+            raise InputError("--agents names no agent: give a comma-separated list, or leave it out for all")
         if self.concurrency is not None and not 1 <= self.concurrency <= 10_000:
             raise InputError("concurrency must be between 1 and 10000")
         if self.name is not None:

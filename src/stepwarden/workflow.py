@@ -51,7 +51,9 @@ def encode_input(value: Any, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> str:
         text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise InputError(f"task input is not JSON-serialisable: {e}") from None
-    size = len(text.encode())
+    except RecursionError:
+        raise InputError("task input is nested too deeply") from None
+    size = _utf8_size(text)
     if size > max_bytes:
         raise PayloadTooLarge(f"task input is {size} bytes, over the limit of {max_bytes} bytes")
     return text
@@ -59,15 +61,25 @@ def encode_input(value: Any, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> str:
 
 def parse_input(text: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Any:
     """Parse JSON text given on the command line or read from a file, with the same limits."""
-    size = len(text.encode())
+    size = _utf8_size(text)
     if size > max_bytes:
         raise PayloadTooLarge(f"task input is {size} bytes, over the limit of {max_bytes} bytes")
     try:
-        return json.loads(text)
+        value = json.loads(text)
+    except RecursionError:
+        raise InputError("task input is nested too deeply") from None
     except json.JSONDecodeError as e:
         raise InputError(
             f"task input is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
         ) from None
+    return value  # a lone surrogate from a \uD800 escape is refused by encode_input at submission
+
+
+def _utf8_size(text: str) -> int:
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError:
+        raise InputError("task input is not valid Unicode (a lone surrogate or undecodable bytes)") from None
 
 
 def _show(value: object) -> str:

@@ -229,44 +229,24 @@ def test_non_utf8_input_file_is_refused(seeded: tuple[Db, int], tmp_path: Path) 
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", f"@{f}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: deeply nested JSON raises RecursionError in parse_input, reported as exit 1 instead of 2",
-)
 def test_deeply_nested_input_is_bad_input(seeded: tuple[Db, int], tmp_path: Path) -> None:
     f = tmp_path / "deep.json"
     f.write_text("[" * 100_000 + "]" * 100_000)
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", f"@{f}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: non-UTF-8 stdin ends in an unhandled Unicode error (read, or encode in parse_input): exit 1",
-)
 def test_non_utf8_stdin_is_bad_input(seeded: tuple[Db, int]) -> None:
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", "-", stdin=b'{"order_id": "caf\xe9"}')
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a lone surrogate escape makes encode_input's text.encode() raise UnicodeEncodeError: exit 1",
-)
 def test_lone_surrogate_in_json_is_bad_input(seeded: tuple[Db, int]) -> None:
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", '{"order_id": "\\ud800"}')
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: non-UTF-8 bytes in an inline --input make parse_input's text.encode() raise: exit 1, not 2",
-)
 def test_non_utf8_inline_argument_is_bad_input(seeded: tuple[Db, int]) -> None:
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", b'{"order_id": "caf\xe9"}')
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: --input @FILE bounds its read by os.path.getsize, 0 for devices and pipes: endless read",
-)
 def test_input_from_an_endless_file_is_refused(seeded: tuple[Db, int], tmp_path: Path) -> None:
     # Under the bug the command reads /dev/zero until memory runs out; cap its address space at 768 MiB
     # so that ends in a second instead of taking the machine with it.
@@ -290,10 +270,6 @@ def test_input_from_an_endless_file_is_refused(seeded: tuple[Db, int], tmp_path:
     assert db.snapshot() == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _load_app catches only ImportError; a relative module ('.foo') raises TypeError: exit 1",
-)
 @pytest.mark.parametrize(
     "args",
     [("worker", "--app", ".foo:app"), ("submit", WORKFLOW, "--input", GOOD, "--app", ".foo:app")],
@@ -303,9 +279,6 @@ def test_relative_app_module_is_bad_input(seeded: tuple[Db, int], args: tuple[st
     refused_and_unchanged(seeded[0], *args)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: _task_id accepts str.isdigit() digits such as '²' that int() rejects: exit 1"
-)
 def test_superscript_task_id_is_bad_input(seeded: tuple[Db, int]) -> None:
     refused_and_unchanged(seeded[0], "task", "show", "²")
 
@@ -314,10 +287,6 @@ def test_reply_queue_with_trailing_newline_is_refused(seeded: tuple[Db, int]) ->
     refused_and_unchanged(seeded[0], *SUBMIT, "--reply-to", "q\n")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a missing command raises click's NoArgsIsHelpError, printed as a multi-line 'error: Usage:'",
-)
 @pytest.mark.parametrize("args", [(), ("task",)], ids=["no-arguments", "task-without-subcommand"])
 def test_missing_command_is_help_or_one_line(tmp_path: Path, args: tuple[str, ...]) -> None:
     r = sw(*args, cwd=tmp_path)
@@ -392,10 +361,6 @@ def test_sql_in_the_input_is_stored_literally(db: Db) -> None:
     assert after["counts"]["steps"] == before["counts"]["steps"] + 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: cli_render hands user text (correlation id) to rich as markup: '[/]' crashes `tasks`",
-)
 @pytest.mark.parametrize("correlation_id", ["[/]", "[bold]loud[/bold]"], ids=["closing-tag", "style"])
 def test_markup_in_a_correlation_id_is_shown_literally(db: Db, correlation_id: str) -> None:
     tid = db.submit(order("markup"), "--correlation-id", correlation_id)
