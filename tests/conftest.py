@@ -81,6 +81,22 @@ def pg_template(pg_admin_url: str) -> str:
     return name
 
 
+@pytest.fixture(scope="session")
+def make_pg_db(pg_admin_url: str, pg_template: str) -> Iterator[Callable[[], str]]:
+    """A factory of fresh, migrated databases for fixtures wider than one test; dropped at the end."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"sw_test_{uuid.uuid4().hex[:10]}"
+        _admin_execute(pg_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+        made.append(name)
+        return _with_db(pg_admin_url, name)
+
+    yield make
+    for name in made:
+        _admin_execute(pg_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def pg_url(pg_admin_url: str, pg_template: str) -> Iterator[str]:
     """A fresh, migrated PostgreSQL database for one test."""

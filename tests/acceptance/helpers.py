@@ -178,10 +178,11 @@ class Db:
 
     path: Path
     cwd: Path
+    pg: str | None = None  # a PostgreSQL URL instead of the SQLite file
 
     @property
     def url(self) -> str:
-        return f"sqlite:///{self.path}"
+        return self.pg or f"sqlite:///{self.path}"
 
     def sw(self, *args: str | bytes, **kw: Any) -> Result:
         return sw("--db", self.url, *args, cwd=self.cwd, **kw)
@@ -221,6 +222,22 @@ class Db:
 
     def snapshot(self) -> dict[str, Any]:
         """What a write would change: every row of tasks and steps, and the row count of every table."""
+        if self.pg:
+            import psycopg
+
+            with psycopg.connect(self.pg) as pc:
+                tables = sorted(
+                    r[0]
+                    for r in pc.execute(
+                        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
+                    )
+                )
+                return {
+                    "tables": tables,
+                    "counts": {t: pc.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in TABLES},  # type: ignore[index]
+                    "tasks": pc.execute("SELECT * FROM tasks ORDER BY id").fetchall(),
+                    "steps": pc.execute("SELECT * FROM steps ORDER BY task_id, idx").fetchall(),
+                }
         conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
         try:
             tables = sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
@@ -234,9 +251,10 @@ class Db:
             conn.close()
 
 
-def make_db(folder: Path, name: str = "store.db", *, demo: bool = True) -> Db:
-    """A fresh store file in ``folder`` (the commands' working directory too), knowing the demo workflow."""
-    db = Db(folder / name, folder)
+def make_db(folder: Path, name: str = "store.db", *, demo: bool = True, pg: str | None = None) -> Db:
+    """A fresh store file in ``folder`` (the commands' working directory too), knowing the demo workflow;
+    or, with ``pg``, that fresh PostgreSQL database."""
+    db = Db(folder / name, folder, pg)
     if demo:
         register_demo_workflows(db.url)
     else:

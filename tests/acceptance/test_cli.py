@@ -279,14 +279,23 @@ class World:
     web: int
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
+    """The CLI's happy paths on both stores (bad input is checked on SQLite in test_bad_input)."""
+    if request.param == "sqlite":
+        return make_db(tmp_path)
+    return make_db(tmp_path, pg=request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """A store with two tasks submitted before any worker ran: one cancelled while pending, one with a
     reply queue; then the demo's services (no failures) and one worker for the demo app."""
     folder = tmp_path_factory.mktemp("world")
     procs = Procs(folder)
     try:
-        db = make_db(folder)
+        pg = request.getfixturevalue("make_pg_db")() if request.param == "postgres" else None
+        db = make_db(folder, pg=pg)
         cancelled = db.submit(order("cancel-me"), "--correlation-id", "cancel-me")
         web = db.submit(order("web-order"), "--correlation-id", "web-order", "--reply-to", "web-1")
         out = db.ok("task", "cancel", str(cancelled)).stdout

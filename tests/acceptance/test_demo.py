@@ -24,9 +24,10 @@ SUMMARY_KEYS = {
 }
 
 
-def run_demo(tmp_path: Path, *args: str, global_db: bool) -> tuple[dict[str, Any], Db]:
-    """Run the demo on a store in tmp_path (its work folder too, through TMPDIR); returns its summary."""
-    db = Db(tmp_path / "demo.db", tmp_path)
+def run_demo(tmp_path: Path, *args: str, global_db: bool, pg: str | None = None) -> tuple[dict[str, Any], Db]:
+    """Run the demo on a store in tmp_path (its work folder too, through TMPDIR), or on the PostgreSQL
+    database ``pg``; returns its summary."""
+    db = Db(tmp_path / "demo.db", tmp_path, pg)
     where = ("--db", db.url, "demo") if global_db else ("demo", "--db", db.url)
     r = sw(*where, *args, "--json", cwd=tmp_path, env=clean_env(TMPDIR=str(tmp_path)), timeout=240)
     lines = r.stdout_lines
@@ -67,3 +68,10 @@ def test_demo_with_chaos(tmp_path: Path) -> None:
 def test_demo_without_chaos(tmp_path: Path) -> None:
     summary, db = run_demo(tmp_path, "--orders", "20", "--no-chaos", global_db=True)
     check_summary(summary, 20, db)
+
+
+def test_demo_on_postgres(tmp_path: Path, pg_url: str) -> None:
+    summary, db = run_demo(tmp_path, "--orders", "40", global_db=False, pg=pg_url)
+    check_summary(summary, 40, db)
+    assert summary["rescued"] >= 1 and summary["leader_changes"] >= 1, summary
+    assert summary["store"].startswith("postgresql://"), summary
