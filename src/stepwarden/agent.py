@@ -143,6 +143,9 @@ class AgentRole:
         self.tasks: dict[asyncio.Task[None], RequestMsg] = {}
         self.completed = 0
         self._notes: set[asyncio.Task[None]] = set()
+        self._outbox: list[tuple[tuple[int, str, Any, str | None], asyncio.Future[None]]] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._replied: set[int] = set()  # request ids whose reply is queued or sent
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -200,6 +203,7 @@ class AgentRole:
                 )
                 return
             await self._reply(msg, *outcome)
+            self._replied.discard(msg.id)  # committed; only a cancelled wait leaves it for drain()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never let one request kill the role
@@ -209,15 +213,30 @@ class AgentRole:
             self.wake.set()
 
     async def _reply(self, msg: RequestMsg, outcome: str, result: Any, error: str | None) -> None:
-        for n in range(1, 6):
-            try:
-                await self.store.send_reply(self.me, msg.id, outcome, result, error)
-                self.completed += 1
-                self.on_reply()
-                return
-            except Exception as e:
-                log.warning("request %s: reply failed (try %d): %r", msg.id, n, e)
-                await self.clock.sleep(0.2 * n)
+        """Queue the reply and wait until it is committed. Replies that finish while a batch is
+        being written go together in the next transaction (group commit: one fsync for many)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._replied.add(msg.id)
+        self._outbox.append(((msg.id, outcome, result, error), fut))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_outbox(), name="agent-replies")
+        await asyncio.shield(fut)
+
+    async def _send_outbox(self) -> None:
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            for n in range(1, 6):
+                try:
+                    await self.store.send_replies(self.me, [item for item, _ in batch])
+                    self.completed += len(batch)
+                    self.on_reply()
+                    break
+                except Exception as e:  # the attempts expire and are rescued if this never succeeds
+                    log.warning("%d repl(ies) failed to send (try %d): %r", len(batch), n, e)
+                    await self.clock.sleep(0.2 * n)
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_result(None)
 
     async def _attempt(
         self, agent: Agent, msg: RequestMsg, trial: bool = False
@@ -325,8 +344,12 @@ class AgentRole:
                 await asyncio.wait(pending, timeout=1)
             # Hand the unfinished attempts back at once, without counting a failure, instead of
             # leaving them to expire at complete-by.
+            if self._sender is not None:  # replies already made are sent, not released
+                await asyncio.wait({self._sender}, timeout=5)
             for t in pending:
                 msg = running[t]
+                if msg.id in self._replied:
+                    continue
                 try:
                     await self.store.send_reply(
                         self.me, msg.id, "released", None, "agent stopped before the call finished"

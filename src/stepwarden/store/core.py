@@ -102,6 +102,15 @@ class Store:
     ) -> None:
         await self.transact(_send_reply, me, request_id, outcome, result, error)
 
+    async def send_replies(self, me: str, replies: Sequence[tuple[int, str, Any, str | None]]) -> None:
+        """Several replies ``(request_id, outcome, result, error)`` in one transaction."""
+
+        def send_all(tx: Tx) -> None:
+            for request_id, outcome, result, error in replies:
+                _send_reply(tx, me, request_id, outcome, result, error)
+
+        await self.transact(send_all)
+
     async def acquire_lease(self, name: str, holder: str, ttl: float) -> tuple[int, float] | None:
         return await self.transact(_acquire, name, holder, ttl)
 
