@@ -9,12 +9,18 @@ _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
 
 
 def load_queries(dialect: str, now: str) -> dict[str, str]:
-    """Parse the dialect's queries, substituting ``{now}`` with its expression for the database clock."""
-    text = resources.files(__package__).joinpath("sql", dialect, "queries.sql").read_text()
-    parts = _NAME.split(text)
+    """Parse every ``*.sql`` file of the dialect's folder (``queries.sql`` and one file per feature),
+    substituting ``{now}`` with the dialect's expression for the database clock."""
+    folder = resources.files(__package__).joinpath("sql", dialect)
     out: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        out[name] = body.strip().rstrip(";").replace("{now}", now)
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        parts = _NAME.split(entry.read_text())
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in out:
+                raise ValueError(f"query {name!r} is defined twice in {dialect}/*.sql")
+            out[name] = body.strip().rstrip(";").replace("{now}", now)
     return out
 
 
