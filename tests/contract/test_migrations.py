@@ -48,7 +48,7 @@ def test_step_by_step_migration_equals_fresh_install(store_url: str, tmp_path: P
     else:
         old_url = store_url  # the same database, emptied: its fresh schema is captured above
         empty = open_store(old_url, migrate=False)
-        empty.transact_sync(lambda tx: tx.sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+        empty.transact_sync(lambda tx: (tx.sql("DROP SCHEMA public CASCADE"), tx.sql("CREATE SCHEMA public")))
         empty.close()
     old = open_store(old_url, migrate=False)
     try:

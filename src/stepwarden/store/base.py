@@ -28,6 +28,11 @@ class Tx(Protocol):
         """Execute and return the number of rows changed."""
         ...
 
+    def put(self, query: str, /, **params: Any) -> None:
+        """Execute a write whose result nobody reads; on PostgreSQL it is pipelined (no round trip
+        of its own), and an error surfaces at the next read or at commit, failing the transaction."""
+        ...
+
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
         """Raw SQL in this dialect, for read-only views that filter dynamically."""
         ...

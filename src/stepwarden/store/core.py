@@ -176,7 +176,7 @@ def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[Requ
 
 
 def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
-    tx.one(
+    tx.put(
         "insert_reply",
         request_id=request_id,
         outcome=outcome,
@@ -184,7 +184,7 @@ def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, err
         error=error,
         me=me,
     )
-    tx.run("request_replied", request_id=request_id)
+    tx.put("request_replied", request_id=request_id)
 
 
 def _acquire(tx: Tx, name: str, holder: str, ttl: float) -> tuple[int, float] | None:

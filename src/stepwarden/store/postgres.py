@@ -59,10 +59,11 @@ def _to_psycopg(sql: str) -> str:
 
 
 class PgTx:
-    def __init__(self, conn: Any, queries: dict[str, str], notify: set[str]) -> None:
+    def __init__(self, conn: Any, queries: dict[str, str], notify: set[str], pipeline: Any = None) -> None:
         self.conn = conn
         self.q = queries
         self.notify = notify
+        self.pipeline = pipeline
 
     def _exec(self, query: str, params: dict[str, Any]) -> Any:
         channel = NOTIFY_ON.get(query)
@@ -70,21 +71,34 @@ class PgTx:
             self.notify.add(channel)
         return self.conn.cursor(row_factory=dict_row).execute(self.q[query], params, prepare=True)
 
+    def _sync(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.sync()  # a read needs its result: flush the pipelined writes and wait
+
     def one(self, query: str, /, **params: Any) -> Row | None:
         cur = self._exec(query, params)
+        self._sync()
         rows = cur.fetchall() if cur.description else []
         return rows[0] if rows else None
 
     def all(self, query: str, /, **params: Any) -> list[Row]:
-        return list(self._exec(query, params).fetchall())
+        cur = self._exec(query, params)
+        self._sync()
+        return list(cur.fetchall()) if cur.description else []
 
     def run(self, query: str, /, **params: Any) -> int:
-        return int(self._exec(query, params).rowcount)
+        cur = self._exec(query, params)
+        self._sync()  # the row count is known only once the result is back
+        return int(cur.rowcount)
+
+    def put(self, query: str, /, **params: Any) -> None:
+        self._exec(query, params)
 
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
         if isinstance(params, tuple) and params:
             text = text.replace("?", "%s")
         cur = self.conn.cursor(row_factory=dict_row).execute(text, params or None)
+        self._sync()
         return list(cur.fetchall()) if cur.description else []
 
     def send_notifications(self) -> None:
@@ -142,7 +156,6 @@ class PostgresStore(Store):
             open=False,
             name="stepwarden",
             kwargs={"row_factory": dict_row, "autocommit": False},
-            check=ConnectionPool.check_connection,
             configure=_configure,
             timeout=5.0,
         )
@@ -155,14 +168,34 @@ class PostgresStore(Store):
             self.migrate()
 
     def transact_sync(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """One transaction; if the connection turns out dead before COMMIT was sent (a restarted
+        server, a killed backend, a pooled connection gone stale), retry once on a fresh one.
+        A failure during COMMIT is not retried: whether it committed is unknown."""
+        stage = ["begin"]
+        try:
+            return self._transact_once(stage, fn, *args, **kwargs)
+        except psycopg.OperationalError:
+            if stage[0] == "commit":
+                raise
+            log.info("connection lost before commit; retrying the transaction on a fresh connection")
+            self.pool.check()  # the other idle connections likely died with it: replace them now
+            return self._transact_once(stage, fn, *args, **kwargs)
+
+    def _transact_once(
+        self, stage: list[str], fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
         notify: set[str] = set()
-        with self.pool.connection() as conn:
+        # Pipeline mode: writes whose results are not read (Tx.put) go out without waiting for
+        # a round trip each; reads sync the pipeline when they fetch.
+        with self.pool.connection() as conn, conn.pipeline() as pipeline:
             with conn.transaction():
                 if self.fake_time:
                     conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
-                tx = PgTx(conn, self.queries, notify)
+                tx = PgTx(conn, self.queries, notify, pipeline)
                 out = fn(tx, *args, **kwargs)
                 tx.send_notifications()  # delivered when this transaction commits
+                pipeline.sync()  # every statement has answered: what fails from here is the COMMIT
+                stage[0] = "commit"
             return out
 
     def connect(self) -> Any:

@@ -54,6 +54,9 @@ class SqliteTx:
     def run(self, query: str, /, **params: Any) -> int:
         return self._cur().execute(self.q[query], params).rowcount
 
+    def put(self, query: str, /, **params: Any) -> None:
+        self.conn.execute(self.q[query], params)
+
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
         return self._cur().execute(text, params).fetchall()
 

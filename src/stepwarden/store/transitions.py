@@ -27,7 +27,7 @@ def event(
     /,
     **detail: Any,
 ) -> None:
-    tx.run(
+    tx.put(
         "insert_event",
         task_id=task_id,
         idx=idx,
@@ -42,7 +42,7 @@ def message(tx: Tx, task: Row, kind: str, /, **body: Any) -> None:
     """A status message on the task's reply queue (SCH8), in the same transaction as the change."""
     if task.get("reply_to"):
         body = {"task_id": task["id"], "correlation_id": task.get("correlation_id"), "kind": kind, **body}
-        tx.run(
+        tx.put(
             "insert_message",
             queue=task["reply_to"],
             task_id=task["id"],
@@ -86,7 +86,7 @@ def submit(
     assert row is not None
     task_id = int(row["id"])
     for idx, s in enumerate(wf.steps):
-        tx.run(
+        tx.put(
             "insert_step",
             task_id=task_id,
             idx=idx,
@@ -123,7 +123,7 @@ def advance(tx: Tx, task: Row, me: str) -> None:
             if s["state"] != "completed":
                 dispatch(tx, task, s, steps, me, "do")
                 return
-        tx.run("finish_task", task_id=task["id"], state="processed", error=None)
+        tx.put("finish_task", task_id=task["id"], state="processed", error=None)
         event(tx, "processed", task["id"], me)
         message(tx, task, "processed", results=_results(steps))
         task["state"] = "processed"
@@ -134,15 +134,15 @@ def advance(tx: Tx, task: Row, me: str) -> None:
             dispatch(tx, task, s, steps, me, "undo")
             return
     final = "cancelled" if task["cancel_requested"] else "compensated"
-    tx.run("finish_task", task_id=task["id"], state=final, error=None)
+    tx.put("finish_task", task_id=task["id"], state=final, error=None)
     event(tx, final, task["id"], me)
     message(tx, task, final)
     task["state"] = final
 
 
 def begin_compensation(tx: Tx, task: Row, me: str, reason: str) -> None:
-    tx.run("skip_unstarted", task_id=task["id"])
-    tx.run("task_in_flight", task_id=task["id"], state="compensating", me=me, complete_by=None)
+    tx.put("skip_unstarted", task_id=task["id"])
+    tx.put("task_in_flight", task_id=task["id"], state="compensating", me=me, complete_by=None)
     task["state"] = "compensating"
     event(tx, "compensating", task["id"], me, reason=reason)
     message(tx, task, "compensating", reason=reason)
@@ -161,7 +161,7 @@ def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str)
     if kind == "undo":
         payload["undo"] = json.loads(step["result"]) if step["result"] else None
     agent, op = (step["operation"] if kind == "do" else step["compensate"]).split(".", 1)
-    tx.run(
+    tx.put(
         "insert_request",
         task_id=task["id"],
         idx=step["idx"],
@@ -176,7 +176,7 @@ def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str)
         complete_by=started["complete_by"],
         me=me,
     )
-    tx.run(
+    tx.put(
         "task_in_flight",
         task_id=task["id"],
         state=task["state"] if kind == "undo" else "processing",
@@ -234,7 +234,7 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             continue
         if not tx.run("mark_reply", id=r["id"], status="accepted", me=me):
             continue
-        tx.run(
+        tx.put(
             "finish_request", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], outcome=r["outcome"]
         )
         out.accepted += 1
@@ -242,7 +242,7 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             release_attempt(tx, task, step, me, r["error"] or "released")
         elif r["outcome"] == "ok":
             done = "completed" if r["kind"] == "do" else "compensated"
-            tx.run(
+            tx.put(
                 "complete_step",
                 task_id=task["id"],
                 idx=step["idx"],
@@ -288,7 +288,7 @@ def release_attempt(tx: Tx, task: Row, step: Row, me: str, why: str) -> None:
     )
     if changed is None:
         raise LostOwnership(f"step {task['id']}/{step['name']} attempt {step['attempt']} moved under us")
-    tx.run("release_task", task_id=task["id"], state=back_to, delay=0, failed=0, error=None)
+    tx.put("release_task", task_id=task["id"], state=back_to, delay=0, failed=0, error=None)
     event(tx, "released", task["id"], me, step["idx"], step["attempt"], step=step["name"], reason=why[:200])
     task["state"] = back_to
 
@@ -342,7 +342,7 @@ def fail_attempt(
     failures = changed["comp_failures"] if undo else changed["failure_count"]
     if retry:
         back_to = "compensating" if undo else "pending"
-        tx.run(
+        tx.put(
             "release_task",
             task_id=task["id"],
             state=back_to,
@@ -376,7 +376,7 @@ def fail_attempt(
             )
         task["state"] = back_to
         return "retry"
-    tx.run(
+    tx.put(
         "release_task", task_id=task["id"], state=task["state"], delay=0, failed=0 if undo else 1, error=error
     )
     if decision.action == "compensate":
@@ -403,7 +403,7 @@ def fail_attempt(
     else:
         text = f"step {step['name']!r} failed after {failures} failure(s): {error[:300]}"
         kind = "task_error"
-    tx.run("finish_task", task_id=task["id"], state="error", error=error)
+    tx.put("finish_task", task_id=task["id"], state="error", error=error)
     out_alerts.append(alert(tx, kind, task["id"], step["name"], text))
     event(tx, "error", task["id"], me, step["idx"], step["attempt"], step=step["name"], reason=text)
     message(tx, task, "error", step=step["name"], error=text)
@@ -425,7 +425,7 @@ def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: rando
         still = tx.one("still_expired", task_id=x["task_id"], idx=x["idx"], attempt=x["attempt"])
         if task is None or still is None:
             continue
-        tx.run("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
+        tx.put("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
         now = tx.one("now")
         event(
             tx,
@@ -504,7 +504,7 @@ def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
     tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
     event(tx, "cancel_requested", task_id, actor)
     if task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
-        tx.run("skip_unstarted", task_id=task_id)
+        tx.put("skip_unstarted", task_id=task_id)
         tx.sql(
             "UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0 WHERE id = ?", (task_id,)
         )

@@ -122,13 +122,29 @@ def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
 
 
 def list_alerts(tx: Tx, include_acked: bool = True) -> list[dict[str, Any]]:
+    """Alerts, oldest first, each with ``deliveries``: what became of it at each alert sink."""
     sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
     if not include_acked:
         sql += " WHERE acked_at IS NULL"
-    return [
-        dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"]))
+    out = [
+        dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"]), deliveries=[])
         for a in tx.sql(sql + " ORDER BY id")
     ]
+    if out:
+        by_id = {a["id"]: a for a in out}
+        for d in tx.all("alert_deliveries_of", lo=out[0]["id"], hi=out[-1]["id"]):
+            if d["alert_id"] in by_id:
+                by_id[d["alert_id"]]["deliveries"].append(
+                    {
+                        "sink": d["sink"],
+                        "attempts": d["attempts"],
+                        "delivered_at": iso(d["delivered_at"]),
+                        "next_attempt_at": iso(d["next_attempt_at"]),
+                        "gave_up_at": iso(d["gave_up_at"]),
+                        "last_error": d["last_error"],
+                    }
+                )
+    return out
 
 
 def list_leases(tx: Tx) -> list[dict[str, Any]]:

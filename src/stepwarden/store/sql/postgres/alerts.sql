@@ -1,0 +1,44 @@
+-- Alerts (OPS4): acknowledgement, and the delivery outbox read by the alert sinks' leader.
+
+-- name: alert_get
+SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts WHERE id = :id;
+
+-- name: alert_ack
+UPDATE alerts SET acked_at = {now}, acked_by = :by WHERE id = :id AND acked_at IS NULL;
+
+-- name: alert_sink_register
+INSERT INTO alert_sinks (name, since, created_at) VALUES (:name, {now}, {now})
+ON CONFLICT (name) DO NOTHING;
+
+-- name: alerts_due
+-- The undelivered alerts of a sink whose retry time has come: raised since the sink was first
+-- configured, and not older than the age limit.
+SELECT a.id, a.kind, a.task_id, a.step, a.message, a.created_at, a.acked_at, a.acked_by,
+       COALESCE(d.attempts, 0) AS attempts
+FROM alert_sinks s
+JOIN alerts a ON a.created_at >= s.since
+LEFT JOIN alert_deliveries d ON d.sink = s.name AND d.alert_id = a.id
+WHERE s.name = :sink AND a.created_at >= {now} - :max_age
+  AND d.delivered_at IS NULL AND d.gave_up_at IS NULL
+  AND (d.next_attempt_at IS NULL OR d.next_attempt_at <= {now})
+ORDER BY a.id LIMIT :limit;
+
+-- name: alert_delivered
+INSERT INTO alert_deliveries (sink, alert_id, attempts, delivered_at, delivered_by, updated_at)
+VALUES (:sink, :alert_id, 1, {now}, :me, {now})
+ON CONFLICT (sink, alert_id) DO UPDATE SET attempts = alert_deliveries.attempts + 1,
+    next_attempt_at = NULL, delivered_at = excluded.delivered_at, delivered_by = excluded.delivered_by,
+    updated_at = excluded.updated_at;
+
+-- name: alert_failed
+INSERT INTO alert_deliveries (sink, alert_id, attempts, next_attempt_at, gave_up_at, last_error,
+                              delivered_by, updated_at)
+VALUES (:sink, :alert_id, 1, {now} + :delay, CASE WHEN :give_up THEN {now} END, :error, :me, {now})
+ON CONFLICT (sink, alert_id) DO UPDATE SET attempts = alert_deliveries.attempts + 1,
+    next_attempt_at = excluded.next_attempt_at, gave_up_at = excluded.gave_up_at,
+    last_error = excluded.last_error, delivered_by = excluded.delivered_by,
+    updated_at = excluded.updated_at;
+
+-- name: alert_deliveries_of
+SELECT sink, alert_id, attempts, next_attempt_at, delivered_at, gave_up_at, last_error, delivered_by
+FROM alert_deliveries WHERE alert_id BETWEEN :lo AND :hi ORDER BY alert_id, sink;
