@@ -107,6 +107,8 @@ class AgentSettings:
     poll_interval: float = 0.05
     idle_poll_max: float = 0.25
     shutdown_grace: float = 5.0
+    # Apply replies in the transaction that records them (set when the process is a scheduler too).
+    apply_replies: bool = False
 
 
 class AgentRole:
@@ -227,9 +229,17 @@ class AgentRole:
             batch, self._outbox = self._outbox, []
             for n in range(1, 6):
                 try:
-                    await self.store.send_replies(self.me, [item for item, _ in batch])
+                    applied = await self.store.send_replies(
+                        self.me, [item for item, _ in batch], apply=self.settings.apply_replies
+                    )
+                    for a in applied.alerts if applied else ():
+                        log.error(
+                            "ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"]
+                        )
                     self.completed += len(batch)
                     self.on_reply()
+                    if applied is not None:
+                        self.wake.set()  # next steps were just dispatched: pull them now
                     break
                 except Exception as e:  # the attempts expire and are rescued if this never succeeds
                     log.warning("%d repl(ies) failed to send (try %d): %r", len(batch), n, e)

@@ -52,8 +52,7 @@ class SchedulerRole:
 
     async def tick(self) -> int:
         """One round: apply replies, then claim and dispatch. Returns how much work it did."""
-        s = self.settings
-        applied = await self.store.apply_replies(self.me, s.batch)
+        applied, claimed = await self.store.schedule(self.me, self.settings.batch)
         if applied.accepted or applied.stale:
             self.accepted += applied.accepted
             self.stale += applied.stale
@@ -61,7 +60,6 @@ class SchedulerRole:
                 log.error("ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"])
             self.on_applied(applied)
             self.on_dispatch()
-        claimed = await self.store.claim_and_dispatch(self.me, s.batch)
         if claimed:
             self.claimed += claimed
             self.on_dispatch()

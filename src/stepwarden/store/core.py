@@ -102,14 +102,23 @@ class Store:
     ) -> None:
         await self.transact(_send_reply, me, request_id, outcome, result, error)
 
-    async def send_replies(self, me: str, replies: Sequence[tuple[int, str, Any, str | None]]) -> None:
-        """Several replies ``(request_id, outcome, result, error)`` in one transaction."""
+    async def send_replies(
+        self, me: str, replies: Sequence[tuple[int, str, Any, str | None]], apply: bool = False
+    ) -> ApplyResult | None:
+        """Several replies ``(request_id, outcome, result, error)`` in one transaction. With
+        ``apply`` (a worker that is also a scheduler), the scheduler's rules are applied to them in
+        the same transaction: the step completes and the next one is dispatched without another
+        commit or another process having to notice the reply."""
 
-        def send_all(tx: Tx) -> None:
+        def send_all(tx: Tx) -> ApplyResult | None:
             for request_id, outcome, result, error in replies:
                 _send_reply(tx, me, request_id, outcome, result, error)
+            return t.apply_replies(tx, me, 2 * len(replies), self.rng) if apply else None
 
-        await self.transact(send_all)
+        return await self.transact(send_all)
+
+    async def schedule(self, me: str, limit: int) -> tuple[ApplyResult, int]:
+        return await self.transact(t.schedule, me, limit, self.rng)
 
     async def acquire_lease(self, name: str, holder: str, ttl: float) -> tuple[int, float] | None:
         return await self.transact(_acquire, name, holder, ttl)

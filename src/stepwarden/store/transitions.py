@@ -293,6 +293,12 @@ def release_attempt(tx: Tx, task: Row, step: Row, me: str, why: str) -> None:
     task["state"] = back_to
 
 
+def schedule(tx: Tx, me: str, limit: int, rng: random.Random) -> tuple[ApplyResult, int]:
+    """The scheduler's whole round in one transaction: apply replies, then claim and dispatch."""
+    applied = apply_replies(tx, me, limit, rng)
+    return applied, claim_and_dispatch(tx, me, limit)
+
+
 def fail_attempt(
     tx: Tx,
     task: Row,
