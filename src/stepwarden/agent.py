@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, Permanent, Transient
 from .policies import Backoff, CircuitBreaker
-from .store import RequestMsg, Store
+from .store import ApplyResult, RequestMsg, Store
 from .store.transitions import event
 from .workflow import check_ident
 
@@ -124,6 +124,8 @@ class AgentRole:
         settings: AgentSettings | None = None,
         wake: asyncio.Event | None = None,
         on_reply: Callable[[], None] | None = None,
+        on_applied: Callable[[ApplyResult], None] | None = None,
+        on_attempt: Callable[[str, str, float], None] | None = None,
         threads: int | None = None,
     ) -> None:
         self.store = store
@@ -133,6 +135,8 @@ class AgentRole:
         self.settings = settings or AgentSettings()
         self.wake = wake or asyncio.Event()
         self.on_reply = on_reply or (lambda: None)
+        self.on_applied = on_applied or (lambda r: None)
+        self.on_attempt = on_attempt or (lambda agent, outcome, seconds: None)
         self.inflight: dict[str, int] = dict.fromkeys(agents, 0)
         self.breakers = {
             n: CircuitBreaker(a.breaker_threshold, a.breaker_cool_off) for n, a in agents.items()
@@ -194,7 +198,9 @@ class AgentRole:
 
     async def execute(self, agent: Agent, msg: RequestMsg, trial: bool = False) -> None:
         try:
+            started = self.clock.monotonic()
             outcome = await self._attempt(agent, msg, trial)
+            self.on_attempt(agent.name, outcome[0] if outcome else "silent", self.clock.monotonic() - started)
             if outcome is None:
                 log.info(
                     "request %s (%s/%s attempt %d) passed complete-by: cancelled, no reply",
@@ -239,6 +245,7 @@ class AgentRole:
                     self.completed += len(batch)
                     self.on_reply()
                     if applied is not None:
+                        self.on_applied(applied)
                         self.wake.set()  # next steps were just dispatched: pull them now
                     break
                 except Exception as e:  # the attempts expire and are rescued if this never succeeds

@@ -33,13 +33,13 @@ class Supervisor:
         *,
         clock: Clock = SYSTEM_CLOCK,
         settings: SupervisorSettings | None = None,
-        on_sweep: Callable[[SweepResult], None] | None = None,
+        on_sweep: Callable[[SweepResult, float], None] | None = None,
     ) -> None:
         self.store = store
         self.me = me
         self.clock = clock
         self.settings = settings or SupervisorSettings()
-        self.on_sweep = on_sweep or (lambda r: None)
+        self.on_sweep = on_sweep or (lambda r, seconds: None)
         self.rescued = 0
 
     async def sweep(self, term: int) -> SweepResult:
@@ -63,8 +63,9 @@ class Supervisor:
         """The leader's loop: one sweep per interval, reporting progress so a stall gives up the lease."""
         while True:
             try:
+                started = self.clock.monotonic()
                 r = await self.sweep(leadership.term)
-                self.on_sweep(r)
+                self.on_sweep(r, self.clock.monotonic() - started)
             except Exception as e:
                 from .errors import LostOwnership
 
