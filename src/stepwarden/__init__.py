@@ -6,6 +6,7 @@ private and may change.
 """
 
 from .agent import Agent, Request
+from .alerts import Alert, CallableSink, LogSink, WebhookSink
 from .app import App, AppTransaction
 from .clock import Clock, FakeClock, SystemClock
 from .errors import (
@@ -22,6 +23,7 @@ from .errors import (
 )
 from .leader import Leadership, LeaseSettings, run_while_leader
 from .policies import Backoff, CircuitBreaker, Decision, Retry
+from .replies import ReplyMessage, TaskResult
 from .worker import Worker, WorkerSettings
 from .workflow import Step, Workflow
 
@@ -29,9 +31,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Agent",
+    "Alert",
     "App",
     "AppTransaction",
     "Backoff",
+    "CallableSink",
     "CircuitBreaker",
     "Clock",
     "Decision",
@@ -39,19 +43,23 @@ __all__ = [
     "InputError",
     "Leadership",
     "LeaseSettings",
+    "LogSink",
     "LostOwnership",
     "NotFound",
     "OperationError",
     "PayloadTooLarge",
     "Permanent",
+    "ReplyMessage",
     "Request",
     "Retry",
     "Step",
     "StepwardenError",
     "StoreError",
     "SystemClock",
+    "TaskResult",
     "Transient",
     "UnknownWorkflow",
+    "WebhookSink",
     "Worker",
     "WorkerSettings",
     "Workflow",

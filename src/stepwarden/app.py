@@ -14,11 +14,14 @@ from contextlib import contextmanager
 from typing import Any
 
 from .agent import Agent, default_classify
+from .alerts import AlertSink, ack_alert, as_sink
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, UnknownWorkflow
+from .leader import LeaseSettings, Work, run_while_leader
+from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
 from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
 from .store.base import Tx
-from .worker import Worker, WorkerSettings
+from .worker import Worker, WorkerSettings, make_identity
 from .workflow import DEFAULT_MAX_INPUT_BYTES, Step, Workflow, check_key, check_name, encode_input
 
 MAX_PRIORITY = 2**31 - 1
@@ -37,6 +40,7 @@ class App:
         self.max_input_bytes = max_input_bytes
         self.agents: dict[str, Agent] = {}
         self.workflows: dict[str, Workflow] = {}
+        self.alert_sinks: list[AlertSink] = []
         self._store: Store | None = None
 
     # -- definitions ---------------------------------------------------------------------------
@@ -70,6 +74,20 @@ class App:
                     )
         self.workflows[name] = wf
         return wf
+
+    def alert_sink(self, sink: Any = None, *, name: str | None = None) -> Any:
+        """Send operator alerts to ``sink`` (OPS4): a :class:`~stepwarden.alerts.LogSink`,
+        :class:`~stepwarden.alerts.WebhookSink`, any object with ``name`` and ``async send(alert)``,
+        or a plain or async function of one :class:`~stepwarden.alerts.Alert`. Works as a
+        decorator too (``@app.alert_sink``). Workers of this app deliver every alert to every sink,
+        one process at a time (the ``alerts`` lease), retrying failures with back-off."""
+        if sink is None:
+            return lambda fn: self.alert_sink(fn, name=name)
+        s = as_sink(sink, name)
+        if any(x.name == s.name for x in self.alert_sinks):
+            raise InputError(f"an alert sink named {s.name!r} is already configured; give this one a name=")
+        self.alert_sinks.append(s)
+        return sink
 
     # -- the store -----------------------------------------------------------------------------
     @property
@@ -212,6 +230,72 @@ class App:
             if time.monotonic() >= end:
                 raise TimeoutError(f"task {task_id} is still {state} after {timeout}s")
             time.sleep(poll)
+
+    def wait_for_result(self, task_id: int, timeout: float = 30.0) -> TaskResult:
+        """Block until the task is final; its result, read from the task's status messages (SCH8)
+        when it has a reply queue, else from its rows. ``TimeoutError`` if it is not final in time.
+
+        A task in ``error`` is final until an operator retries it; then wait again."""
+        return wait_for_result_sync(self.store, task_id, timeout)
+
+    async def wait_for_result_async(self, task_id: int, timeout: float = 30.0) -> TaskResult:
+        return await wait_for_result(self.store, task_id, timeout, clock=self.clock)
+
+    def replies(
+        self,
+        queue: str,
+        consumer: str | None = None,
+        *,
+        auto_ack: bool = True,
+        batch: int = 100,
+        stop: asyncio.Event | None = None,
+        listen: bool = True,
+    ) -> Replies:
+        """The status messages of reply queue ``queue``, in order, at least once:
+        ``async for msg in app.replies("web-1", consumer="web-1"): ...``.
+
+        A named ``consumer`` keeps a durable cursor in the store and resumes after its last
+        acknowledged message when it starts again; each message is acknowledged when the loop
+        asks for the next one (or by ``await replies.ack(msg)`` with ``auto_ack=False``). Without
+        a name the cursor is in memory and reading starts at the queue's beginning. The iteration
+        ends when ``stop`` is set."""
+        return Replies(
+            self.store,
+            queue,
+            consumer,
+            auto_ack=auto_ack,
+            batch=batch,
+            stop=stop,
+            listen=listen,
+            clock=self.clock,
+        )
+
+    # -- alerts --------------------------------------------------------------------------------
+    def alerts(self, unacked: bool = False) -> list[dict[str, Any]]:
+        """Operator alerts, oldest first, as ``stepwarden alerts --json`` prints them."""
+        return self.store.transact_sync(views.list_alerts, not unacked)
+
+    def ack_alert(self, alert_id: int, by: str = "api") -> dict[str, Any]:
+        """Acknowledge an alert (idempotent: a second acknowledgement keeps the first); returns it."""
+        return self.store.transact_sync(ack_alert, alert_id, by)[0]
+
+    # -- leadership ------------------------------------------------------------------------------
+    async def run_while_leader(
+        self,
+        name: str,
+        work: Work,
+        stop: asyncio.Event,
+        *,
+        holder: str | None = None,
+        settings: LeaseSettings | None = None,
+    ) -> None:
+        """Run ``work(leadership)`` only while this process holds lease ``name`` (LEAD7), until
+        ``stop`` is set; see :func:`stepwarden.run_while_leader`. ``holder`` defaults to a fresh
+        worker identity ``HOST:PID:RANDOM``."""
+        check_name("lease name", name)
+        await run_while_leader(
+            self.store, name, holder or make_identity(), work, stop, settings=settings, clock=self.clock
+        )
 
     def worker(self, settings: WorkerSettings | None = None, **kw: Any) -> Worker:
         return Worker(self, settings or WorkerSettings(**kw))

@@ -18,12 +18,14 @@ from typing import Any, NoReturn
 import click
 
 from . import __version__
+from .alerts import ack_alert
 from .app import App
 from .errors import InputError, NotFound, StepwardenError
+from .replies import Replies
 from .store import FINAL_TASK_STATES, TASK_STATES, Store, open_store, resolve_url, views
 from .store import transitions as tr
 from .worker import ROLES, WorkerSettings, parse_list
-from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
+from .workflow import DEFAULT_MAX_INPUT_BYTES, check_key, check_name, parse_input
 
 log = logging.getLogger("stepwarden.cli")
 
@@ -77,15 +79,23 @@ def _print_json(value: Any) -> None:
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="STEPWARDEN_LOG_FORMAT",
+    help="Log lines on stderr: text, or one JSON object per line.",
+)
 @click.version_option(__version__, prog_name="stepwarden")
 @click.pass_context
-def cli(ctx: click.Context, db: str | None, log_level: str) -> None:
+def cli(ctx: click.Context, db: str | None, log_level: str, log_format: str) -> None:
     """stepwarden: multi-step tasks that complete or are undone as a whole."""
+    from .logs import configure_logging
+
     ctx.ensure_object(dict)
     ctx.obj["db"] = db
-    logging.basicConfig(
-        level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(log_level, log_format)
 
 
 @cli.command()
@@ -104,6 +114,12 @@ def init(ctx: click.Context) -> None:
 @click.option("--agents", default=None, help="Comma-separated agent names (default: all of the app's).")
 @click.option("--concurrency", type=int, default=None, help="Override every agent's concurrency.")
 @click.option("--name", default=None, help="Worker name (default: the host name).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve this worker's Prometheus metrics at http://127.0.0.1:PORT/metrics (0: a free port).",
+)
 @click.pass_context
 def worker(
     ctx: click.Context,
@@ -112,6 +128,7 @@ def worker(
     agents: str | None,
     concurrency: int | None,
     name: str | None,
+    metrics_port: int | None,
 ) -> None:
     """Run scheduler, agent and supervisor roles until SIGTERM/SIGINT."""
     settings = WorkerSettings(
@@ -124,6 +141,14 @@ def worker(
     app = _load_app(app_ref) if app_ref else App()
     app.use_store(_open(ctx, create=True))
     w = app.worker(settings)
+    if metrics_port is not None:
+        try:
+            from .metrics import start_worker_metrics
+        except ImportError:
+            raise InputError("--metrics-port needs the extra: pip install 'stepwarden[dashboard]'") from None
+        served = start_worker_metrics(w, metrics_port)
+        w.metrics = served.metrics
+        click.echo(f"worker metrics on {served.url}", err=True)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -245,10 +270,14 @@ def task() -> None:
     """Show, retry or cancel one task."""
 
 
-def _task_id(value: str) -> int:
+def _positive_id(kind: str, value: str) -> int:
     if not (value.isascii() and value.isdigit()) or len(value) > 18 or int(value) < 1:
-        raise InputError(f"invalid task id {value[:40]!r}: expected a positive integer")
+        raise InputError(f"invalid {kind} {value[:40]!r}: expected a positive integer")
     return int(value)
+
+
+def _task_id(value: str) -> int:
+    return _positive_id("task id", value)
 
 
 @task.command("show")
@@ -288,12 +317,14 @@ def task_cancel(ctx: click.Context, task_id: str) -> None:
     click.echo(f"task {tid}: cancel requested (now {state})")
 
 
-@cli.command()
+@cli.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--unacked", is_flag=True, help="Only alerts not yet acknowledged.")
 @click.pass_context
 def alerts(ctx: click.Context, as_json: bool, unacked: bool) -> None:
-    """Operator alerts."""
+    """Operator alerts; `alerts ack ID` acknowledges one."""
+    if ctx.invoked_subcommand is not None:
+        return
     rows = _open(ctx).transact_sync(views.list_alerts, not unacked)
     if as_json:
         _print_json(rows)
@@ -301,6 +332,34 @@ def alerts(ctx: click.Context, as_json: bool, unacked: bool) -> None:
     from .cli_render import alerts_table
 
     alerts_table(rows)
+
+
+def _default_operator() -> str:
+    try:
+        import getpass
+
+        name = getpass.getuser()
+    except Exception:  # no user name in this environment
+        name = ""
+    return name if name and name.isprintable() and len(name) <= 255 else "cli"
+
+
+@alerts.command("ack")
+@click.argument("alert_id")
+@click.option("--by", default=None, help="Who acknowledges it (default: your user name).")
+@click.option("--json", "as_json", is_flag=True, help="Print the alert as JSON.")
+@click.pass_context
+def alerts_ack(ctx: click.Context, alert_id: str, by: str | None, as_json: bool) -> None:
+    """Acknowledge an alert (a second acknowledgement keeps the first)."""
+    aid = _positive_id("alert id", alert_id)
+    who = check_key("--by name", by) if by is not None else _default_operator()
+    alert, changed = _open(ctx).transact_sync(ack_alert, aid, who)
+    if as_json:
+        _print_json(alert)
+    elif changed:
+        click.echo(f"alert {aid} acknowledged by {alert['acked_by']}")
+    else:
+        click.echo(f"alert {aid} was already acknowledged by {alert['acked_by']} at {alert['acked_at']}")
 
 
 @cli.command()
@@ -335,35 +394,65 @@ def workers(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
 @cli.command()
 @click.argument("task_id", required=False)
 @click.option("--reply-to", default=None, metavar="QUEUE", help="Follow a reply queue instead of one task.")
+@click.option(
+    "--consumer",
+    default=None,
+    metavar="NAME",
+    help="With --reply-to: a durable cursor; resume after the last message printed under this name.",
+)
 @click.option("--timeout", type=float, default=None, help="Stop after this many seconds.")
 @click.pass_context
-def watch(ctx: click.Context, task_id: str | None, reply_to: str | None, timeout: float | None) -> None:
+def watch(
+    ctx: click.Context,
+    task_id: str | None,
+    reply_to: str | None,
+    consumer: str | None,
+    timeout: float | None,
+) -> None:
     """Follow one task's events until it is final, or a reply queue's messages."""
     if (task_id is None) == (reply_to is None):
         raise InputError("give a task ID or --reply-to QUEUE (one of them)")
+    if consumer is not None and reply_to is None:
+        raise InputError("--consumer goes with --reply-to QUEUE")
+    if reply_to is not None:
+        check_name("reply queue", reply_to)
+        if consumer is not None:
+            check_name("consumer name", consumer)
+        _watch_queue(_open(ctx), reply_to, consumer, timeout)
+        return
     tid = _task_id(task_id) if task_id is not None else 0
     store = _open(ctx)
     end = None if timeout is None else time.monotonic() + timeout
     after = 0
     while end is None or time.monotonic() < end:
-        if reply_to is not None:
-            for m in store.transact_sync(views.messages_after, reply_to, after):
-                after = m["id"]
-                click.echo(m["body"])
-        else:
-            for e in store.transact_sync(views.events_after, tid, after):
-                after = e["id"]
-                detail = json.loads(e["detail"]) if e["detail"] else {}
-                click.echo(
-                    f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items())
-                )
-            state = store.transact_sync(views.task_state, tid)
-            if state is None:
-                raise NotFound(f"no task {tid}")
-            if state in FINAL_TASK_STATES:
-                click.echo(f"task {tid} is {state}")
-                return
+        for e in store.transact_sync(views.events_after, tid, after):
+            after = e["id"]
+            detail = json.loads(e["detail"]) if e["detail"] else {}
+            click.echo(
+                f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items())
+            )
+        state = store.transact_sync(views.task_state, tid)
+        if state is None:
+            raise NotFound(f"no task {tid}")
+        if state in FINAL_TASK_STATES:
+            click.echo(f"task {tid} is {state}")
+            return
         time.sleep(0.2)
+
+
+def _watch_queue(store: Store, queue: str, consumer: str | None, timeout: float | None) -> None:
+    """Print a reply queue's messages as they come (SCH8), each one line of JSON; with a consumer
+    name, each is acknowledged once printed, so a restart prints only what came after."""
+
+    async def follow() -> None:
+        stop = asyncio.Event()
+        if timeout is not None:
+            asyncio.get_running_loop().call_later(max(0.0, timeout), stop.set)
+        async with Replies(store, queue, consumer, stop=stop) as replies:
+            async for msg in replies:
+                click.echo(msg.raw)
+
+    asyncio.run(follow())
 
 
 @cli.command()
@@ -398,6 +487,11 @@ def demo(
     )
     ok = run_demo(opts)
     ctx.exit(0 if ok else 1)
+
+
+from .dashboard.command import dashboard as _dashboard  # noqa: E402 - click only; the extra loads lazily
+
+cli.add_command(_dashboard)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,10 +12,11 @@ import os
 import secrets
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from .agent import Agent, AgentRole, AgentSettings
+from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
 from .scheduler import SchedulerRole, SchedulerSettings
@@ -24,6 +25,7 @@ from .workflow import check_ident
 
 if TYPE_CHECKING:
     from .app import App
+    from .metrics import WorkerMetrics
 
 log = logging.getLogger("stepwarden.worker")
 ROLES = ("scheduler", "agent", "supervisor")
@@ -45,6 +47,7 @@ class WorkerSettings:
     agent: AgentSettings = field(default_factory=AgentSettings)
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
     lease: LeaseSettings = field(default_factory=LeaseSettings)
+    alerts: AlertSettings = field(default_factory=AlertSettings)
     heartbeat: float = 5.0
 
     def __post_init__(self) -> None:
@@ -70,8 +73,11 @@ class Worker:
         self.wake = asyncio.Event()
         self.scheduler: SchedulerRole | None = None
         self.agent_role: AgentRole | None = None
+        self.metrics: WorkerMetrics | None = None  # set by `worker --metrics-port`
         self.supervisor: Supervisor | None = None
         self.keeper: LeaseKeeper | None = None
+        self.alert_dispatcher: AlertDispatcher | None = None
+        self.alert_keeper: LeaseKeeper | None = None
 
     def _agents(self) -> dict[str, Agent]:
         s = self.settings
@@ -109,22 +115,54 @@ class Worker:
             store.url,
         )
         jobs: list[asyncio.Task[None]] = []
+        m = self.metrics
         if "scheduler" in s.roles:
             self.scheduler = SchedulerRole(
-                store, self.identity, clock=clock, settings=s.scheduler, wake=self.wake
+                store,
+                self.identity,
+                clock=clock,
+                settings=s.scheduler,
+                wake=self.wake,
+                on_applied=m.applied if m else None,
             )
             jobs.append(asyncio.create_task(self.scheduler.run(stop), name="scheduler"))
         if self.agents:
+            agent_settings = replace(s.agent, apply_replies="scheduler" in s.roles)
             self.agent_role = AgentRole(
-                store, self.agents, self.identity, clock=clock, settings=s.agent, on_reply=self.wake.set
+                store,
+                self.agents,
+                self.identity,
+                clock=clock,
+                settings=agent_settings,
+                on_reply=self.wake.set,
+                on_applied=m.applied if m else None,
+                on_attempt=m.attempt_finished if m else None,
             )
             jobs.append(asyncio.create_task(self.agent_role.run(stop), name="agent"))
         if "supervisor" in s.roles:
-            self.supervisor = Supervisor(store, self.identity, clock=clock, settings=s.supervisor)
+            self.supervisor = Supervisor(
+                store, self.identity, clock=clock, settings=s.supervisor, on_sweep=m.swept if m else None
+            )
             self.keeper = LeaseKeeper(
-                store, LEASE, self.identity, self.supervisor.lead, settings=s.lease, clock=clock
+                store,
+                LEASE,
+                self.identity,
+                self.supervisor.lead,
+                settings=s.lease,
+                clock=clock,
+                on_change=m.lease_changed if m else None,
             )
             jobs.append(asyncio.create_task(self.keeper.run(stop), name="supervisor"))
+        if app.alert_sinks and s.alerts.enabled:
+            # One process at a time delivers alerts, among those whose app configures sinks (OPS4).
+            self.alert_dispatcher = AlertDispatcher(
+                store, app.alert_sinks, self.identity, clock=clock, settings=s.alerts
+            )
+            await _safe(self.alert_dispatcher.register())
+            self.alert_keeper = LeaseKeeper(
+                store, ALERT_LEASE, self.identity, self.alert_dispatcher.lead, settings=s.lease, clock=clock
+            )
+            jobs.append(asyncio.create_task(self.alert_keeper.run(stop), name="alerts"))
         jobs.append(asyncio.create_task(self._heartbeat(stop), name="heartbeat"))
         jobs.append(asyncio.create_task(store.listen(self._woken, stop), name="listen"))
         try:

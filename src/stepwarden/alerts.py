@@ -1,0 +1,374 @@
+"""Operator alerts (OPS4): durable records, acknowledgement, and pluggable sinks.
+
+Transitions write an alert row (``task_error``, ``compensation_failed``, ``step_escalated``) in
+the same transaction as the failure it reports. Delivering it to people is a separate, durable
+outbox: a background loop reads the alerts each sink has not received yet and sends them; what
+became of each (alert, sink) pair is a row in ``alert_deliveries`` (attempts, next retry,
+delivered, gave up). A failed send is retried with back-off; it never blocks the roles, which run
+on their own tasks and never wait for a sink.
+
+Only one process delivers at a time: the loop runs under the ``alerts`` lease, among the workers
+whose application configures sinks (a worker started without ``--app`` has none, so it does not
+campaign). Delivery is at least once: a leader that dies between sending and recording lets its
+successor send again, so receivers should deduplicate by alert id (webhooks carry it as the
+``Idempotency-Key`` header).
+
+Sinks: :class:`LogSink`, :class:`WebhookSink` (``httpx``) and :class:`CallableSink` (any function,
+plain or async), configured with :meth:`stepwarden.App.alert_sink`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .clock import SYSTEM_CLOCK, Clock
+from .errors import InputError, NotFound
+from .leader import Leadership
+from .policies import Backoff
+from .store import Store
+from .store.base import Row, Tx
+from .store.transitions import event
+from .store.views import iso
+from .workflow import check_key, check_name
+
+if TYPE_CHECKING:
+    import httpx
+
+log = logging.getLogger("stepwarden.alerts")
+
+#: The lease under which one process delivers alerts to the sinks.
+ALERT_LEASE = "alerts"
+DEFAULT_BACKOFF = Backoff(initial=1.0, multiplier=2.0, maximum=300.0, jitter=0.2)
+
+
+@dataclass(frozen=True)
+class Alert:
+    """An operator alert, as the sinks receive it. Times are seconds since the epoch."""
+
+    id: int
+    kind: str
+    task_id: int | None
+    step: str | None
+    message: str
+    created_at: float
+    acked_at: float | None = None
+    acked_by: str | None = None
+
+    @classmethod
+    def from_row(cls, row: Row) -> Alert:
+        return cls(
+            id=int(row["id"]),
+            kind=str(row["kind"]),
+            task_id=None if row["task_id"] is None else int(row["task_id"]),
+            step=row["step"],
+            message=str(row["message"]),
+            created_at=float(row["created_at"]),
+            acked_at=None if row["acked_at"] is None else float(row["acked_at"]),
+            acked_by=row["acked_by"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of ``stepwarden alerts --json`` (ISO 8601 UTC times)."""
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "task_id": self.task_id,
+            "step": self.step,
+            "message": self.message,
+            "created_at": iso(self.created_at),
+            "acked_at": iso(self.acked_at),
+            "acked_by": self.acked_by,
+        }
+
+
+# -- sinks ------------------------------------------------------------------------------------------
+
+
+class AlertSink(Protocol):
+    """Where alerts go. ``send`` raises to say the delivery failed (it is then retried after
+    ``backoff.delay(attempt)``, at most ``max_attempts`` times if that is set); it is given
+    ``timeout`` seconds. ``name`` identifies the sink in the store: keep it stable across restarts."""
+
+    name: str
+    timeout: float
+    backoff: Backoff
+    max_attempts: int | None
+
+    async def send(self, alert: Alert) -> None: ...
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
+
+
+def _sink_name(name: str) -> str:
+    return _UNSAFE.sub("-", name).strip("-")[:128] or "sink"
+
+
+class _Sink:
+    def __init__(self, name: str, timeout: float, backoff: Backoff | None, max_attempts: int | None) -> None:
+        check_name("alert sink name", name)
+        if timeout <= 0:
+            raise InputError("an alert sink's timeout must be positive")
+        if max_attempts is not None and max_attempts < 1:
+            raise InputError("an alert sink's max_attempts must be at least 1")
+        self.name = name
+        self.timeout = timeout
+        self.backoff = backoff or DEFAULT_BACKOFF
+        self.max_attempts = max_attempts
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class LogSink(_Sink):
+    """Alerts as log records of the logger ``stepwarden.alerts`` (level WARNING by default), the
+    alert itself in the record's ``alert`` attribute for structured handlers."""
+
+    def __init__(
+        self,
+        name: str = "log",
+        *,
+        logger: logging.Logger | None = None,
+        level: int = logging.WARNING,
+    ) -> None:
+        super().__init__(name, 5.0, None, None)
+        self.logger = logger or log
+        self.level = level
+
+    async def send(self, alert: Alert) -> None:
+        self.logger.log(
+            self.level,
+            "ALERT %s #%d task=%s step=%s: %s",
+            alert.kind,
+            alert.id,
+            alert.task_id,
+            alert.step,
+            alert.message,
+            extra={"alert": alert.to_dict()},
+        )
+
+
+class WebhookSink(_Sink):
+    """POST each alert as JSON (:meth:`Alert.to_dict`) to ``url``; any answer other than 2xx, a
+    timeout or a connection error counts as a failure and is retried with back-off. The request
+    carries ``Idempotency-Key: stepwarden-alert-ID`` so the receiver can drop a repeat."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str = "webhook",
+        headers: dict[str, str] | None = None,
+        timeout: float = 5.0,
+        backoff: Backoff | None = None,
+        max_attempts: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(name, timeout, backoff, max_attempts)
+        if not url.startswith(("http://", "https://")):
+            raise InputError(f"a webhook URL must start with http:// or https://, not {url[:40]!r}")
+        self.url = url
+        self.headers = dict(headers or {})
+        self.transport = transport
+
+    async def send(self, alert: Alert) -> None:
+        import httpx  # here, not at import time: the CLI starts faster without it
+
+        headers = {"Idempotency-Key": f"stepwarden-alert-{alert.id}", **self.headers}
+        async with httpx.AsyncClient(timeout=self.timeout, transport=self.transport) as client:
+            r = await client.post(self.url, json=alert.to_dict(), headers=headers)
+        if not 200 <= r.status_code < 300:
+            raise RuntimeError(f"webhook answered HTTP {r.status_code}")
+
+
+class CallableSink(_Sink):
+    """Call ``fn(alert)``: an async function is awaited, a plain one runs in a thread (it cannot be
+    interrupted at its timeout: it runs on, and the delivery counts as failed). Raising means
+    failed."""
+
+    def __init__(
+        self,
+        fn: Callable[[Alert], Any],
+        *,
+        name: str | None = None,
+        timeout: float = 5.0,
+        backoff: Backoff | None = None,
+        max_attempts: int | None = None,
+    ) -> None:
+        default = f"callable:{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+        super().__init__(name or _sink_name(default), timeout, backoff, max_attempts)
+        self.fn = fn
+
+    async def send(self, alert: Alert) -> None:
+        if inspect.iscoroutinefunction(self.fn):
+            await self.fn(alert)
+            return
+        out = await asyncio.to_thread(self.fn, alert)
+        if inspect.isawaitable(out):
+            await out
+
+
+def as_sink(sink: AlertSink | Callable[[Alert], Any], name: str | None = None) -> AlertSink:
+    if isinstance(sink, _Sink) or (hasattr(sink, "send") and hasattr(sink, "name")):
+        if name is not None:
+            raise InputError("name= is for a plain callable; give the sink its name when you make it")
+        return sink  # type: ignore[return-value]
+    if callable(sink):
+        return CallableSink(sink, name=name)
+    raise InputError(f"an alert sink must be a sink or a callable, not {type(sink).__name__}")
+
+
+# -- transactions ---------------------------------------------------------------------------------
+
+
+def ack_alert(tx: Tx, alert_id: int, by: str) -> tuple[dict[str, Any], bool]:
+    """Acknowledge an alert; returns its view and whether this call acknowledged it (an alert
+    acknowledged before keeps its first acknowledgement)."""
+    check_key("acknowledged-by name", by)
+    row = tx.one("alert_get", id=alert_id)
+    if row is None:
+        raise NotFound(f"no alert {alert_id}")
+    changed = row["acked_at"] is None and tx.run("alert_ack", id=alert_id, by=by) > 0
+    if changed:
+        event(tx, "alert_acked", row["task_id"], by, alert=alert_id, kind=row["kind"])
+        row = tx.one("alert_get", id=alert_id)
+        assert row is not None
+    return Alert.from_row(row).to_dict(), changed
+
+
+def register_sinks(tx: Tx, names: Sequence[str]) -> None:
+    for name in names:
+        tx.run("alert_sink_register", name=name)
+
+
+def due(tx: Tx, names: Sequence[str], limit: int, max_age: float) -> dict[str, list[tuple[Alert, int]]]:
+    return {
+        name: [
+            (Alert.from_row(r), int(r["attempts"]))
+            for r in tx.all("alerts_due", sink=name, limit=limit, max_age=max_age)
+        ]
+        for name in names
+    }
+
+
+def record_delivered(tx: Tx, sink: str, alert_id: int, me: str) -> None:
+    tx.run("alert_delivered", sink=sink, alert_id=alert_id, me=me)
+
+
+def record_failed(tx: Tx, sink: str, alert_id: int, delay: float, give_up: bool, error: str, me: str) -> None:
+    tx.run(
+        "alert_failed",
+        sink=sink,
+        alert_id=alert_id,
+        delay=float(delay),
+        give_up=bool(give_up),
+        error=error[:2000],
+        me=me,
+    )
+
+
+# -- the delivery loop ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AlertSettings:
+    """``interval``: how often the leader looks for alerts to deliver; ``batch``: at most this many
+    per sink per round; ``max_age``: alerts older than this (seconds) are no longer sent."""
+
+    enabled: bool = True
+    interval: float = 1.0
+    batch: int = 20
+    max_age: float = 86400.0
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0 or self.batch < 1 or self.max_age <= 0:
+            raise ValueError(f"invalid alert settings {self!r}")
+
+
+class AlertDispatcher:
+    """Delivers undelivered alerts to every sink; run it as lease work (``lead``) so that one
+    process at a time does it. Sinks are served concurrently, each one's alerts in order."""
+
+    def __init__(
+        self,
+        store: Store,
+        sinks: Sequence[AlertSink],
+        me: str,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        settings: AlertSettings | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.sinks = list(sinks)
+        self.me = me
+        self.clock = clock
+        self.settings = settings or AlertSettings()
+        self.rng = rng or random.Random()
+        self.delivered = 0
+        self.failed = 0
+
+    async def register(self) -> None:
+        """Record the sinks in the store: each receives the alerts raised from its first registration on."""
+        await self.store.transact(register_sinks, [s.name for s in self.sinks])
+
+    async def lead(self, leadership: Leadership) -> None:
+        await self.register()
+        while True:
+            try:
+                await self.tick(leadership)
+            except Exception as e:  # the store is down: try again next round (REL3)
+                log.warning("alert delivery round failed: %r", e)
+            leadership.progress()
+            await self.clock.sleep(self.settings.interval)
+
+    async def tick(self, leadership: Leadership | None = None) -> int:
+        """One round: send what is due to every sink; returns how many deliveries succeeded."""
+        s = self.settings
+        todo = await self.store.transact(due, [k.name for k in self.sinks], s.batch, s.max_age)
+        jobs = [self._drain(k, todo[k.name], leadership) for k in self.sinks if todo.get(k.name)]
+        return sum(await asyncio.gather(*jobs)) if jobs else 0
+
+    async def _drain(self, sink: AlertSink, items: list[tuple[Alert, int]], lead: Leadership | None) -> int:
+        ok = 0
+        for alert, attempts in items:
+            ok += await self.deliver(sink, alert, attempts)
+            if lead is not None:
+                lead.progress()
+        return ok
+
+    async def deliver(self, sink: AlertSink, alert: Alert, attempts: int = 0) -> bool:
+        """Send one alert to one sink and record the outcome."""
+        try:
+            await asyncio.wait_for(sink.send(alert), timeout=sink.timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            n = attempts + 1
+            give_up = sink.max_attempts is not None and n >= sink.max_attempts
+            delay = sink.backoff.delay(n, self.rng)
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            await self.store.transact(record_failed, sink.name, alert.id, delay, give_up, why, self.me)
+            self.failed += 1
+            if give_up:
+                log.error("alert %d: sink %s failed %d time(s), giving up: %s", alert.id, sink.name, n, why)
+            else:
+                log.warning(
+                    "alert %d: sink %s failed (attempt %d, next in %.1fs): %s",
+                    alert.id,
+                    sink.name,
+                    n,
+                    delay,
+                    why,
+                )
+            return False
+        await self.store.transact(record_delivered, sink.name, alert.id, self.me)
+        self.delivered += 1
+        return True

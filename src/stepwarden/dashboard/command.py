@@ -1,0 +1,114 @@
+"""``stepwarden [--db URL] dashboard [--host 127.0.0.1] [--port 8080] [--token TOKEN]``.
+
+Only click is imported at module level, so the CLI loads without the ``dashboard`` extra and
+this command can say what to install.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+
+import click
+
+from ..store import open_store, resolve_url
+
+log = logging.getLogger("stepwarden.dashboard")
+# Host names a dashboard listening on a loopback address answers to (DNS-rebinding defence).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound socket (port 0 picks a free one), so the real address can be printed before serving."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise click.ClickException(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@click.command("dashboard")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port."
+)
+@click.option(
+    "--token",
+    envvar="STEPWARDEN_DASHBOARD_TOKEN",
+    default=None,
+    help="Operator token enabling retry, cancel and acknowledge (default: $STEPWARDEN_DASHBOARD_TOKEN; "
+    "without one the dashboard is read-only). Prefer the environment variable: a command line is visible.",
+)
+@click.option(
+    "--poll",
+    type=click.FloatRange(0.5, 60),
+    default=2.0,
+    show_default=True,
+    help="Seconds between live refreshes.",
+)
+@click.pass_context
+def dashboard(ctx: click.Context, host: str, port: int, token: str | None, poll: float) -> None:
+    """Serve the web dashboard: tasks, timelines, alerts, leases, workers, metrics (OPS5, OPS6)."""
+    try:
+        import uvicorn
+
+        from .web import create_app
+    except ImportError as e:
+        raise click.ClickException(
+            f"the dashboard needs the extra: pip install 'stepwarden[dashboard]' (missing {e.name})"
+        ) from None
+    url = resolve_url((ctx.obj or {}).get("db"))
+    if url.startswith("sqlite:///") and not os.path.exists(url[len("sqlite:///") :]):
+        path = url[len("sqlite:///") :]
+        raise click.ClickException(
+            f"no stepwarden store at {path}: run `stepwarden --db {url} init` or start a worker first"
+        )
+    token = token or None
+    loopback = is_loopback(host)
+    if not loopback:
+        click.echo(
+            f"warning: listening on {host}, beyond this machine; "
+            + ("the token travels in clear unless a TLS proxy is in front" if token else "it is read-only"),
+            err=True,
+        )
+    store = open_store(url)
+    sock = bind(host, port)
+    bound = sock.getsockname()[1]
+    shown = f"[{host.strip('[]')}]" if ":" in host else host
+    app = create_app(store, token, allowed_hosts=LOOPBACK_HOSTS if loopback else None, poll=poll)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", server_header=False, proxy_headers=False
+    )
+    click.echo(
+        f"dashboard on http://{shown}:{bound}/ ("
+        + ("operator actions enabled" if token else "read-only: no --token")
+        + ")",
+        err=True,
+    )
+    sys.stderr.flush()
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+        store.close()

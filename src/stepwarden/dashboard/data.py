@@ -1,0 +1,198 @@
+"""What each dashboard page reads, each function one transaction (``store.transact(fn, ...)``).
+
+Every filter is a bound parameter; the SQL text is fixed here, never built from what a user sent.
+Lists are bounded (newest first, a page at a time), so a store with millions of tasks stays quick.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import NotFound
+from ..metrics import breaker_state
+from ..store import TASK_STATES, Tx, views
+from ..store.views import iso
+
+PAGE = 50
+MAX_ID = 2**62
+
+
+def now(tx: Tx) -> float:
+    row = tx.one("now")
+    assert row is not None
+    return float(row["now"])
+
+
+def task_list(tx: Tx, state: str | None, query: str | None, before: int | None) -> dict[str, Any]:
+    """Tasks newest first: by state, and by a search that matches a task id or a correlation id
+    (exactly or as a prefix)."""
+    where: list[str] = []
+    params: list[Any] = []
+    if state is not None:
+        if state not in TASK_STATES:
+            raise ValueError(f"unknown state {state!r}")
+        where.append("state = ?")
+        params.append(state)
+    if query:
+        match = "substr(correlation_id, 1, ?) = ?"
+        qparams: list[Any] = [len(query), query]
+        if query.isascii() and query.isdigit() and 0 < int(query) < MAX_ID:
+            match = f"(id = ? OR {match})"
+            qparams.insert(0, int(query))
+        where.append(match)
+        params += qparams
+    if before is not None:
+        where.append("id < ?")
+        params.append(before)
+    sql = (
+        "SELECT id, workflow, state, correlation_id, priority, failure_count, locked_by, complete_by, "
+        "last_error, created_at, updated_at FROM tasks"
+    )
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    rows = tx.sql(sql + " ORDER BY id DESC LIMIT ?", (*params, PAGE + 1))
+    more = len(rows) > PAGE
+    rows = rows[:PAGE]
+    steps: dict[int, list[dict[str, Any]]] = {r["id"]: [] for r in rows}
+    if rows:
+        for s in tx.sql(
+            "SELECT task_id, idx, name, state, attempt FROM steps WHERE task_id BETWEEN ? AND ? "
+            "ORDER BY task_id, idx",
+            (rows[-1]["id"], rows[0]["id"]),
+        ):
+            if s["task_id"] in steps:
+                steps[s["task_id"]].append(s)
+    for r in rows:
+        r["steps"] = steps[r["id"]]
+        for k in ("complete_by", "created_at", "updated_at"):
+            r[k + "_iso"] = iso(r[k])
+    return {
+        "tasks": rows,
+        "counts": views.state_counts(tx),
+        "next_before": rows[-1]["id"] if more and rows else None,
+        "now": now(tx),
+    }
+
+
+def task_detail(tx: Tx, task_id: int) -> dict[str, Any]:
+    """The task with, per step, its attempts (owners, complete-by, outcome, the reply's error) and
+    the events about it, and the task's own events."""
+    if not 0 < task_id < MAX_ID:
+        raise NotFound(f"no task {task_id}")
+    task = views.show_task(tx, task_id)
+    replies: dict[tuple[int, int, str], dict[str, Any]] = {}
+    for r in task["replies"]:
+        replies[(r["step_idx"], r["attempt"], r["kind"])] = r
+    by_idx = {s["idx"]: s for s in task["steps"]}
+    for s in task["steps"]:
+        s["events"] = []
+        for a in s["attempts"]:
+            reply = replies.get((s["idx"], a["attempt"], a["kind"]))
+            a["error"] = reply["error"] if reply else None
+            a["reply_status"] = reply["status"] if reply else None
+            a["replied_by"] = reply["sent_by"] if reply else None
+    task_events: list[dict[str, Any]] = []
+    for e in task["events"]:
+        step = next((s for s in by_idx.values() if s["name"] == e["step"]), None)
+        (step["events"] if step is not None else task_events).append(e)
+    task["task_events"] = task_events
+    task["now"] = now(tx)
+    task["alerts"] = [
+        dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"]))
+        for a in tx.sql(
+            "SELECT id, kind, step, message, created_at, acked_at, acked_by FROM alerts WHERE task_id = ? "
+            "ORDER BY id",
+            (task_id,),
+        )
+    ]
+    return task
+
+
+def alert_list(tx: Tx, unacked_only: bool) -> dict[str, Any]:
+    sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
+    if unacked_only:
+        sql += " WHERE acked_at IS NULL"
+    rows = tx.sql(sql + " ORDER BY id DESC LIMIT ?", (PAGE * 4,))
+    unacked = int(tx.sql("SELECT COUNT(*) AS n FROM alerts WHERE acked_at IS NULL")[0]["n"])
+    return {
+        "alerts": [dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"])) for a in rows],
+        "unacked": unacked,
+    }
+
+
+def ack_alert(tx: Tx, alert_id: int, actor: str) -> bool:
+    """Acknowledge an alert; False if it was already acknowledged. :class:`NotFound` if none."""
+    if not 0 < alert_id < MAX_ID or not tx.sql("SELECT id FROM alerts WHERE id = ?", (alert_id,)):
+        raise NotFound(f"no alert {alert_id}")
+    changed = tx.sql(
+        "UPDATE alerts SET acked_at = ?, acked_by = ? WHERE id = ? AND acked_at IS NULL RETURNING id",
+        (now(tx), actor, alert_id),
+    )
+    return bool(changed)
+
+
+def lease_list(tx: Tx) -> dict[str, Any]:
+    terms = [
+        dict(t, acquired_at=iso(t["acquired_at"]), ended_at=iso(t["ended_at"]))
+        for t in tx.sql(
+            "SELECT name, term, holder, acquired_at, ended_at FROM lease_terms "
+            "ORDER BY acquired_at DESC LIMIT ?",
+            (20,),
+        )
+    ]
+    t = now(tx)
+    leases = views.list_leases(tx)
+    for lease in leases:
+        row = tx.sql("SELECT expires_at FROM leases WHERE name = ?", (lease["name"],))
+        lease["expires_in"] = float(row[0]["expires_at"]) - t if row else None
+    return {"leases": leases, "terms": terms, "now": t}
+
+
+def worker_list(tx: Tx) -> dict[str, Any]:
+    t = now(tx)
+    live = views.list_workers(tx)
+    for w in live:
+        w["breakers"] = {a: breaker_state(v) for a, v in w["breakers"].items()}
+    stopped = [
+        dict(r, started_at=iso(r["started_at"]), stopped_at=iso(r["stopped_at"]))
+        for r in tx.sql(
+            "SELECT id, roles, agents, started_at, stopped_at FROM workers WHERE stopped_at IS NOT NULL "
+            "ORDER BY stopped_at DESC LIMIT ?",
+            (10,),
+        )
+    ]
+    beats = {
+        r["id"]: float(r["heartbeat_at"])
+        for r in tx.sql("SELECT id, heartbeat_at FROM workers WHERE stopped_at IS NULL")
+    }
+    for w in live:
+        w["heartbeat_age"] = t - beats[w["id"]] if w["id"] in beats else None
+    return {"workers": live, "stopped": stopped, "now": t}
+
+
+def overview(tx: Tx) -> dict[str, Any]:
+    """Backlog and the system at a glance (the throughput series comes from the metrics tally)."""
+    counts = views.state_counts(tx)
+    queues = {
+        r["agent"]: int(r["n"])
+        for r in tx.sql("SELECT agent, COUNT(*) AS n FROM requests WHERE state = 'queued' GROUP BY agent")
+    }
+    unapplied = int(tx.sql("SELECT COUNT(*) AS n FROM replies WHERE status = 'new'")[0]["n"])
+    unacked = int(tx.sql("SELECT COUNT(*) AS n FROM alerts WHERE acked_at IS NULL")[0]["n"])
+    leases = views.list_leases(tx)
+    workers = views.list_workers(tx)
+    open_breakers = sorted(
+        {(w["id"], a) for w in workers for a, st in w["breakers"].items() if breaker_state(st) != "closed"}
+    )
+    return {
+        "counts": {s: counts.get(s, 0) for s in TASK_STATES},
+        "total": sum(counts.values()),
+        "queues": queues,
+        "queued": sum(queues.values()),
+        "unapplied": unapplied,
+        "unacked": unacked,
+        "leases": leases,
+        "workers": len(workers),
+        "open_breakers": open_breakers,
+        "now": now(tx),
+    }

@@ -1,0 +1,187 @@
+"""Who may act, and from where: the operator token, CSRF tokens, same-origin and host checks.
+
+Reading is open to whoever can reach the port (it binds to 127.0.0.1 unless told otherwise).
+Acting (retry, cancel, acknowledge) needs all of:
+
+1. a configured token (``--token`` / ``STEPWARDEN_DASHBOARD_TOKEN``); without one actions are off;
+2. a request from the dashboard's own origin (``Origin``, else ``Referer``, must match ``Host``);
+3. a CSRF token in the form, bound to the browser's session cookie (HMAC, so nothing is stored);
+4. a signed-in session: the operator typed the token once (``/login``), and got an auth cookie
+   bound to that session. Scripts may instead send ``Authorization: Bearer TOKEN`` (a header no
+   cross-site form can set, so it needs no CSRF token).
+
+Cookies are ``HttpOnly`` and ``SameSite=Strict``. The signing key is random per process, so a
+restart signs everyone out. When the dashboard listens on a loopback address, requests must name
+a loopback host (``Host: 127.0.0.1``/``localhost``), which stops DNS-rebinding pages from reading it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .command import LOOPBACK_HOSTS
+
+__all__ = ["LOOPBACK_HOSTS", "Guard", "Refused", "check_actor", "check_origin", "safe_next"]
+
+SESSION_COOKIE = "sw_session"
+AUTH_COOKIE = "sw_auth"
+AUTH_TTL = 12 * 3600.0
+_ACTOR = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+_SID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class Refused(Exception):
+    """An action refused; ``status`` is the HTTP status, ``str(self)`` what the operator reads."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def check_actor(name: str) -> str:
+    name = name.strip()
+    if not name:
+        return "dashboard"
+    if not _ACTOR.match(name):
+        raise Refused(400, "a name is 1-64 letters, digits or _ . @ -")
+    return f"dashboard:{name}"
+
+
+@dataclass
+class Guard:
+    token: str | None
+    secure_cookies: bool = False
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+
+    @property
+    def actions_enabled(self) -> bool:
+        return bool(self.token)
+
+    # -- signing ------------------------------------------------------------------------------------
+    def _sign(self, *parts: str) -> str:
+        return hmac.new(self.key, "\x1f".join(parts).encode(), hashlib.sha256).hexdigest()
+
+    def session_id(self, request: Request) -> str | None:
+        sid = request.cookies.get(SESSION_COOKIE, "")
+        return sid if _SID.match(sid) else None
+
+    def csrf_token(self, sid: str) -> str:
+        return self._sign("csrf", sid)
+
+    def actor(self, request: Request) -> str | None:
+        """The signed-in operator of this session, or None."""
+        sid = self.session_id(request)
+        raw = request.cookies.get(AUTH_COOKIE, "")
+        if sid is None or not self.actions_enabled or raw.count("!") != 2:
+            return None
+        actor, expires, sig = raw.split("!")
+        if not hmac.compare_digest(sig, self._sign("auth", sid, actor, expires)):
+            return None
+        try:
+            if float(expires) < time.time():
+                return None
+        except ValueError:
+            return None
+        return actor
+
+    # -- cookies ------------------------------------------------------------------------------------
+    def ensure_session(self, request: Request, response: Response) -> str:
+        sid = self.session_id(request)
+        if sid is None:
+            sid = secrets.token_hex(16)
+            self._cookie(response, SESSION_COOKIE, sid)
+        return sid
+
+    def _cookie(self, response: Response, name: str, value: str, max_age: int | None = None) -> None:
+        response.set_cookie(
+            name,
+            value,
+            max_age=max_age,
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=self.secure_cookies,
+        )
+
+    def sign_in(self, response: Response, actor: str) -> str:
+        """A fresh session (no fixation) with its auth cookie; returns the new session id."""
+        sid = secrets.token_hex(16)
+        expires = f"{time.time() + AUTH_TTL:.0f}"
+        self._cookie(response, SESSION_COOKIE, sid)
+        self._cookie(response, AUTH_COOKIE, f"{actor}!{expires}!{self._sign('auth', sid, actor, expires)}")
+        return sid
+
+    def sign_out(self, response: Response) -> None:
+        response.delete_cookie(AUTH_COOKIE, path="/", httponly=True, samesite="strict")
+        self._cookie(response, SESSION_COOKIE, secrets.token_hex(16))
+
+    # -- checks ---------------------------------------------------------------------------------------
+    def bearer_ok(self, request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        if not self.token or not header.lower().startswith("bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
+
+    def token_ok(self, given: str) -> bool:
+        return bool(self.token) and hmac.compare_digest(given.encode(), (self.token or "").encode())
+
+    def check_form(self, request: Request, form: FormData) -> None:
+        """Same origin and a valid CSRF token for this session, or :class:`Refused`."""
+        check_origin(request)
+        sid = self.session_id(request)
+        given = form.get("csrf")
+        if sid is None or not isinstance(given, str) or not hmac.compare_digest(given, self.csrf_token(sid)):
+            raise Refused(403, "refused: missing or invalid CSRF token (reload the page and try again)")
+
+    def check_action(self, request: Request, form: FormData) -> str:
+        """Everything an operator action needs; returns the actor to record."""
+        if not self.actions_enabled:
+            raise Refused(
+                403,
+                "refused: operator actions are disabled; start the dashboard with --token "
+                "or STEPWARDEN_DASHBOARD_TOKEN",
+            )
+        if self.bearer_ok(request):
+            return "dashboard:api"
+        self.check_form(request, form)
+        actor = self.actor(request)
+        if actor is None:
+            raise Refused(401, "refused: the operator token is required; sign in with the dashboard token")
+        return actor
+
+
+def own_origin(request: Request) -> str:
+    host = request.headers.get("host", "")
+    return f"{request.url.scheme}://{host}".lower()
+
+
+def check_origin(request: Request) -> None:
+    """The request comes from a page of this dashboard: ``Origin`` (else ``Referer``) matches."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        referer = request.headers.get("referer")
+        if referer is None:
+            raise Refused(403, "refused: the request names no Origin or Referer")
+        parts = urlsplit(referer)
+        origin = f"{parts.scheme}://{parts.netloc}"
+    if origin.lower() != own_origin(request):
+        raise Refused(403, "refused: cross-origin request")
+
+
+def safe_next(value: object, default: str = "/") -> str:
+    """A local path to go back to after signing in (never another site)."""
+    if not isinstance(value, str) or not value.startswith("/") or value.startswith("//") or "\\" in value:
+        return default
+    if len(value) > 2000 or any(ord(c) < 0x20 for c in value):
+        return default
+    return value

@@ -1,0 +1,405 @@
+"""The dashboard's ASGI application: pages, live fragments, operator actions, ``/metrics``.
+
+Every page is a full HTML document whose live part is re-fetched every ``poll`` seconds by htmx
+(``?partial=1`` returns only that part), so the page stays current without reloads and still
+reads without JavaScript. Store reads run off the event loop (``store.transact``). See
+:mod:`.security` for who may act.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlencode
+
+from jinja2 import Environment, PackageLoader
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import InputError, NotFound
+from ..metrics import CONTENT_TYPE, StoreMetrics
+from ..store import TASK_STATES, Store
+from ..store import transitions as tr
+from . import data
+from .security import Guard, Refused, check_actor, safe_next
+
+log = logging.getLogger("stepwarden.dashboard")
+MAX_QUERY = 255
+SECURITY_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        b"connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"same-origin"),
+    (b"cache-control", b"no-store"),
+]
+
+
+class SecurityHeaders:
+    """Adds a strict Content-Security-Policy and friends to every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                have = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in SECURITY_HEADERS if k not in have]
+                message["headers"] = [*message.get("headers", []), *extra]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def host_name(header: str) -> str:
+    """The host of a ``Host`` header, without the port: ``[::1]:8080`` -> ``::1``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class HostCheck:
+    """Answers 400 unless the ``Host`` header names one of ``allowed`` (DNS-rebinding defence)."""
+
+    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.allowed = {h.strip("[]").lower() for h in allowed}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            if host_name(host) not in self.allowed:
+                await PlainTextResponse("invalid Host header", status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _when(value: str | float | None) -> str:
+    """An ISO time or epoch seconds as ``YYYY-MM-DD HH:MM:SS.mmm`` UTC."""
+    if value is None:
+        return "-"
+    if isinstance(value, int | float):
+        value = datetime.fromtimestamp(float(value), UTC).isoformat(timespec="milliseconds")
+    return str(value).replace("T", " ").replace("+00:00", "").rstrip("Z")
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    v = float(value)
+    sign = "-" if v < 0 else ""
+    v = abs(v)
+    if v < 60:
+        return f"{sign}{v:.1f}s"
+    if v < 3600:
+        return f"{sign}{v / 60:.1f}m"
+    return f"{sign}{v / 3600:.1f}h"
+
+
+def _until(iso: str | None, now: float) -> str:
+    """How long until an ISO time (negative: how long ago)."""
+    if iso is None:
+        return ""
+    t = datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+    left = t - now
+    return f"in {_seconds(left)}" if left >= 0 else f"{_seconds(-left)} ago"
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+
+
+def make_env() -> Environment:
+    env = Environment(
+        loader=PackageLoader("stepwarden.dashboard", "templates"),
+        autoescape=True,  # every template is HTML: everything shown is escaped unless marked safe
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["when"] = _when
+    env.filters["seconds"] = _seconds
+    env.filters["pretty"] = _pretty
+    env.globals["until"] = _until
+    env.globals["TASK_STATES"] = TASK_STATES
+    return env
+
+
+class Dashboard:
+    def __init__(self, store: Store, guard: Guard, poll: float) -> None:
+        self.store = store
+        self.guard = guard
+        self.poll = poll
+        self.env = make_env()
+        self.metrics = StoreMetrics(store)
+        self._refreshed = 0.0
+        self.actions: dict[tuple[str, str], int] = {}
+        self.metrics.registry.register(_ActionCounts(self.actions))
+
+    # -- rendering ---------------------------------------------------------------------------------
+    def render(self, request: Request, template: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+        partial = request.query_params.get("partial") == "1"
+        sid = self.guard.session_id(request)
+        response = HTMLResponse("", status_code=status)
+        if sid is None:
+            sid = self.guard.ensure_session(request, response)
+        query = [(k, v) for k, v in request.query_params.multi_items() if k != "partial"]
+        ctx.update(
+            request=request,
+            path=request.url.path,
+            csrf=self.guard.csrf_token(sid),
+            actor=self.guard.actor(request),
+            actions_enabled=self.guard.actions_enabled,
+            poll=self.poll,
+            partial_url=request.url.path + "?" + urlencode([*query, ("partial", "1")]),
+            here=request.url.path + (("?" + urlencode(query)) if query else ""),
+        )
+        name = ("_" + template) if partial else template
+        response.body = self.env.get_template(name).render(**ctx).encode()
+        response.headers["content-length"] = str(len(response.body))
+        return response
+
+    def message(self, request: Request, status: int, text: str, ok: bool = False) -> HTMLResponse:
+        if request.headers.get("hx-request") == "true":
+            body = self.env.get_template("_flash.html").render(ok=ok, message=text)
+            return HTMLResponse(body, status_code=status)
+        return self.render(request, "message.html", status=status, ok=ok, message=text)
+
+    async def refresh_metrics(self, max_age: float = 1.0) -> None:
+        if time.monotonic() - self._refreshed >= max_age:
+            await self.store.transact(self.metrics.refresh)
+            self._refreshed = time.monotonic()
+
+    # -- pages ---------------------------------------------------------------------------------------
+    async def overview(self, request: Request) -> Response:
+        await self.refresh_metrics()
+        view = await self.store.transact(data.overview)
+        series = self.metrics.tally.per_minute(view["now"])
+        peak = max([n for _, n in series] + [1])
+        recent = [n for _, n in series]
+        return self.render(
+            request,
+            "overview.html",
+            view=view,
+            series=series,
+            peak=peak,
+            last_minute=recent[-2] if len(recent) > 1 else 0,
+            per_minute=sum(recent[:-1]) / max(1, len(recent) - 1),
+            totals=dict(self.metrics.tally.totals),
+        )
+
+    async def tasks(self, request: Request) -> Response:
+        q = request.query_params
+        state = q.get("state") or None
+        query = (q.get("q") or "").strip() or None
+        before = q.get("before") or None
+        if state is not None and state not in TASK_STATES:
+            return self.message(request, 400, f"unknown state; choose one of {', '.join(TASK_STATES)}")
+        if query is not None and (len(query) > MAX_QUERY or not query.isprintable()):
+            return self.message(request, 400, f"a search is 1-{MAX_QUERY} printable characters")
+        if before is not None and not (before.isascii() and before.isdigit() and len(before) < 19):
+            return self.message(request, 400, "before must be a task id")
+        view = await self.store.transact(
+            data.task_list, state, query, int(before) if before is not None else None
+        )
+        older = None
+        if view["next_before"] is not None:
+            params = [(k, v) for k, v in q.multi_items() if k not in ("before", "partial")]
+            older = "/tasks?" + urlencode([*params, ("before", str(view["next_before"]))])
+        return self.render(request, "tasks.html", view=view, state=state, query=query or "", older=older)
+
+    async def task(self, request: Request) -> Response:
+        task_id = int(request.path_params["task_id"])
+        try:
+            view = await self.store.transact(data.task_detail, task_id)
+        except NotFound as e:
+            return self.message(request, 404, str(e))
+        return self.render(request, "task.html", task=view)
+
+    async def alerts(self, request: Request) -> Response:
+        unacked = request.query_params.get("unacked") == "1"
+        view = await self.store.transact(data.alert_list, unacked)
+        return self.render(request, "alerts.html", view=view, unacked_only=unacked)
+
+    async def leases(self, request: Request) -> Response:
+        view = await self.store.transact(data.lease_list)
+        return self.render(request, "leases.html", view=view)
+
+    async def workers(self, request: Request) -> Response:
+        view = await self.store.transact(data.worker_list)
+        return self.render(request, "workers.html", view=view)
+
+    async def prometheus(self, request: Request) -> Response:
+        await self.refresh_metrics(max_age=0.0)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # -- sign in and out -------------------------------------------------------------------------------
+    async def login(self, request: Request) -> Response:
+        form = await request.form()
+        try:
+            self.guard.check_form(request, form)
+            if not self.guard.actions_enabled:
+                raise Refused(403, "operator actions are disabled: no token is configured")
+            actor = check_actor(str(form.get("name") or ""))
+            if not self.guard.token_ok(str(form.get("token") or "")):
+                await asyncio.sleep(0.25)  # slow down guessing
+                raise Refused(403, "refused: wrong token")
+        except Refused as e:
+            self._count("login", "refused")
+            return self.message(request, e.status, str(e))
+        self._count("login", "ok")
+        response = RedirectResponse(safe_next(form.get("next")), status_code=303)
+        self.guard.sign_in(response, actor)
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        form = await request.form()
+        try:
+            self.guard.check_form(request, form)
+        except Refused as e:
+            return self.message(request, e.status, str(e))
+        response = RedirectResponse(safe_next(form.get("next")), status_code=303)
+        self.guard.sign_out(response)
+        return response
+
+    # -- operator actions ---------------------------------------------------------------------------------
+    async def _act(
+        self, request: Request, name: str, run: Callable[[str, FormData], Awaitable[str]]
+    ) -> Response:
+        form = await request.form()
+        try:
+            actor = self.guard.check_action(request, form)
+        except Refused as e:
+            self._count(name, "refused")
+            log.warning("dashboard: %s refused (%s)", name, e)
+            return self.message(request, e.status, str(e))
+        try:
+            text = await run(actor, form)
+        except NotFound as e:
+            self._count(name, "not_found")
+            return self.message(request, 404, str(e))
+        except InputError as e:
+            self._count(name, "invalid")
+            return self.message(request, 409, str(e))
+        self._count(name, "ok")
+        log.info("dashboard: %s by %s: %s", name, actor, text)
+        return self.message(request, 200, text, ok=True)
+
+    def _count(self, action: str, result: str) -> None:
+        key = (action, result)
+        self.actions[key] = self.actions.get(key, 0) + 1
+
+    async def retry(self, request: Request) -> Response:
+        task_id = _path_id(request, "task_id")
+
+        async def run(actor: str, form: FormData) -> str:
+            step = str(form.get("step") or "").strip() or None
+            await self.store.transact(tr.retry_task, task_id, step, actor)
+            return f"task {task_id} is pending again" + (f" from step {step}" if step else "")
+
+        return await self._act(request, "retry", run)
+
+    async def cancel(self, request: Request) -> Response:
+        task_id = _path_id(request, "task_id")
+
+        async def run(actor: str, form: FormData) -> str:
+            state = await self.store.transact(tr.cancel_task, task_id, actor)
+            return f"task {task_id}: cancel requested (now {state})"
+
+        return await self._act(request, "cancel", run)
+
+    async def ack(self, request: Request) -> Response:
+        alert_id = _path_id(request, "alert_id")
+
+        async def run(actor: str, form: FormData) -> str:
+            changed = await self.store.transact(data.ack_alert, alert_id, actor)
+            return (
+                f"alert {alert_id} acknowledged" if changed else f"alert {alert_id} was already acknowledged"
+            )
+
+        return await self._act(request, "ack", run)
+
+
+def _path_id(request: Request, key: str) -> int:
+    """A row id from the path; ids beyond what the store can hold become 0, which no row has."""
+    value = int(request.path_params[key])
+    return value if 0 < value < data.MAX_ID else 0
+
+
+class _ActionCounts(Collector):
+    """This dashboard process's own counter of operator actions, by result."""
+
+    def __init__(self, counts: dict[tuple[str, str], int]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterable[Metric]:
+        fam = CounterMetricFamily(
+            "stepwarden_dashboard_actions",
+            "Operator actions asked of this dashboard process, by result.",
+            labels=["action", "result"],
+        )
+        for (action, result), n in sorted(self.counts.items()):
+            fam.add_metric([action, result], n)
+        yield fam
+
+
+def create_app(
+    store: Store,
+    token: str | None = None,
+    *,
+    allowed_hosts: Sequence[str] | None = None,
+    poll: float = 2.0,
+    secure_cookies: bool = False,
+) -> Starlette:
+    """The dashboard over ``store``. ``token`` enables operator actions; ``allowed_hosts`` (host
+    names without port) restricts the ``Host`` header, e.g. to loopback names."""
+    d = Dashboard(store, Guard(token or None, secure_cookies), poll)
+    routes = [
+        Route("/", d.overview),
+        Route("/tasks", d.tasks),
+        Route("/tasks/{task_id:int}", d.task),
+        Route("/tasks/{task_id:int}/retry", d.retry, methods=["POST"]),
+        Route("/tasks/{task_id:int}/cancel", d.cancel, methods=["POST"]),
+        Route("/alerts", d.alerts),
+        Route("/alerts/{alert_id:int}/ack", d.ack, methods=["POST"]),
+        Route("/leases", d.leases),
+        Route("/workers", d.workers),
+        Route("/metrics", d.prometheus),
+        Route("/login", d.login, methods=["POST"]),
+        Route("/logout", d.logout, methods=["POST"]),
+        Mount("/static", StaticFiles(packages=[("stepwarden.dashboard", "static")]), name="static"),
+    ]
+    middleware = [Middleware(SecurityHeaders)]
+    if allowed_hosts:
+        middleware.append(Middleware(HostCheck, allowed=list(allowed_hosts)))
+
+    async def failed(request: Request, exc: Exception) -> Response:
+        log.warning("dashboard: %s %s failed: %r", request.method, request.url.path, exc)
+        return d.message(
+            request, 503, f"the store could not be read or written ({type(exc).__name__}); retrying"
+        )
+
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={Exception: failed})
+    app.state.dashboard = d
+    return app

@@ -1,0 +1,78 @@
+"""Structured logs (OPS6): one JSON object per line, for log shippers.
+
+``configure_logging(level, "json")`` sends every record to standard error as a line like::
+
+    {"ts": "2025-01-02T03:04:05.678Z", "level": "WARNING", "logger": "stepwarden.agent",
+     "message": "agent inventory: circuit breaker opened (...)", "pid": 4242}
+
+Fields passed with ``extra={...}`` become fields of the object (``task_id``, ``step``,
+``worker`` ...); an exception adds ``exc_type`` and ``exc`` (the formatted traceback). Values
+that are not JSON (a datetime, an exception) are written as their ``str``. No dependency.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD = frozenset(
+    vars(logging.LogRecord("x", logging.INFO, "x", 0, "x", None, None)).keys()
+    | {"message", "asctime", "taskName"}
+)
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one line of JSON (see the module docstring)."""
+
+    def __init__(self, static: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.static = dict(static or {})
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        out.update(self.static)
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_") and key not in out:
+                out[key] = value
+        if record.exc_info and record.exc_info[0] is not None:
+            out["exc_type"] = record.exc_info[0].__name__
+            out["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            out["exc"] = record.exc_text
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=str, ensure_ascii=False, separators=(",", ":"))
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
+    """Log to standard error as ``fmt``: ``"text"`` (human lines) or ``"json"`` (one object a line).
+
+    Like ``logging.basicConfig`` it leaves alone a root logger that already has handlers of
+    someone else's (an embedding application, pytest's capture); called again, it replaces the
+    handler it installed before.
+    """
+    if fmt not in ("text", "json"):
+        raise ValueError(f"log format must be text or json, not {fmt!r}")
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    for h in [h for h in root.handlers if getattr(h, "_stepwarden", False)]:
+        root.removeHandler(h)
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler._stepwarden = True  # type: ignore[attr-defined]
+    root.addHandler(handler)

@@ -1,0 +1,406 @@
+"""Reply queues for applications (SCH8): a task's status messages, in order, at least once.
+
+A task submitted with ``reply_to="web-1"`` gets a message on queue ``web-1`` at every change an
+application cares about (``received``, ``step_completed``, ``processed``, ``error``,
+``compensating``, ``step_compensated``, ``compensated``, ``cancelled``, ``retried``), written in
+the same transaction as the change itself. Consumers read a queue in order:
+
+* **Positions in commit order.** A message gets its position in the queue (``seq``) from the
+  first reader after it committed, one reader per queue at a time (``replies.sql`` says why ids
+  would not do on PostgreSQL), so a cursor never passes a message that is committed later.
+* **Durable cursors.** A consumer with a name keeps its cursor in the store, per (queue, consumer):
+  acknowledging a message moves the cursor to it (acknowledgements are cumulative), and a consumer
+  that restarts under the same name resumes after the last message it acknowledged. Only messages
+  delivered but not yet acknowledged can come twice. Several names read the same queue
+  independently (each gets every message); one name is one reader at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from .clock import SYSTEM_CLOCK, Clock
+from .errors import NotFound
+from .store import FINAL_TASK_STATES, Store
+from .store.base import Row, Tx
+from .workflow import check_name
+
+if TYPE_CHECKING:
+    from typing import Self
+
+log = logging.getLogger("stepwarden.replies")
+
+#: Message kinds after which a task is final (until an operator retries it: ``retried``).
+FINAL_KINDS = FINAL_TASK_STATES
+#: How many messages one read gives positions to; the rest wait for the next read.
+SEQUENCE_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class ReplyMessage:
+    """One status message of a reply queue. ``body`` is the message as written (it carries
+    ``task_id``, ``correlation_id``, ``kind`` and, by kind, ``step``, ``results``, ``error``,
+    ``reason``); ``seq`` is its position in the queue, ``id`` its row id."""
+
+    queue: str
+    seq: int
+    id: int
+    task_id: int
+    correlation_id: str | None
+    kind: str
+    body: dict[str, Any]
+    created_at: float
+    raw: str = field(repr=False, compare=False, default="")
+
+    @property
+    def step(self) -> str | None:
+        step = self.body.get("step")
+        return None if step is None else str(step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.body, "queue": self.queue, "seq": self.seq}
+
+
+def _message(row: Row, queue: str | None = None) -> ReplyMessage:
+    raw = str(row["body"])
+    return ReplyMessage(
+        queue=str(row.get("queue") or queue or ""),
+        seq=int(row["seq"]) if row.get("seq") is not None else 0,
+        id=int(row["id"]),
+        task_id=int(row["task_id"]),
+        correlation_id=row["correlation_id"],
+        kind=str(row["kind"]),
+        body=json.loads(raw),
+        created_at=float(row["created_at"]),
+        raw=raw,
+    )
+
+
+# -- transactions -----------------------------------------------------------------------------------
+
+
+def sequence(tx: Tx, queue: str, limit: int = SEQUENCE_BATCH) -> int:
+    """Give the queue's committed messages that have no position yet their positions, in id
+    order, under the queue's lock; returns how many got one."""
+    if tx.one("reply_unsequenced", queue=queue) is None:
+        return 0
+    row = tx.one("reply_queue_lock", queue=queue)
+    assert row is not None
+    base = int(row["last_seq"])
+    n = tx.run("reply_sequence", queue=queue, base=base, limit=limit)
+    if n:
+        tx.run("reply_queue_advance", queue=queue, last_seq=base + n)
+    return n
+
+
+def read(
+    tx: Tx, queue: str, consumer: str | None, after: int | None, limit: int
+) -> tuple[int, list[ReplyMessage]]:
+    """Position new messages, then read up to ``limit`` after ``after`` (``None``: after the
+    consumer's durable cursor, created at 0 for a new consumer). Returns ``(after, messages)``."""
+    sequence(tx, queue)
+    if after is None:
+        if consumer is None:
+            after = 0
+        else:
+            tx.run("reply_cursor_create", queue=queue, consumer=consumer)
+            row = tx.one("reply_cursor", queue=queue, consumer=consumer)
+            after = int(row["position"]) if row else 0
+    rows = tx.all("reply_read", queue=queue, after=after, limit=limit)
+    return after, [_message(r, queue) for r in rows]
+
+
+def ack(tx: Tx, queue: str, consumer: str, position: int) -> None:
+    """Move the consumer's cursor forward to ``position`` (never back)."""
+    tx.run("reply_cursor_create", queue=queue, consumer=consumer)
+    tx.run("reply_ack", queue=queue, consumer=consumer, position=position)
+
+
+def cursors(tx: Tx, queue: str) -> list[Row]:
+    return tx.all("reply_cursors_of_queue", queue=queue)
+
+
+# -- the consumer ---------------------------------------------------------------------------------
+
+
+class Replies:
+    """An async iterator over a reply queue's status messages, in order, at least once.
+
+    ``async for msg in app.replies("web-1", consumer="web-1-worker"):`` delivers each message
+    once its predecessors were delivered. With ``auto_ack`` (the default) a message is
+    acknowledged when the loop asks for the next one, that is once its body has run; with
+    ``auto_ack=False`` call :meth:`ack` yourself. Without a consumer name the cursor lives in
+    memory only and reading starts at the beginning of the queue.
+
+    Idle, it polls with back-off (``poll_interval`` up to ``idle_poll_max``) and, with ``listen``,
+    wakes early on the store's hints. Iteration ends when ``stop`` is set or :meth:`aclose` is called.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        queue: str,
+        consumer: str | None = None,
+        *,
+        auto_ack: bool = True,
+        batch: int = 100,
+        stop: asyncio.Event | None = None,
+        listen: bool = True,
+        clock: Clock = SYSTEM_CLOCK,
+        poll_interval: float = 0.02,
+        idle_poll_max: float = 0.5,
+    ) -> None:
+        check_name("reply queue", queue)
+        if consumer is not None:
+            check_name("consumer name", consumer)
+        if batch < 1:
+            raise ValueError("batch must be at least 1")
+        self.store = store
+        self.queue = queue
+        self.consumer = consumer
+        self.auto_ack = auto_ack
+        self.batch = batch
+        self.stop = stop
+        self.listen = listen
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self.idle_poll_max = idle_poll_max
+        self.position: int | None = None  # the last message delivered (in memory)
+        self.acked: int | None = None  # the last position acknowledged
+        self._buffer: deque[ReplyMessage] = deque()
+        self._unacked: ReplyMessage | None = None
+        self._wake: asyncio.Event | None = None
+        self._listen_stop: asyncio.Event | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- iteration --------------------------------------------------------------------------------
+    def __aiter__(self) -> Replies:
+        return self
+
+    async def __anext__(self) -> ReplyMessage:
+        if self._closed:
+            raise StopAsyncIteration
+        if self.auto_ack and self._unacked is not None:
+            await self._auto_ack(self._unacked)
+        idle = self.poll_interval
+        while True:
+            if self.stop is not None and self.stop.is_set():
+                await self.aclose()
+                raise StopAsyncIteration
+            if self._buffer:
+                break
+            last = self.clock.monotonic()
+            try:
+                got = await self._fetch()
+            except Exception as e:  # the store is down: back off and keep trying (REL3)
+                log.warning("reply queue %s: read failed: %r", self.queue, e)
+                got = 0
+                idle = self.idle_poll_max
+            if got:
+                break
+            await self._idle(idle, last)
+            idle = min(self.idle_poll_max, idle * 2)
+        msg = self._buffer.popleft()
+        self.position = msg.seq
+        self._unacked = msg
+        return msg
+
+    async def _fetch(self) -> int:
+        after, msgs = await self.store.transact(read, self.queue, self.consumer, self.position, self.batch)
+        if self.position is None:
+            self.position = self.acked = after
+        self._buffer.extend(m for m in msgs if m.seq > (self.position or 0))
+        return len(self._buffer)
+
+    async def _idle(self, seconds: float, last_poll: float) -> None:
+        """Wait up to ``seconds`` for a wake-up hint or ``stop``; never poll more often than
+        every ``poll_interval`` (hints come with every commit on a busy store)."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._start_listening()
+        events = [self._wake] + ([self.stop] if self.stop is not None else [])
+        waiters = [asyncio.ensure_future(e.wait()) for e in events]
+        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
+        try:
+            await asyncio.wait({sleeper, *waiters}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (sleeper, *waiters):
+                t.cancel()
+        self._wake.clear()
+        spent = self.clock.monotonic() - last_poll
+        if spent < self.poll_interval and not (self.stop is not None and self.stop.is_set()):
+            await self.clock.sleep(self.poll_interval - spent)
+
+    def _start_listening(self) -> None:
+        if not self.listen or self._listener is not None:
+            return
+        wake = self._wake
+        assert wake is not None
+        self._listen_stop = asyncio.Event()
+        self._listener = asyncio.create_task(
+            self.store.listen(lambda channel: wake.set(), self._listen_stop), name=f"replies-{self.queue}"
+        )
+
+    # -- acknowledgement ----------------------------------------------------------------------------
+    async def ack(self, msg: ReplyMessage | None = None) -> None:
+        """Acknowledge ``msg`` (default: the last message delivered) and every message before it."""
+        target = msg if msg is not None else self._unacked
+        if target is None:
+            return
+        if self.consumer is not None and (self.acked is None or target.seq > self.acked):
+            await self.store.transact(ack, self.queue, self.consumer, target.seq)
+        self.acked = max(self.acked or 0, target.seq)
+        if self._unacked is not None and self._unacked.seq <= target.seq:
+            self._unacked = None
+
+    async def _auto_ack(self, msg: ReplyMessage) -> None:
+        try:
+            await self.ack(msg)
+        except Exception as e:  # a later acknowledgement covers this one (they are cumulative)
+            log.warning("reply queue %s: acknowledging %d failed: %r", self.queue, msg.seq, e)
+
+    # -- closing ------------------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Stop reading. The last message delivered stays unacknowledged unless :meth:`ack` was called."""
+        self._closed = True
+        self._buffer.clear()
+        if self._listen_stop is not None:
+            self._listen_stop.set()
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(listener, timeout=5)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_listen_stop", None)  # None too if __init__ refused its arguments
+        if stop is not None and not self._closed:
+            with contextlib.suppress(Exception):
+                stop.set()
+
+
+# -- a task's result --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """What became of a task: its final ``state``, the steps' ``results`` when it was processed,
+    the ``error`` when it failed, and the status messages it sent (empty without a reply queue)."""
+
+    task_id: int
+    state: str
+    correlation_id: str | None
+    results: dict[str, Any] | None
+    error: str | None
+    messages: tuple[ReplyMessage, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "processed"
+
+
+def _task_progress(tx: Tx, task_id: int, after: int) -> tuple[Row, list[ReplyMessage], TaskResult | None]:
+    """The task's messages after id ``after``, and its result if it is final."""
+    task = tx.one("task_reply_state", task_id=task_id)
+    if task is None:
+        raise NotFound(f"no task {task_id}")
+    msgs = (
+        [_message(r) for r in tx.all("task_messages", task_id=task_id, after=after)]
+        if task["reply_to"]
+        else []
+    )
+    result = None
+    if not task["reply_to"] and task["state"] in FINAL_TASK_STATES:
+        result = _result_from_rows(tx, task_id, str(task["state"]))
+    return task, msgs, result
+
+
+def _result_from_rows(tx: Tx, task_id: int, state: str) -> TaskResult:
+    """The result of a task without a reply queue, read from its rows."""
+    row = tx.sql("SELECT correlation_id, last_error FROM tasks WHERE id = ?", (task_id,))[0]
+    results = {
+        s["name"]: json.loads(s["result"])
+        for s in tx.sql(
+            "SELECT name, result FROM steps WHERE task_id = ? AND state = 'completed' ORDER BY idx",
+            (task_id,),
+        )
+        if s["result"]
+    }
+    return TaskResult(
+        task_id,
+        state,
+        row["correlation_id"],
+        results if state == "processed" else None,
+        row["last_error"] if state == "error" else None,
+    )
+
+
+def result_from_messages(task_id: int, msgs: Iterable[ReplyMessage]) -> TaskResult | None:
+    """The task's result if its last message says it is final (a ``retried`` after an ``error``
+    means it runs again), else ``None``."""
+    msgs = tuple(msgs)
+    if not msgs or msgs[-1].kind not in FINAL_KINDS:
+        return None
+    last = msgs[-1]
+    results = last.body.get("results") if last.kind == "processed" else None
+    error = last.body.get("error") if last.kind == "error" else None
+    return TaskResult(task_id, last.kind, last.correlation_id, results, error, msgs)
+
+
+def wait_for_result_sync(
+    store: Store, task_id: int, timeout: float, poll: float = 0.02, poll_max: float = 0.25
+) -> TaskResult:
+    end = time.monotonic() + timeout
+    seen: list[ReplyMessage] = []
+    while True:
+        task, new, result = store.transact_sync(_task_progress, task_id, seen[-1].id if seen else 0)
+        seen += new
+        result = result or result_from_messages(task_id, seen)
+        if result is not None:
+            return result
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"task {task_id} is still {task['state']} after {timeout}s")
+        time.sleep(min(poll, left))
+        poll = min(poll_max, poll * 2)
+
+
+async def wait_for_result(
+    store: Store,
+    task_id: int,
+    timeout: float,
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+    poll: float = 0.02,
+    poll_max: float = 0.25,
+) -> TaskResult:
+    end = clock.monotonic() + timeout
+    seen: list[ReplyMessage] = []
+    while True:
+        task, new, result = await store.transact(_task_progress, task_id, seen[-1].id if seen else 0)
+        seen += new
+        result = result or result_from_messages(task_id, seen)
+        if result is not None:
+            return result
+        left = end - clock.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"task {task_id} is still {task['state']} after {timeout}s")
+        await clock.sleep(min(poll, left))
+        poll = min(poll_max, poll * 2)

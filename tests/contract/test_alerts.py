@@ -1,0 +1,336 @@
+"""Alerts on every store (OPS4): acknowledgement, and delivery to sinks through the outbox.
+
+Delivery rounds are driven by hand (``AlertDispatcher.tick``) on the test's FakeClock, which is
+also the database clock: a failed delivery is due again only once the clock passes its back-off.
+The webhook tests talk to a real HTTP server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from stepwarden import App
+from stepwarden.alerts import Alert, AlertDispatcher, CallableSink, LogSink, WebhookSink, ack_alert
+from stepwarden.clock import FakeClock
+from stepwarden.errors import InputError, NotFound
+from stepwarden.policies import Backoff
+from stepwarden.store import Store, views
+from stepwarden.store import transitions as t
+
+ME = "alerts-1:1:aaa"
+FAST = Backoff(initial=2.0, multiplier=2.0, maximum=8.0, jitter=0.0)  # 2, 4, 8, 8 ... seconds
+
+
+def raise_alert(store: Store, kind: str = "task_error", message: str = "boom") -> int:
+    return int(store.transact_sync(t.alert, kind, None, "charge", message)["id"])
+
+
+def deliveries(store: Store) -> list[dict[str, Any]]:
+    return store.transact_sync(lambda tx: tx.sql("SELECT * FROM alert_deliveries ORDER BY sink, alert_id"))
+
+
+def tick(d: AlertDispatcher) -> int:
+    return asyncio.run(d.tick())
+
+
+# -- acknowledgement ---------------------------------------------------------------------------------
+
+
+def test_ack_records_who_and_when_once(store: Store, clock: FakeClock) -> None:
+    a = raise_alert(store)
+    b = raise_alert(store, "step_escalated")
+    view, changed = store.transact_sync(ack_alert, a, "alice")
+    assert changed and view["acked_by"] == "alice" and view["acked_at"] == views.iso(clock.wall())
+    clock.advance(5)
+    again, changed = store.transact_sync(ack_alert, a, "bob")
+    assert not changed and again == view  # the first acknowledgement stands
+    unacked = store.transact_sync(views.list_alerts, False)
+    assert [x["id"] for x in unacked] == [b]
+    events = store.transact_sync(lambda tx: tx.sql("SELECT kind, actor, detail FROM events"))
+    assert [(e["kind"], e["actor"], json.loads(e["detail"])["alert"]) for e in events] == [
+        ("alert_acked", "alice", a)
+    ]
+    with pytest.raises(NotFound):
+        store.transact_sync(ack_alert, 12345, "alice")
+    with pytest.raises(InputError):
+        store.transact_sync(ack_alert, b, "")
+
+
+def test_app_lists_and_acknowledges_alerts(store: Store) -> None:
+    app = App()
+    app.use_store(store)
+    a = raise_alert(store)
+    assert [x["id"] for x in app.alerts(unacked=True)] == [a]
+    assert app.ack_alert(a, by="pager")["acked_by"] == "pager"
+    assert app.alerts(unacked=True) == []
+    assert app.alerts()[0]["acked_by"] == "pager"
+
+
+def test_cli_alerts_ack(store: Store) -> None:
+    a = raise_alert(store)
+
+    def sw(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "stepwarden", "--db", store.url, "alerts", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    r = sw("ack", str(a), "--by", "carol")
+    assert r.returncode == 0 and r.stdout.strip() == f"alert {a} acknowledged by carol", r
+    r = sw("ack", str(a), "--json")
+    assert r.returncode == 0 and "already" not in r.stdout, r
+    assert json.loads(r.stdout)["acked_by"] == "carol"
+    r = sw("ack", str(a))
+    assert r.returncode == 0 and f"alert {a} was already acknowledged by carol at" in r.stdout, r
+    listed = json.loads(sw("--json").stdout)
+    assert [(x["id"], x["acked_by"]) for x in listed] == [(a, "carol")]
+    assert {"id", "kind", "task_id", "step", "message", "created_at", "acked_at", "deliveries"} <= set(
+        listed[0]
+    )
+    assert json.loads(sw("--unacked", "--json").stdout) == []
+    for bad in (("ack", "999999"), ("ack", "x1"), ("ack", str(a), "--by", "\x07")):
+        r = sw(*bad)
+        assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.splitlines()) == 1, r
+
+
+# -- sinks --------------------------------------------------------------------------------------------
+
+
+def test_callable_sinks_receive_each_alert_once(store: Store, clock: FakeClock) -> None:
+    got_sync: list[Alert] = []
+    got_async: list[int] = []
+
+    def plain(alert: Alert) -> None:
+        got_sync.append(alert)
+
+    async def coro(alert: Alert) -> None:
+        got_async.append(alert.id)
+
+    sinks = [CallableSink(plain), CallableSink(coro, name="pager")]
+    d = AlertDispatcher(store, sinks, ME, clock=clock)
+    asyncio.run(d.register())
+    a = raise_alert(store, message="card declined")
+    b = raise_alert(store, "compensation_failed", "NOT undone")
+    assert tick(d) == 4
+    assert tick(d) == 0  # delivered: never again
+    assert [x.id for x in got_sync] == [a, b] and got_async == [a, b]
+    first = got_sync[0]
+    assert (first.kind, first.step, first.message, first.task_id) == (
+        "task_error",
+        "charge",
+        "card declined",
+        None,
+    )
+    assert first.to_dict()["created_at"] == views.iso(clock.wall())
+    assert sinks[0].name.startswith("callable:") and "plain" in sinks[0].name
+    assert {(d["sink"], d["attempts"], d["delivered_by"]) for d in deliveries(store)} == {
+        (sinks[0].name, 1, ME),
+        ("pager", 1, ME),
+    }
+    shown = store.transact_sync(views.list_alerts)[0]["deliveries"]
+    assert sorted(x["sink"] for x in shown) == sorted([sinks[0].name, "pager"])
+    assert all(x["delivered_at"] for x in shown)
+
+
+def test_a_failing_sink_is_retried_with_back_off_and_does_not_hold_back_the_others(
+    store: Store, clock: FakeClock
+) -> None:
+    calls: list[int] = []
+    ok: list[int] = []
+
+    def fine(alert: Alert) -> None:
+        ok.append(alert.id)
+
+    def flaky(alert: Alert) -> None:
+        calls.append(alert.id)
+        if len(calls) <= 2:
+            raise ConnectionError("pager down")
+
+    d = AlertDispatcher(
+        store,
+        [CallableSink(flaky, name="flaky", backoff=FAST), CallableSink(fine, name="ok")],
+        ME,
+        clock=clock,
+    )
+    asyncio.run(d.register())
+    a = raise_alert(store)
+    assert tick(d) == 1 and calls == [a] and ok == [a]  # "ok" got it; "flaky" failed
+    assert tick(d) == 0 and calls == [a]  # not before its back-off (2 s)
+    clock.advance(2)
+    assert tick(d) == 0 and calls == [a, a]  # failed again; next in 4 s
+    row = next(x for x in deliveries(store) if x["sink"] == "flaky")
+    assert row["attempts"] == 2 and row["delivered_at"] is None and "pager down" in row["last_error"]
+    assert row["next_attempt_at"] == pytest.approx(clock.wall() + 4)
+    clock.advance(3.5)
+    assert tick(d) == 0
+    clock.advance(0.5)
+    assert tick(d) == 1 and calls == [a, a, a]
+    clock.advance(100)
+    assert tick(d) == 0 and calls == [a, a, a] and ok == [a]
+
+
+def test_a_sink_gives_up_after_max_attempts(store: Store, clock: FakeClock) -> None:
+    calls: list[int] = []
+
+    def broken(alert: Alert) -> None:
+        calls.append(alert.id)
+        raise RuntimeError("nope")
+
+    d = AlertDispatcher(
+        store, [CallableSink(broken, name="b", backoff=FAST, max_attempts=2)], ME, clock=clock
+    )
+    asyncio.run(d.register())
+    raise_alert(store)
+    tick(d)
+    clock.advance(2)
+    tick(d)
+    clock.advance(1000)
+    tick(d)
+    assert len(calls) == 2
+    [row] = deliveries(store)
+    assert row["gave_up_at"] is not None and row["delivered_at"] is None
+
+
+def test_a_sink_receives_alerts_raised_since_it_was_first_configured(store: Store, clock: FakeClock) -> None:
+    got: list[int] = []
+    raise_alert(store)  # before any worker knew the sink
+    clock.advance(1)
+    d = AlertDispatcher(store, [CallableSink(lambda a: got.append(a.id), name="late")], ME, clock=clock)
+    asyncio.run(d.register())
+    clock.advance(1)
+    b = raise_alert(store)
+    tick(d)
+    assert got == [b]
+    asyncio.run(d.register())  # registering again (another worker, a restart) changes nothing
+    c = raise_alert(store)
+    tick(d)
+    assert got == [b, c]
+
+
+def test_log_sink(store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    d = AlertDispatcher(store, [LogSink()], ME, clock=clock)
+    asyncio.run(d.register())
+    a = raise_alert(store, message="card declined")
+    with caplog.at_level(logging.WARNING, logger="stepwarden.alerts"):
+        assert tick(d) == 1
+    [rec] = [r for r in caplog.records if r.name == "stepwarden.alerts"]
+    assert rec.levelno == logging.WARNING
+    assert f"ALERT task_error #{a}" in rec.getMessage() and "card declined" in rec.getMessage()
+    assert rec.alert["id"] == a  # type: ignore[attr-defined]
+
+
+def test_sink_configuration_on_the_app() -> None:
+    app = App("sqlite:///unused.db")
+
+    @app.alert_sink
+    def page(alert: Alert) -> None: ...
+
+    app.alert_sink(LogSink())
+    app.alert_sink(WebhookSink("http://127.0.0.1:9/hook", name="ops-hook"))
+    app.alert_sink(page, name="page-2")
+    assert [s.name for s in app.alert_sinks] == [app.alert_sinks[0].name, "log", "ops-hook", "page-2"]
+    assert isinstance(app.alert_sinks[0], CallableSink)
+    with pytest.raises(InputError, match="already configured"):
+        app.alert_sink(LogSink())
+    with pytest.raises(InputError):
+        WebhookSink("ftp://example.com")
+    with pytest.raises(InputError):
+        app.alert_sink(LogSink(), name="x")
+    with pytest.raises(InputError):
+        CallableSink(page, name="bad name!")
+
+
+# -- the webhook sink against a real HTTP server --------------------------------------------------------
+
+
+class Hook:
+    """A webhook receiver on 127.0.0.1 that fails the first ``fail`` requests with HTTP 500."""
+
+    def __init__(self, fail: int = 0, delay: float = 0.0) -> None:
+        self.fail = fail
+        self.delay = delay
+        self.requests: list[tuple[int, dict[str, Any], dict[str, str]]] = []  # (status, body, headers)
+        self.lock = threading.Lock()
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if hook.delay:
+                    threading.Event().wait(hook.delay)
+                with hook.lock:
+                    status = 500 if hook.fail > 0 else 204
+                    hook.fail -= 1
+                    hook.requests.append((status, body, dict(self.headers)))
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def delivered(self) -> list[int]:
+        with self.lock:
+            return [body["id"] for status, body, _ in self.requests if status == 204]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hook() -> Iterator[Hook]:
+    h = Hook(fail=3)
+    yield h
+    h.close()
+
+
+def test_webhook_failures_then_success_deliver_each_alert_once(
+    store: Store, clock: FakeClock, hook: Hook
+) -> None:
+    sink = WebhookSink(hook.url, backoff=FAST, headers={"Authorization": "Bearer t0ken"})
+    d = AlertDispatcher(store, [sink], ME, clock=clock)
+    asyncio.run(d.register())
+    a = raise_alert(store, message="card declined")
+    b = raise_alert(store, "compensation_failed")
+    for _ in range(12):  # well past every back-off
+        tick(d)
+        clock.advance(8)
+    assert sorted(hook.delivered()) == [a, b]  # each exactly once
+    assert len(hook.requests) == 5  # three failures, then one success each
+    status, body, headers = hook.requests[-1]
+    assert status == 204
+    assert body["kind"] in ("task_error", "compensation_failed") and body["id"] in (a, b)
+    assert headers["Idempotency-Key"] == f"stepwarden-alert-{body['id']}"
+    assert headers["Authorization"] == "Bearer t0ken"
+    assert headers["Content-Type"] == "application/json"
+    rows = {r["alert_id"]: r for r in deliveries(store)}
+    assert rows[a]["attempts"] + rows[b]["attempts"] == 5
+    assert all(r["delivered_at"] is not None and r["sink"] == "webhook" for r in rows.values())
+
+
+def test_webhook_to_a_closed_port_fails_and_is_retried(store: Store, clock: FakeClock) -> None:
+    sink = WebhookSink("http://127.0.0.1:9/nothing-listens", backoff=FAST, timeout=2)
+    d = AlertDispatcher(store, [sink], ME, clock=clock)
+    asyncio.run(d.register())
+    raise_alert(store)
+    assert tick(d) == 0
+    [row] = deliveries(store)
+    assert row["attempts"] == 1 and row["delivered_at"] is None and "Connect" in row["last_error"]

@@ -1,0 +1,108 @@
+"""The ``dashboard`` click command: the group's ``--db``, loopback by default, token from the env."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from stepwarden.dashboard.command import bind, dashboard, is_loopback
+from stepwarden.store import open_store
+
+
+def group() -> click.Group:
+    @click.group()
+    @click.option("--db", envvar="STEPWARDEN_DB")
+    @click.pass_context
+    def cli(ctx: click.Context, db: str | None) -> None:
+        ctx.ensure_object(dict)
+        ctx.obj["db"] = db
+
+    cli.add_command(dashboard)
+    return cli
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Replace uvicorn's serving loop by a record of what it was asked to serve."""
+    import uvicorn
+
+    calls: list[dict[str, Any]] = []
+
+    def run(self: Any, sockets: Any = None) -> None:
+        calls.append({"app": self.config.app, "sockets": sockets, "name": sockets[0].getsockname()})
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    return calls
+
+
+def test_serves_the_group_db_on_loopback(tmp_path: Path, served: list[dict[str, Any]]) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    open_store(url).close()
+    r = CliRunner().invoke(
+        group(), ["--db", url, "dashboard", "--port", "0"], env={"STEPWARDEN_DASHBOARD_TOKEN": ""}
+    )
+    assert r.exit_code == 0, r.output
+    assert len(served) == 1
+    host, port = served[0]["name"][:2]
+    assert host == "127.0.0.1" and port > 0
+    assert f"dashboard on http://127.0.0.1:{port}/" in r.output
+    assert "read-only" in r.output
+    app = served[0]["app"]
+    assert not app.state.dashboard.guard.actions_enabled
+    assert app.state.dashboard.store.url == url
+
+
+def test_token_from_the_environment(tmp_path: Path, served: list[dict[str, Any]]) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    open_store(url).close()
+    r = CliRunner().invoke(
+        group(),
+        ["dashboard", "--port", "0"],
+        env={"STEPWARDEN_DB": url, "STEPWARDEN_DASHBOARD_TOKEN": "tok-123"},
+    )
+    assert r.exit_code == 0, r.output
+    assert "operator actions enabled" in r.output and "tok-123" not in r.output
+    assert served[0]["app"].state.dashboard.guard.token == "tok-123"
+
+
+def test_refuses_a_store_that_does_not_exist(tmp_path: Path, served: list[dict[str, Any]]) -> None:
+    r = CliRunner().invoke(group(), ["--db", f"sqlite:///{tmp_path / 'missing.db'}", "dashboard"])
+    assert r.exit_code == 1 and "no stepwarden store" in r.output
+    assert not (tmp_path / "missing.db").exists() and not served
+
+
+def test_loopback_detection_and_bind() -> None:
+    assert (
+        is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1") and is_loopback("[::1]")
+    )
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.1") and not is_loopback("example.org")
+    sock = bind("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        sock.listen(1)
+        with pytest.raises(click.ClickException, match="cannot listen"):
+            bind("127.0.0.1", port)  # taken: one clear line, no traceback
+    finally:
+        sock.close()
+
+
+def test_the_command_loads_without_the_extra_and_says_what_to_install(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    open_store(url).close()
+    code = (
+        "import sys\n"
+        "for m in ('starlette', 'uvicorn', 'jinja2', 'prometheus_client'): sys.modules[m] = None\n"
+        "from stepwarden.dashboard.command import dashboard\n"
+        "from stepwarden.dashboard.__main__ import cli\n"
+        "cli(['--db', sys.argv[1], 'dashboard', '--port', '0'])\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr
+    assert "pip install 'stepwarden[dashboard]'" in p.stderr and "Traceback" not in p.stderr

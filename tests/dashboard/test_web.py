@@ -1,0 +1,351 @@
+"""The dashboard's pages, filters, escaping and operator actions, on SQLite and PostgreSQL (OPS5)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from stepwarden.dashboard.web import create_app
+
+from .conftest import HOSTILE, Scene
+
+with warnings.catch_warnings():  # Starlette would rather use httpx2; httpx is what we have
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
+
+TOKEN = "s3cret-operator-token"
+ORIGIN = "http://testserver"
+
+
+def make_client(scene: Scene, token: str | None = TOKEN, **kw: Any) -> TestClient:
+    return TestClient(create_app(scene.store, token, **kw), follow_redirects=False)
+
+
+@pytest.fixture
+def client(scene: Scene) -> Iterator[TestClient]:
+    with make_client(scene) as c:
+        yield c
+
+
+def csrf_of(html: str) -> str:
+    m = re.search(r'name="csrf" value="([0-9a-f]+)"', html)
+    assert m, "the page carries no CSRF token"
+    return m.group(1)
+
+
+def sign_in(c: TestClient, token: str = TOKEN, name: str = "alice") -> str:
+    """Sign in as an operator would; returns the CSRF token of the new session."""
+    csrf = csrf_of(c.get("/").text)
+    r = c.post(
+        "/login",
+        data={"csrf": csrf, "token": token, "name": name, "next": "/tasks"},
+        headers={"Origin": ORIGIN},
+    )
+    assert r.status_code == 303, r.text
+    assert r.headers["location"] == "/tasks"
+    return csrf_of(c.get("/tasks").text)
+
+
+# -- pages ------------------------------------------------------------------------------------------
+
+
+def test_every_page_renders(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    scene.submit("order-2")
+    pages = {
+        "/": "Overview",
+        "/tasks": "order-2",
+        f"/tasks/{tid}": "Timeline",
+        "/alerts": "task_error",
+        "/leases": "no lease yet",
+        "/workers": "no live worker",
+    }
+    for path, text in pages.items():
+        r = client.get(path)
+        assert r.status_code == 200, (path, r.text[:500])
+        assert text in r.text, path
+        assert r.headers["content-type"].startswith("text/html")
+        assert "default-src 'none'" in r.headers["content-security-policy"]
+        assert r.headers["x-frame-options"] == "DENY"
+        # the live part polls a fragment of the same page
+        assert 'hx-trigger="every 2.0s"' in r.text, path
+        part = client.get(path + ("&" if "?" in path else "?") + "partial=1")
+        assert part.status_code == 200 and "<html" not in part.text, path
+    assert client.get("/static/htmx.min.js").status_code == 200
+    assert '<script src="/static/htmx.min.js"' in client.get("/").text
+    assert "https://" not in client.get("/").text  # nothing from a CDN
+
+
+def test_task_timeline_shows_attempts_owners_and_errors(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1", error="inventory.reserve refused: SKU-1 is unknown")
+    html = client.get(f"/tasks/{tid}").text
+    assert 'data-state="error"' in html
+    assert 'data-step="reserve"' in html
+    assert "sched-1:1:aaaaaa" in html  # dispatched by
+    assert "agent-1:2:bbbbbb" in html  # taken by and replied by
+    assert "SKU-1 is unknown" in html
+    assert "received" in html and "dispatched" in html  # events
+    r = client.get("/tasks/999999")
+    assert r.status_code == 404 and "no task 999999" in r.text
+    assert client.get("/tasks/99999999999999999999999").status_code == 404
+
+
+def test_task_timeline_shows_compensations(scene: Scene, client: TestClient) -> None:
+    tid = scene.submit("order-c")
+    scene.dispatch()
+    scene.reply_all("inventory", "ok", result={"reserved": True})  # reserve completes, charge dispatched
+    scene.reply_all("payments", "error", "payments.charge refused: card declined")  # on_error compensate
+    html = client.get(f"/tasks/{tid}").text
+    assert 'data-state="compensating"' in html
+    assert "compensation" in html  # the undo attempt of reserve
+    assert "card declined" in html
+
+
+def test_filters_by_state_and_search(scene: Scene, client: TestClient) -> None:
+    bad = scene.errored("order-bad")
+    good = scene.submit("order-good")
+    other = scene.submit("zzz-1")
+
+    def ids(html: str) -> set[int]:
+        return {int(x) for x in re.findall(r'data-task-id="(\d+)"', html)}
+
+    assert ids(client.get("/tasks").text) == {bad, good, other}
+    assert ids(client.get("/tasks?state=error").text) == {bad}
+    assert ids(client.get("/tasks?state=pending").text) == {good, other}
+    assert ids(client.get("/tasks", params={"q": "order-"}).text) == {bad, good}
+    assert ids(client.get("/tasks", params={"q": "order-good"}).text) == {good}
+    assert ids(client.get("/tasks", params={"q": str(other)}).text) == {other}
+    assert ids(client.get("/tasks", params={"q": "order-", "state": "error"}).text) == {bad}
+    assert ids(client.get("/tasks", params={"q": "nothing"}).text) == set()
+    assert client.get("/tasks?state=bogus").status_code == 400
+    assert client.get("/tasks", params={"q": "x" * 300}).status_code == 400
+    assert client.get("/tasks", params={"before": "1; DROP TABLE tasks"}).status_code == 400
+    # a search is a bound parameter, never SQL
+    assert ids(client.get("/tasks", params={"q": "' OR 1=1 --"}).text) == set()
+    assert scene.state(bad) == "error"
+
+
+def test_paging_goes_to_older_tasks(scene: Scene, client: TestClient) -> None:
+    made = [scene.submit(f"p-{i}") for i in range(55)]
+    html = client.get("/tasks").text
+    m = re.search(r'href="(/tasks\?before=\d+)"', html)
+    assert m, "no link to older tasks"
+    rest = client.get(m.group(1).replace("&amp;", "&")).text
+    assert {int(x) for x in re.findall(r'data-task-id="(\d+)"', rest)} == set(made[:5])
+
+
+def test_hostile_text_is_escaped_everywhere(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored(HOSTILE, error=f"refused {HOSTILE}")
+    for path in ("/tasks", f"/tasks/{tid}", "/alerts", "/tasks?partial=1", f"/tasks/{tid}?partial=1"):
+        html = client.get(path).text
+        assert "<script>alert" not in html, path
+        assert "<img src=x" not in html, path
+        assert "&lt;script&gt;" in html or "&#34;" in html or "&lt;img" in html, path
+    r = client.get("/tasks", params={"q": HOSTILE})
+    assert r.status_code == 200 and "<img src=x" not in r.text and "&lt;img src=x" in r.text
+
+
+# -- operator actions ------------------------------------------------------------------------------
+
+
+def test_actions_disabled_without_a_configured_token(scene: Scene) -> None:
+    tid = scene.errored("order-1")
+    with make_client(scene, token=None) as c:
+        page = c.get(f"/tasks/{tid}").text
+        assert "read-only" in page and 'id="retry"' not in page
+        r = c.post(f"/tasks/{tid}/retry", data={"csrf": "0" * 64}, headers={"Origin": ORIGIN})
+        assert r.status_code == 403 and "disabled" in r.text
+        r = c.post(f"/tasks/{tid}/retry", headers={"Authorization": "Bearer anything"})
+        assert r.status_code == 403
+    assert scene.state(tid) == "error"
+
+
+def test_retry_refused_without_signing_in(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    page = client.get(f"/tasks/{tid}").text
+    assert 'id="retry"' in page
+    r = client.post(f"/tasks/{tid}/retry", data={"csrf": csrf_of(page)}, headers={"Origin": ORIGIN})
+    assert r.status_code == 401 and "operator token is required" in r.text
+    r = client.post(f"/tasks/{tid}/retry", headers={"Authorization": "Bearer wrong-token", "Origin": ORIGIN})
+    assert r.status_code in (401, 403)
+    assert scene.state(tid) == "error"
+
+
+def test_wrong_token_does_not_sign_in(scene: Scene, client: TestClient) -> None:
+    csrf = csrf_of(client.get("/").text)
+    r = client.post("/login", data={"csrf": csrf, "token": "guess", "next": "/"}, headers={"Origin": ORIGIN})
+    assert r.status_code == 403 and "wrong token" in r.text
+    assert "sw_auth" not in r.cookies
+    r = client.post("/login", data={"token": TOKEN}, headers={"Origin": ORIGIN})  # no CSRF token
+    assert r.status_code == 403
+    r = client.post("/login", data={"csrf": csrf, "token": TOKEN}, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403
+
+
+def test_retry_refused_with_bad_csrf_or_origin(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    csrf = sign_in(client)
+    url = f"/tasks/{tid}/retry"
+    cases = [
+        ({"csrf": "0" * 64}, {"Origin": ORIGIN}, "CSRF"),
+        ({}, {"Origin": ORIGIN}, "CSRF"),
+        ({"csrf": csrf}, {"Origin": "http://evil.example"}, "cross-origin"),
+        ({"csrf": csrf}, {"Origin": "null"}, "cross-origin"),
+        ({"csrf": csrf}, {"Referer": "http://evil.example/page"}, "cross-origin"),
+        ({"csrf": csrf}, {}, "no Origin"),
+    ]
+    for form, headers, why in cases:
+        r = client.post(url, data=form, headers=headers)
+        assert r.status_code == 403, (form, headers, r.text)
+        assert why in r.text, (why, r.text)
+    # a CSRF token of another session is worthless here
+    with make_client(scene) as other:
+        foreign = sign_in(other)
+    r = client.post(url, data={"csrf": foreign}, headers={"Origin": ORIGIN})
+    assert r.status_code == 403
+    assert scene.state(tid) == "error"
+
+
+def test_retry_accepted_with_token_csrf_and_origin(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    csrf = sign_in(client, name="alice")
+    assert "signed in as" in client.get("/").text
+    r = client.post(f"/tasks/{tid}/retry", data={"csrf": csrf, "step": ""}, headers={"Origin": ORIGIN})
+    assert r.status_code == 200, r.text
+    assert f"task {tid} is pending again" in r.text
+    assert scene.state(tid) == "pending"
+    html = client.get(f"/tasks/{tid}").text
+    assert "retried" in html and "dashboard:alice" in html
+    # a Referer of our own origin does as well as an Origin
+    r = client.post(f"/tasks/{tid}/retry", data={"csrf": csrf}, headers={"Referer": f"{ORIGIN}/tasks/{tid}"})
+    assert r.status_code == 409 and "only error, compensated or cancelled" in r.text
+    assert (
+        client.post("/tasks/424242/retry", data={"csrf": csrf}, headers={"Origin": ORIGIN}).status_code == 404
+    )
+
+
+def test_htmx_actions_answer_with_a_fragment(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    csrf = sign_in(client)
+    r = client.post(
+        f"/tasks/{tid}/retry", data={"csrf": csrf}, headers={"Origin": ORIGIN, "HX-Request": "true"}
+    )
+    assert r.status_code == 200 and "<html" not in r.text and 'class="flash ok"' in r.text
+    r = client.post(
+        f"/tasks/{tid}/retry", data={"csrf": "bad"}, headers={"Origin": ORIGIN, "HX-Request": "true"}
+    )
+    assert r.status_code == 403 and 'class="flash refused"' in r.text
+
+
+def test_cancel_and_acknowledge(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    pending = scene.submit("order-2")
+    csrf = sign_in(client, name="bob")
+    r = client.post(f"/tasks/{pending}/cancel", data={"csrf": csrf}, headers={"Origin": ORIGIN})
+    assert r.status_code == 200 and "cancel requested" in r.text
+    assert scene.state(pending) == "compensating"
+    alerts = client.get("/alerts").text
+    m = re.search(r'data-alert-id="(\d+)"', alerts)
+    assert m and "Acknowledge" in alerts
+    aid = int(m.group(1))
+    r = client.post(f"/alerts/{aid}/ack", data={"csrf": csrf}, headers={"Origin": ORIGIN})
+    assert r.status_code == 200 and f"alert {aid} acknowledged" in r.text
+    row = scene.store.transact_sync(
+        lambda tx: tx.sql("SELECT acked_at, acked_by FROM alerts WHERE id = ?", (aid,))
+    )[0]
+    assert row["acked_at"] is not None and row["acked_by"] == "dashboard:bob"
+    r = client.post(f"/alerts/{aid}/ack", data={"csrf": csrf}, headers={"Origin": ORIGIN})
+    assert r.status_code == 200 and "already acknowledged" in r.text
+    assert client.post("/alerts/777/ack", data={"csrf": csrf}, headers={"Origin": ORIGIN}).status_code == 404
+    assert "by dashboard:bob" in client.get("/alerts").text
+    assert str(aid) not in re.findall(r'data-alert-id="(\d+)"', client.get("/alerts?unacked=1").text)
+    assert scene.state(tid) == "error"
+
+
+def test_ack_refused_without_token(scene: Scene, client: TestClient) -> None:
+    scene.errored("order-1")
+    html = client.get("/alerts").text
+    aid = re.findall(r'data-alert-id="(\d+)"', html)[0]
+    r = client.post(f"/alerts/{aid}/ack", data={"csrf": csrf_of(html)}, headers={"Origin": ORIGIN})
+    assert r.status_code == 401
+    row = scene.store.transact_sync(
+        lambda tx: tx.sql("SELECT acked_at FROM alerts WHERE id = ?", (int(aid),))
+    )[0]
+    assert row["acked_at"] is None
+
+
+def test_bearer_token_acts_without_a_session(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    r = client.post(f"/tasks/{tid}/retry", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200, r.text
+    assert scene.state(tid) == "pending"
+
+
+def test_sign_out_ends_the_session(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    csrf = sign_in(client)
+    r = client.post("/logout", data={"csrf": csrf, "next": "/"}, headers={"Origin": ORIGIN})
+    assert r.status_code == 303
+    page = client.get(f"/tasks/{tid}").text
+    assert "signed in as" not in page
+    r = client.post(f"/tasks/{tid}/retry", data={"csrf": csrf_of(page)}, headers={"Origin": ORIGIN})
+    assert r.status_code == 401
+
+
+def test_login_redirect_stays_on_this_site(scene: Scene, client: TestClient) -> None:
+    csrf = csrf_of(client.get("/").text)
+    for target in ("//evil.example/", "https://evil.example/", "/\\evil.example"):
+        r = client.post(
+            "/login", data={"csrf": csrf, "token": TOKEN, "next": target}, headers={"Origin": ORIGIN}
+        )
+        assert r.status_code == 303 and r.headers["location"] == "/", target
+        csrf = csrf_of(client.get("/").text)
+
+
+def test_loopback_dashboard_refuses_foreign_host_names(scene: Scene) -> None:
+    from stepwarden.dashboard.security import LOOPBACK_HOSTS
+
+    with TestClient(
+        create_app(scene.store, TOKEN, allowed_hosts=LOOPBACK_HOSTS), base_url="http://127.0.0.1:8080"
+    ) as c:
+        assert c.get("/").status_code == 200
+        assert c.get("/", headers={"Host": "localhost:8080"}).status_code == 200
+        assert c.get("/", headers={"Host": "[::1]:8080"}).status_code == 200
+        assert c.get("/", headers={"Host": "rebind.evil.example:8080"}).status_code == 400
+        assert c.get("/", headers={"Host": "127.0.0.1.evil.example"}).status_code == 400
+
+
+def test_operator_names_are_checked_and_recorded(scene: Scene, client: TestClient) -> None:
+    tid = scene.errored("order-1")
+    csrf = csrf_of(client.get("/").text)
+    r = client.post(
+        "/login", data={"csrf": csrf, "token": TOKEN, "name": "<b>x</b>"}, headers={"Origin": ORIGIN}
+    )
+    assert r.status_code == 400 and "<b>" not in r.text
+    csrf = sign_in(client, name="ops.oncall@example")
+    assert "dashboard:ops.oncall@example" in client.get("/").text
+    r = client.post(f"/tasks/{tid}/cancel", data={"csrf": csrf}, headers={"Origin": ORIGIN})
+    assert r.status_code == 200
+    events = scene.store.transact_sync(
+        lambda tx: tx.sql("SELECT actor FROM events WHERE task_id = ? AND kind = 'cancel_requested'", (tid,))
+    )
+    assert [e["actor"] for e in events] == ["dashboard:ops.oncall@example"]
+
+
+def test_store_trouble_is_a_clear_503(scene: Scene, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepwarden.dashboard import data
+
+    def broken(tx: Any) -> Any:
+        raise RuntimeError("connection refused")
+
+    monkeypatch.setattr(data, "overview", broken)
+    with TestClient(create_app(scene.store, TOKEN), raise_server_exceptions=False) as c:
+        r = c.get("/")
+        assert r.status_code == 503 and "could not be read" in r.text
+        assert c.get("/tasks").status_code == 200
