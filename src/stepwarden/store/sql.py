@@ -9,18 +9,22 @@ _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
 
 
 def load_queries(dialect: str, now: str) -> dict[str, str]:
-    """Parse every ``*.sql`` file of the dialect's folder (``queries.sql`` and one file per feature),
-    substituting ``{now}`` with the dialect's expression for the database clock."""
-    folder = resources.files(__package__).joinpath("sql", dialect)
+    """Parse the ``*.sql`` files of ``sql/common`` (the queries every dialect shares), then those of
+    the dialect's folder, whose queries replace common ones of the same name (claims with SKIP
+    LOCKED, row locks); ``{now}`` becomes the dialect's expression for the database clock."""
     out: dict[str, str] = {}
-    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith(".sql"):
-            continue
-        parts = _NAME.split(entry.read_text())
-        for name, body in zip(parts[1::2], parts[2::2], strict=True):
-            if name in out:
-                raise ValueError(f"query {name!r} is defined twice in {dialect}/*.sql")
-            out[name] = body.strip().rstrip(";").replace("{now}", now)
+    for layer in ("common", dialect):
+        seen: set[str] = set()
+        folder = resources.files(__package__).joinpath("sql", layer)
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+            if not entry.name.endswith(".sql"):
+                continue
+            parts = _NAME.split(entry.read_text())
+            for name, body in zip(parts[1::2], parts[2::2], strict=True):
+                if name in seen:
+                    raise ValueError(f"query {name!r} is defined twice in sql/{layer}/*.sql")
+                seen.add(name)
+                out[name] = body.strip().rstrip(";").replace("{now}", now)
     return out
 
 

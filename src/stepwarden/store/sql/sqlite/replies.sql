@@ -8,46 +8,8 @@
 -- The messages of one task are in id order (each transition locks the task first), so positions
 -- keep every task's order.
 
--- name: reply_unsequenced
-SELECT 1 AS found FROM messages WHERE queue = :queue AND seq IS NULL LIMIT 1;
-
--- name: reply_queue_lock
-INSERT INTO reply_queues (queue, last_seq) VALUES (:queue, 0)
-ON CONFLICT (queue) DO UPDATE SET last_seq = reply_queues.last_seq
-RETURNING last_seq;
-
 -- name: reply_sequence
 UPDATE messages SET seq = :base + n.rn
 FROM (SELECT id, row_number() OVER (ORDER BY id) AS rn FROM messages
       WHERE queue = :queue AND seq IS NULL ORDER BY id LIMIT :limit) AS n
 WHERE messages.id = n.id;
-
--- name: reply_queue_advance
-UPDATE reply_queues SET last_seq = :last_seq WHERE queue = :queue;
-
--- name: reply_read
-SELECT seq, id, queue, task_id, correlation_id, kind, body, created_at FROM messages
-WHERE queue = :queue AND seq > :after ORDER BY seq LIMIT :limit;
-
--- name: reply_cursor
-SELECT position FROM reply_cursors WHERE queue = :queue AND consumer = :consumer;
-
--- name: reply_cursor_create
-INSERT INTO reply_cursors (queue, consumer, position, created_at)
-VALUES (:queue, :consumer, 0, {now})
-ON CONFLICT (queue, consumer) DO NOTHING;
-
--- name: reply_ack
-UPDATE reply_cursors SET position = :position, acked_at = {now}
-WHERE queue = :queue AND consumer = :consumer AND position < :position;
-
--- name: reply_cursors_of_queue
-SELECT queue, consumer, position, created_at, acked_at FROM reply_cursors
-WHERE queue = :queue ORDER BY consumer;
-
--- name: task_messages
-SELECT seq, id, queue, task_id, correlation_id, kind, body, created_at FROM messages
-WHERE task_id = :task_id AND id > :after ORDER BY id;
-
--- name: task_reply_state
-SELECT reply_to, state FROM tasks WHERE id = :task_id;

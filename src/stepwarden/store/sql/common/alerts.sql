@@ -1,4 +1,4 @@
--- Alerts (OPS4): acknowledgement, and the delivery outbox read by the alert sinks' leader.
+-- Named queries shared by every dialect (alerts.sql); a dialect's own file may override one by name.
 
 -- name: alert_get
 SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts WHERE id = :id;

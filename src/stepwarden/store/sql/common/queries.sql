@@ -1,0 +1,173 @@
+-- Named queries shared by every dialect (queries.sql); a dialect's own file may override one by name.
+
+-- name: now
+SELECT {now} AS now;
+
+-- name: upsert_workflow
+INSERT INTO workflows (name, version, definition, registered_by, updated_at)
+VALUES (:name, :version, :definition, :by, {now})
+ON CONFLICT (name) DO UPDATE SET version = excluded.version, definition = excluded.definition,
+    registered_by = excluded.registered_by, updated_at = excluded.updated_at
+WHERE excluded.version >= workflows.version;
+
+-- name: get_workflow
+SELECT name, version, definition FROM workflows WHERE name = :name;
+
+-- name: list_workflows
+SELECT name, version, definition, registered_by, updated_at FROM workflows ORDER BY name;
+
+-- name: task_by_key
+SELECT id FROM tasks WHERE idempotency_key = :key;
+
+-- name: insert_task
+INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, idempotency_key,
+                   reply_to, priority, run_at, created_at, updated_at)
+VALUES (:workflow, :version, 'pending', :input, :correlation_id, :idempotency_key,
+        :reply_to, :priority, {now}, {now}, {now})
+RETURNING id;
+
+-- name: insert_step
+INSERT INTO steps (task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state)
+VALUES (:task_id, :idx, :name, :agent, :operation, :compensate, :budget, :policy, :on_error, 'pending');
+
+-- name: steps_of_task
+SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
+       failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
+       started_at, finished_at
+FROM steps WHERE task_id = :task_id ORDER BY idx;
+
+-- name: start_attempt
+UPDATE steps SET state = :state, attempt = attempt + 1, locked_by = :me,
+                 complete_by = {now} + budget, started_at = COALESCE(started_at, {now})
+WHERE task_id = :task_id AND idx = :idx AND attempt = :attempt
+RETURNING attempt, complete_by;
+
+-- name: insert_request
+INSERT INTO requests (task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,
+                      priority, complete_by, state, dispatched_by, dispatched_at)
+VALUES (:task_id, :idx, :attempt, :kind, :agent, :operation, :payload, :policy, :key,
+        :priority, :complete_by, 'queued', :me, {now});
+
+-- name: task_in_flight
+UPDATE tasks SET state = :state, locked_by = :me, complete_by = :complete_by, updated_at = {now}
+WHERE id = :task_id;
+
+-- name: finish_task
+UPDATE tasks SET state = :state, locked_by = NULL, complete_by = NULL, last_error = :error,
+                 updated_at = {now}, finished_at = {now}
+WHERE id = :task_id;
+
+-- name: release_task
+UPDATE tasks SET state = :state, locked_by = NULL, complete_by = NULL, run_at = {now} + :delay,
+                 failure_count = failure_count + :failed, last_error = COALESCE(:error, last_error),
+                 updated_at = {now}
+WHERE id = :task_id;
+
+-- name: skip_unstarted
+UPDATE steps SET state = 'skipped' WHERE task_id = :task_id AND started_at IS NULL AND state = 'pending';
+
+-- name: insert_reply
+INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, result, error, sent_by,
+                     received_at)
+SELECT id, task_id, step_idx, attempt, kind, :outcome, :result, :error, :me, {now}
+FROM requests WHERE id = :request_id
+RETURNING id;
+
+-- name: request_replied
+UPDATE requests SET state = 'replied' WHERE id = :request_id AND state = 'taken';
+
+-- name: mark_reply
+UPDATE replies SET status = :status, applied_by = :me, applied_at = {now}
+WHERE id = :id AND status = 'new';
+
+-- name: finish_request
+UPDATE requests SET outcome = :outcome, finished_at = {now}
+WHERE task_id = :task_id AND step_idx = :idx AND attempt = :attempt AND outcome IS NULL;
+
+-- name: expire_request
+UPDATE requests SET state = 'expired', outcome = 'expired', finished_at = {now}
+WHERE task_id = :task_id AND step_idx = :idx AND attempt = :attempt AND outcome IS NULL;
+
+-- name: complete_step
+UPDATE steps SET state = :state, result = :result, locked_by = NULL, complete_by = NULL,
+                 finished_at = {now}
+WHERE task_id = :task_id AND idx = :idx AND attempt = :attempt AND state = :expect;
+
+-- name: fail_step
+UPDATE steps SET state = :state, locked_by = NULL, complete_by = NULL, last_error = :error,
+                 failure_count = failure_count + :fwd, comp_failures = comp_failures + :comp,
+                 finished_at = CASE WHEN :final THEN {now} ELSE finished_at END
+WHERE task_id = :task_id AND idx = :idx AND attempt = :attempt AND state = :expect
+RETURNING failure_count, failure_offset, comp_failures;
+
+-- name: expired_steps
+SELECT s.task_id, s.idx, s.attempt, s.state, s.complete_by
+FROM steps s
+WHERE s.state IN ('running', 'compensating') AND s.complete_by IS NOT NULL AND s.complete_by < {now}
+  AND NOT EXISTS (SELECT 1 FROM replies r
+                  WHERE r.task_id = s.task_id AND r.step_idx = s.idx AND r.attempt = s.attempt
+                    AND r.status = 'new')
+ORDER BY s.complete_by LIMIT :limit;
+
+-- name: still_expired
+SELECT 1 AS ok FROM steps s
+WHERE s.task_id = :task_id AND s.idx = :idx AND s.attempt = :attempt
+  AND s.state IN ('running', 'compensating') AND s.complete_by < {now}
+  AND NOT EXISTS (SELECT 1 FROM replies r
+                  WHERE r.task_id = s.task_id AND r.step_idx = s.idx AND r.attempt = s.attempt
+                    AND r.status = 'new');
+
+-- name: insert_event
+INSERT INTO events (task_id, step_idx, attempt, kind, actor, detail, at)
+VALUES (:task_id, :idx, :attempt, :kind, :actor, :detail, {now});
+
+-- name: insert_message
+INSERT INTO messages (queue, task_id, correlation_id, kind, body, created_at)
+VALUES (:queue, :task_id, :correlation_id, :kind, :body, {now});
+
+-- name: insert_alert
+INSERT INTO alerts (kind, task_id, step, message, created_at)
+VALUES (:kind, :task_id, :step, :message, {now})
+RETURNING id;
+
+-- name: lease_acquire
+INSERT INTO leases (name, holder, term, expires_at, acquired_at, renewed_at)
+VALUES (:name, :holder, 1, {now} + :ttl, {now}, {now})
+ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, term = leases.term + 1,
+    expires_at = excluded.expires_at, acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at
+WHERE leases.holder IS NULL OR leases.expires_at <= excluded.acquired_at
+RETURNING term, expires_at;
+
+-- name: lease_renew
+UPDATE leases SET expires_at = {now} + :ttl, renewed_at = {now}
+WHERE name = :name AND holder = :holder AND term = :term AND expires_at > {now}
+RETURNING term, expires_at;
+
+-- name: lease_resign
+-- The holder's name stays as a record of who led last; the lease is free because it has expired.
+UPDATE leases SET expires_at = {now}
+WHERE name = :name AND holder = :holder AND term = :term;
+
+-- name: term_begin
+INSERT INTO lease_terms (name, term, holder, acquired_at) VALUES (:name, :term, :holder, {now});
+
+-- name: term_end
+UPDATE lease_terms SET ended_at = {now} WHERE name = :name AND term = :term AND ended_at IS NULL;
+
+-- name: list_leases
+SELECT name, holder, term, expires_at, acquired_at, renewed_at, expires_at > {now} AS active
+FROM leases ORDER BY name;
+
+-- name: list_terms
+SELECT name, term, holder, acquired_at, ended_at FROM lease_terms ORDER BY name, term;
+
+-- name: worker_upsert
+INSERT INTO workers (id, roles, agents, started_at, heartbeat_at)
+VALUES (:id, :roles, :agents, {now}, {now})
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = {now}, stopped_at = NULL;
+
+-- name: worker_beat
+UPDATE workers SET heartbeat_at = {now}, breakers = :breakers WHERE id = :id;
+
+-- name: worker_stop
+UPDATE workers SET stopped_at = {now} WHERE id = :id;
