@@ -41,10 +41,22 @@ def _open(ctx: click.Context, *, create: bool = False) -> Store:
     if not create and url.startswith("sqlite:///"):
         path = url[len("sqlite:///") :]
         if not os.path.exists(path):
-            fail(f"no stepwarden store at {path}: run `stepwarden --db {url} init` or start a worker first")
+            fail(f"no stepwarden store at {_quote(path)}: run `stepwarden init` or start a worker first")
     store = open_store(url)
     ctx.call_on_close(store.close)
     return store
+
+
+def _quote(text: str, limit: int = 120) -> str:
+    """User text inside an error line: quoted, escaped, shortened."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+def _one_line(message: str, limit: int = 600) -> str:
+    """Every error is one line on stderr, whatever text a user or a library put into it."""
+    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _load_app(ref: str) -> App:
@@ -58,7 +70,7 @@ def _load_app(ref: str) -> App:
         raise InputError(f"cannot import {mod_name!r} for --app: {type(e).__name__}: {e}") from None
     obj = getattr(mod, attr, None)
     if not isinstance(obj, App):
-        raise InputError(f"{ref} is not a stepwarden App")
+        raise InputError(f"{_quote(ref)} is not a stepwarden App")
     return obj
 
 
@@ -506,21 +518,21 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(e.ctx.get_help() if e.ctx is not None else e.format_message())
         sys.exit(0)
     except click.UsageError as e:
-        click.echo(f"error: {e.format_message()}", err=True)
+        click.echo(f"error: {_one_line(e.format_message())}", err=True)
         sys.exit(2)
     except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
+        click.echo(f"error: {_one_line(e.format_message())}", err=True)
         sys.exit(e.exit_code)
     except (InputError, NotFound) as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {_one_line(str(e))}", err=True)
         sys.exit(2)
     except StepwardenError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {_one_line(str(e))}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # one line, never a traceback, for anything we did not foresee
-        click.echo(f"error: {type(e).__name__}: {e}", err=True)
+        click.echo(f"error: {_one_line(f'{type(e).__name__}: {e}')}", err=True)
         if os.environ.get("STEPWARDEN_DEBUG"):
             raise
         sys.exit(1)

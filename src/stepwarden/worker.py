@@ -53,7 +53,8 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         bad = [r for r in self.roles if r not in ROLES]
         if bad or not self.roles:
-            raise InputError(f"unknown role(s) {', '.join(bad) or '(none)'}: choose from {', '.join(ROLES)}")
+            shown = ", ".join(repr(r)[:40] for r in bad) or "(none)"
+            raise InputError(f"unknown role(s) {shown}: choose from {', '.join(ROLES)}")
         if self.agents is not None and not self.agents:
             raise InputError("--agents names no agent: give a comma-separated list, or leave it out for all")
         if self.concurrency is not None and not 1 <= self.concurrency <= 10_000:

@@ -72,6 +72,8 @@ def parse_input(text: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Any:
         raise InputError(
             f"task input is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
         ) from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise InputError(f"task input is not acceptable JSON: {e}"[:300]) from None
     return value  # a lone surrogate from a \uD800 escape is refused by encode_input at submission
 
 
@@ -89,6 +91,8 @@ def _show(value: object) -> str:
 
 def split_operation(ref: str) -> tuple[str, str]:
     """``"inventory.reserve"`` -> ``("inventory", "reserve")``."""
+    if not isinstance(ref, str):
+        raise InputError(f"invalid operation reference {_show(ref)}: expected the text AGENT.OPERATION")
     agent, sep, op = ref.partition(".")
     if not sep:
         raise InputError(f"invalid operation reference {_show(ref)}: expected AGENT.OPERATION")
