@@ -67,7 +67,10 @@ def _load_app(ref: str) -> App:
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # ImportError, a relative name (TypeError), or the module's own error
-        raise InputError(f"cannot import {mod_name!r} for --app: {type(e).__name__}: {e}") from None
+        reason = str(e).replace(mod_name, "it") if len(mod_name) > 20 else str(e)
+        raise InputError(
+            f"cannot import {_quote(mod_name)} for --app: {type(e).__name__}: {_quote(reason)}"
+        ) from None
     obj = getattr(mod, attr, None)
     if not isinstance(obj, App):
         raise InputError(f"{_quote(ref)} is not a stepwarden App")
