@@ -1,0 +1,56 @@
+"""W3's application: one step that takes 200 ms and records each execution in a SQLite file of its
+own (the "remote service's" ledger), so a benchmark can count lost and duplicated executions.
+
+Configured by the environment, read at import (the worker and the submitter import it alike):
+``STEPWARDEN_BENCH_LEDGER`` (the ledger file), ``STEPWARDEN_BENCH_SLOW_SECONDS`` (0.2),
+``STEPWARDEN_BENCH_SLOW_BUDGET`` (the step's complete-by in seconds, 30).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import time
+from typing import Any
+
+from stepwarden import App, Request, Step
+
+LEDGER = os.environ.get("STEPWARDEN_BENCH_LEDGER", "")
+SECONDS = float(os.environ.get("STEPWARDEN_BENCH_SLOW_SECONDS", "0.2"))
+BUDGET = float(os.environ.get("STEPWARDEN_BENCH_SLOW_BUDGET", "30"))
+LEDGER_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS executions (id INTEGER PRIMARY KEY, key TEXT NOT NULL,"
+    " task_id INTEGER NOT NULL,"
+    " attempt INTEGER NOT NULL, phase TEXT NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL)"
+)
+
+app = App()
+slow = app.agent("slow", concurrency=8)
+
+
+def record(phase: str, req: Request) -> None:
+    """One committed row per phase ("start", "done"); WAL, so a SIGKILLed process loses nothing committed."""
+    if not LEDGER:
+        return
+    conn = sqlite3.connect(LEDGER, timeout=30, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(LEDGER_SCHEMA)
+        conn.execute(
+            "INSERT INTO executions (key, task_id, attempt, phase, pid, at) VALUES (?, ?, ?, ?, ?, ?)",
+            (req.idempotency_key, req.task_id, req.attempt, phase, os.getpid(), time.time()),
+        )
+    finally:
+        conn.close()
+
+
+@slow.operation
+async def work(req: Request) -> Any:
+    await asyncio.to_thread(record, "start", req)
+    await asyncio.sleep(SECONDS)
+    await asyncio.to_thread(record, "done", req)
+    return None
+
+
+app.workflow("slow", [Step("a", "slow.work", complete_by=BUDGET)])
