@@ -32,7 +32,7 @@ class Store:
     threads = 1  # transactions in flight at once from one process (SQLite has one writer anyway)
 
     def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
+        self._executors: dict[str, ThreadPoolExecutor] = {}
         self.rng = random.Random()
 
     # -- the dialect's part ---------------------------------------------------------------
@@ -57,19 +57,26 @@ class Store:
         raise NotImplementedError
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for executor in self._executors.values():
+            executor.shutdown(wait=True)
+        self._executors.clear()
 
     # -- async bridge ----------------------------------------------------------------------
     async def transact(self, fn: Callable[Concatenate[Tx, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run a transaction off the event loop, on this store's own thread (one connection)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=self.threads, thread_name_prefix=f"stepwarden-{self.dialect}"
+        """Run a transaction off the event loop, on this store's own thread (one connection).
+
+        Lease transactions (functions marked ``stepwarden_lane = "lease"``) have a thread and a
+        connection of their own: a renewal must never queue behind a burst of the roles' work,
+        or a busy leader would lose its lease for no reason but its own backlog."""
+        lane = getattr(fn, "stepwarden_lane", "main")
+        executor = self._executors.get(lane)
+        if executor is None:
+            executor = self._executors[lane] = ThreadPoolExecutor(
+                max_workers=self.threads if lane == "main" else 1,
+                thread_name_prefix=f"stepwarden-{self.dialect}-{lane}",
             )
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: self.transact_sync(fn, *args, **kwargs))
+        return await loop.run_in_executor(executor, lambda: self.transact_sync(fn, *args, **kwargs))
 
     async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
         """Wake-up hints from the database (PostgreSQL LISTEN); stores without them just wait."""
@@ -124,9 +131,7 @@ class Store:
         return await self.transact(_acquire, name, holder, ttl)
 
     async def renew_lease(self, name: str, holder: str, term: int, ttl: float) -> bool:
-        return await self.transact(
-            lambda tx: tx.one("lease_renew", name=name, holder=holder, term=term, ttl=ttl) is not None
-        )
+        return await self.transact(_renew, name, holder, term, ttl)
 
     async def resign_lease(self, name: str, holder: str, term: int) -> None:
         await self.transact(_resign, name, holder, term)
@@ -207,7 +212,15 @@ def _acquire(tx: Tx, name: str, holder: str, ttl: float) -> tuple[int, float] | 
     return term, float(row["expires_at"])
 
 
+def _renew(tx: Tx, name: str, holder: str, term: int, ttl: float) -> bool:
+    return tx.one("lease_renew", name=name, holder=holder, term=term, ttl=ttl) is not None
+
+
 def _resign(tx: Tx, name: str, holder: str, term: int) -> None:
     if tx.run("lease_resign", name=name, holder=holder, term=term):
         tx.run("term_end", name=name, term=term)
         t.event(tx, "lease_resigned", None, holder, lease=name, term=term)
+
+
+for _fn in (_acquire, _renew, _resign):
+    setattr(_fn, "stepwarden_lane", "lease")  # noqa: B010 - a marker read by Store.transact
