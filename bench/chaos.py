@@ -22,8 +22,8 @@ on a schedule drawn from ``--seed``:
 Then it stops injecting, waits (bounded) for every task to end, stops its processes by pid, reads
 the services' ledger and the store's own records (events, lease_terms, requests), and prints and
 writes a JSON report; see ``bench/CHAOS.md`` for what each figure means. Exit status 1 when any task
-is stuck or lost, any effect was applied twice (or a compensated one survives), or two leader terms
-acted at once; 2 on bad arguments.
+is stuck or lost, any effect was applied twice (or a compensated one survives), two leader terms
+acted at once, or a running worker crashed; 2 on bad arguments.
 
 Every loop is bounded in time and count, every process it starts is ended by its pid, and all
 traffic stays on 127.0.0.1. Fault times are taken from the host's wall clock, which is the database
@@ -530,9 +530,19 @@ class Workers:
             if p is None or p.poll() is None or p.pid in self.expected:
                 continue
             log_path = self.logdir / f"{slot.name()}.log"
-            tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.exists() else []
+            text = log_path.read_text(errors="replace") if log_path.exists() else ""
+            # `stepwarden worker` prints "worker NAME:PID:RANDOM on URL" once its store is open: an
+            # exit before that is a failed start, after it a crash of a running worker (REL3).
+            phase = "running" if f"worker {slot.name()}:{p.pid}:" in text else "startup"
             self.unexpected.append(
-                {"worker": slot.name(), "pid": p.pid, "exit": p.returncode, "log_tail": tail, "at": now()}
+                {
+                    "worker": slot.name(),
+                    "pid": p.pid,
+                    "exit": p.returncode,
+                    "phase": phase,
+                    "log_tail": text.splitlines()[-30:],
+                    "at": now(),
+                }
             )
             self.expected.add(p.pid)
             if restart and len(self.unexpected) <= 50:
@@ -1070,6 +1080,8 @@ def term_analysis(terms: Sequence[dict[str, Any]], rescued: Iterable[dict[str, A
         "terms_with_writes": len(writes),
         "fenced_writes": sum(writes.values()),
         "handover_gap_s": stats(gaps),
+        # a leader that gave its term up and took the next one itself: it deposed itself
+        "same_holder_reelections": sum(1 for a, b in itertools.pairwise(terms) if a["holder"] == b["holder"]),
     }
 
 
@@ -1472,6 +1484,8 @@ def _report(
             "slots": layout(o.workers),
             "processes_started": run.workers.started,
             "unexpected_exits": len(run.workers.unexpected),
+            "crashes": sum(1 for u in run.workers.unexpected if u["phase"] == "running"),
+            "startup_failures": sum(1 for u in run.workers.unexpected if u["phase"] == "startup"),
             "unexpected_exit_detail": run.workers.unexpected[:10],
         },
         "settings": {
@@ -1590,6 +1604,9 @@ def _report(
         problems.append(f"{report['duplicate_effects']} duplicate effect(s)")
     if not ledger.ok:
         problems.extend(ledger.problems[:10])
+    crashes = report["workers"]["crashes"]
+    if crashes:
+        problems.append(f"{crashes} running worker(s) crashed (REL3)")
     if overlaps["acting_overlaps"] or overlaps["fenced_writes_by_non_holder"]:
         problems.append(f"{overlaps['acting_overlaps']} acting overlap(s) of leader terms")
     report["problems"] = problems
@@ -1673,7 +1690,7 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
         f"failover after SIGTERM of the leader: {fmt(r['failover_after_sigterm_s'])}; "
         f"resign -> next leader {fmt(r['handover_after_resign_s'])} "
         f"(target <= {r['targets']['handover_after_resign_le_s']}s)",
-        f"unexpected worker exits {r['workers']['unexpected_exits']}  "
+        f"worker crashes {r['workers']['crashes']}, failed starts {r['workers']['startup_failures']}  "
         f"tracebacks in logs {r['log_tracebacks']}",
         ("OK" if r["ok"] else "FAILED: " + "; ".join(r["problems"])),
     ]
@@ -1741,7 +1758,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_services"]:
         return serve_counting_services(argv[1:])
     o = parse_args(argv)
-    report, ok = execute(o)
+
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # unwinds through execute(), which ends every process it started
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        report, ok = execute(o)
+    except KeyboardInterrupt:
+        print("[chaos] interrupted; every process it started was ended", file=sys.stderr)
+        return 130
     text = json.dumps(report, indent=2, default=str)
     if o.json_path:
         Path(o.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ def test_short_chaos_run_loses_nothing_and_applies_nothing_twice(chaos: ModuleTy
     assert report["ledger"]["ok"], why
     assert report["leader_terms"]["acting_overlaps"] == 0, why
     assert report["leader_terms"]["fenced_writes_by_non_holder"] == 0, why
-    assert report["workers"]["unexpected_exits"] == 0, why
+    assert report["workers"]["crashes"] == 0, why
     assert ok, why
 
     # Every fault kind that applies to this store was really injected.
