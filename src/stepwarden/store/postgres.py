@@ -19,15 +19,16 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
-from ..errors import InputError, MigrationError, StoreError
+from ..errors import InputError, StoreError
 from .base import Row
 from .core import Store
-from .sql import load_migrations, load_queries, split_statements
+from .sql import load_queries, pending_migrations
 
 try:
     import psycopg
@@ -224,7 +225,21 @@ class PostgresStore(Store):
         conn.rollback()
 
     def migrate(self, target: int | None = None) -> int:
-        """Apply missing migrations, serialised across processes by an advisory lock."""
+        """Apply missing migrations, serialised across processes by an advisory lock. A connection
+        lost meanwhile (a worker starting while the server restarts) is retried with back-off:
+        the migration transaction either committed whole or not at all."""
+        for delay in (0.5, 1.0, 2.0, 4.0, None):
+            try:
+                return self._migrate_once(target)
+            except psycopg.OperationalError as e:
+                if delay is None:
+                    raise
+                log.warning("migration interrupted (%s); retrying in %.1fs", str(e).strip()[:200], delay)
+                time.sleep(delay)
+                self.pool.check()
+        raise AssertionError("unreachable")
+
+    def _migrate_once(self, target: int | None) -> int:
         with self.pool.connection() as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(7413000001)")
             conn.execute(
@@ -232,25 +247,15 @@ class PostgresStore(Store):
                 " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
             )
             row: Any = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
-            current = int(row["v"])
-            known = load_migrations("postgres")
-            if known and current > known[-1][0]:
-                raise MigrationError(
-                    f"the store's schema is version {current}, newer than this stepwarden knows "
-                    f"({known[-1][0]}); upgrade stepwarden"
-                )
-            applied = 0
-            for version, name, script in known:
-                if version <= current or (target is not None and version > target):
-                    continue
-                for stmt in split_statements(script):
+            todo = pending_migrations("postgres", int(row["v"]), target)
+            for version, name, statements in todo:
+                for stmt in statements:
                     conn.execute(stmt)
                 conn.execute(
                     "INSERT INTO schema_migrations VALUES (%s, %s, extract(epoch from now()))",
                     (version, name),
                 )
-                applied += 1
-            return applied
+            return len(todo)
 
     async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
         """Call ``wake(channel)`` on every notification until ``stop``; reconnect with back-off."""

@@ -43,3 +43,23 @@ def split_statements(script: str) -> list[str]:
     """Split a migration into statements (our migrations keep ';' out of literals)."""
     lines = [ln for ln in script.splitlines() if not ln.strip().startswith("--")]
     return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
+
+
+def pending_migrations(
+    dialect: str, current: int, target: int | None = None
+) -> list[tuple[int, str, list[str]]]:
+    """The migrations to apply to a store at version ``current`` (up to ``target``), as
+    ``(version, name, statements)``; a store newer than this code is refused."""
+    from ..errors import MigrationError
+
+    known = load_migrations(dialect)
+    if known and current > known[-1][0]:
+        raise MigrationError(
+            f"the store's schema is version {current}, newer than this stepwarden knows "
+            f"({known[-1][0]}); upgrade stepwarden"
+        )
+    return [
+        (version, name, split_statements(script))
+        for version, name, script in known
+        if version > current and (target is None or version <= target)
+    ]

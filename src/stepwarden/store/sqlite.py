@@ -23,7 +23,7 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import MigrationError
 from .base import Row
 from .core import Store
-from .sql import load_migrations, load_queries, split_statements
+from .sql import load_queries, pending_migrations
 
 log = logging.getLogger("stepwarden.sqlite")
 P = ParamSpec("P")
@@ -160,26 +160,16 @@ class SQLiteStore(Store):
                 " name TEXT NOT NULL, applied_at REAL NOT NULL)"
             )
             row = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
-            current = int(row["v"])
-            known = load_migrations("sqlite")
-            if known and current > known[-1][0]:
-                raise MigrationError(
-                    f"the store's schema is version {current}, newer than this stepwarden knows "
-                    f"({known[-1][0]}); upgrade stepwarden"
-                )
-            applied = 0
-            for version, name, script in known:
-                if version <= current or (target is not None and version > target):
-                    continue
-                for stmt in split_statements(script):
+            todo = pending_migrations("sqlite", int(row["v"]), target)
+            for version, name, statements in todo:
+                for stmt in statements:
                     conn.execute(stmt)
                 conn.execute("INSERT INTO schema_migrations VALUES (?, ?, sw_now())", (version, name))
-                applied += 1
         except BaseException:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
-        return applied
+        return len(todo)
 
     async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
         """SQLite's wake-up hint: ``PRAGMA data_version`` changes whenever another connection

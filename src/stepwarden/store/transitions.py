@@ -422,14 +422,17 @@ def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: rando
     if tx.one("lease_holds", name=lease, holder=me, term=term) is None:
         raise LostOwnership(f"lease {lease!r} term {term} is no longer held by {me}")
     out = SweepResult()
-    # Lock tasks in id order (no deadlocks between concurrent transitions), then re-check each
-    # candidate under the lock: a reply may have been applied since the scan.
+    # Lock tasks in id order (no deadlocks between concurrent transitions), skipping any another
+    # transaction holds, then re-check each candidate under the lock: a reply may have been
+    # applied since the scan.
     for x in sorted(tx.all("expired_steps", limit=limit), key=lambda r: (r["task_id"], r["idx"])):
-        task = tx.one("task_for_update", task_id=x["task_id"])
+        task = tx.one("task_for_sweep", task_id=x["task_id"])
+        if task is None:
+            continue  # held by another transaction: next sweep
         steps = tx.all("steps_of_task", task_id=x["task_id"])
         step = next(s for s in steps if s["idx"] == x["idx"])
         still = tx.one("still_expired", task_id=x["task_id"], idx=x["idx"], attempt=x["attempt"])
-        if task is None or still is None:
+        if still is None:
             continue
         tx.put("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
         now = tx.one("now")

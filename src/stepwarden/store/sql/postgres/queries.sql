@@ -20,6 +20,13 @@ RETURNING t.id, t.state, t.input, t.priority, t.correlation_id, t.reply_to, t.ca
 SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
 FROM tasks WHERE id = :task_id FOR UPDATE;
 
+-- name: task_for_sweep
+-- The supervisor skips a task another transaction holds (a reply being applied, a paused
+-- session): waiting would hold its fenced FOR SHARE on the lease and block its own renewal. The
+-- task is still expired at the next sweep.
+SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
+FROM tasks WHERE id = :task_id FOR UPDATE SKIP LOCKED;
+
 -- name: claim_requests
 WITH c AS MATERIALIZED (
     SELECT id FROM requests

@@ -14,6 +14,10 @@ RETURNING id, state, input, priority, correlation_id, reply_to, cancel_requested
 SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
 FROM tasks WHERE id = :task_id;
 
+-- name: task_for_sweep
+SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
+FROM tasks WHERE id = :task_id;
+
 -- name: claim_requests
 UPDATE requests SET state = 'taken', taken_by = :me, taken_at = {now}
 WHERE id IN (SELECT id FROM requests INDEXED BY requests_queued
