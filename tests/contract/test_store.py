@@ -198,6 +198,34 @@ def test_idempotency_key_returns_the_existing_task(store: Store, make_workflow: 
     assert event_kinds(store, first[0]) == ["received"]
 
 
+def test_concurrent_submits_with_one_key_all_get_the_one_task(store: Store, make_workflow: Factory) -> None:
+    """Racing submitters of one key each get the same task id, none an error (SUB3 under load)."""
+    wf = make_workflow()
+    threads, rounds = 6, 15
+    barrier = threading.Barrier(threads)
+    got: dict[int, list[tuple[int, bool]]] = {r: [] for r in range(rounds)}
+    errors: list[BaseException] = []
+
+    def submitter() -> None:
+        for r in range(rounds):
+            barrier.wait(timeout=30)
+            try:
+                got[r].append(submit_full(store, wf, {"r": r}, idempotency_key=f"race-{r}"))
+            except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(exc)
+
+    pool = [threading.Thread(target=submitter) for _ in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join(timeout=120)
+    assert errors == []
+    for r in range(rounds):
+        assert len({tid for tid, _ in got[r]}) == 1, got[r]
+        assert sum(created for _, created in got[r]) == 1, got[r]
+    assert count(store, "tasks") == rounds and count(store, "steps") == 3 * rounds
+
+
 def test_higher_priority_is_claimed_first_then_oldest(store: Store, make_workflow: Factory) -> None:
     wf = make_workflow()
     ids = {

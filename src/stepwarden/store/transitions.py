@@ -68,11 +68,12 @@ def submit(
     priority: int,
     reply_to: str | None,
 ) -> tuple[int, bool]:
-    """Write the task and one row per step (SUB1); an idempotency key returns the existing task (SUB3)."""
-    if idempotency_key is not None:
-        found = tx.one("task_by_key", key=idempotency_key)
-        if found:
-            return int(found["id"]), False
+    """Write the task and one row per step (SUB1); an idempotency key returns the existing task (SUB3).
+
+    The insert itself resolves a duplicate key (ON CONFLICT DO NOTHING) rather than a look-up first:
+    at READ COMMITTED two concurrent submitters would both miss the look-up, and the second would
+    then fail on the unique index instead of getting the first one's task.
+    """
     row = tx.one(
         "insert_task",
         workflow=wf.name,
@@ -83,7 +84,12 @@ def submit(
         reply_to=reply_to,
         priority=priority,
     )
-    assert row is not None
+    if row is None:
+        # The key exists, committed by another submitter (Postgres waited for it to commit), so
+        # this statement's fresh snapshot sees it.
+        found = tx.one("task_by_key", key=idempotency_key)
+        assert found is not None
+        return int(found["id"]), False
     task_id = int(row["id"])
     for idx, s in enumerate(wf.steps):
         tx.put(

@@ -24,6 +24,7 @@ INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, ide
                    reply_to, priority, run_at, created_at, updated_at)
 VALUES (:workflow, :version, 'pending', :input, :correlation_id, :idempotency_key,
         :reply_to, :priority, {now}, {now}, {now})
+ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id;
 
 -- name: insert_step
