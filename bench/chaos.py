@@ -957,6 +957,8 @@ def rescue_samples(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 "complete_by": float(d.get("complete_by", e["at"])),
                 "rescued_at": float(e["at"]),
                 "delay": None,
+                # Rescued because its worker was presumed dead, before complete-by (see liveness).
+                "dead_worker": "presumed dead" in str(d.get("reason", "")),
             }
         elif e["kind"] == "retry_scheduled":
             r = open_.get(key)
@@ -978,6 +980,8 @@ def rescue_samples(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                     "detection": r["rescued_at"] - r["complete_by"],
                     "backoff": r["delay"],
                     "machinery": at - r["complete_by"] - r["delay"],
+                    "dead_worker": r["dead_worker"],
+                    "rescued_at": r["rescued_at"],
                 }
             )
     return out
@@ -1441,7 +1445,11 @@ def _report(
             handovers.append(nxt["at"] - res["at"])
 
     # -- rescue latency, and the subset no fault was slowing down (no leader outage, no DB fault)
-    samples = rescue_samples(events)
+    # Steps of a worker presumed dead are rescued before their complete-by: their latency from
+    # complete-by would be negative, so they are reported apart (rescue -> retry dispatched).
+    every_sample = rescue_samples(events)
+    early = [s for s in every_sample if s["dead_worker"]]
+    samples = [s for s in every_sample if not s["dead_worker"]]
     disturbed: list[tuple[float, float]] = []
     for s in fo_kill + fo_stop + fo_term:
         disturbed.append((s["at"], s["at"] + (s["failover"] if s["failover"] is not None else 60.0)))
@@ -1548,6 +1556,8 @@ def _report(
         "rescue_latency_without_backoff_s": stats([s["machinery"] for s in samples]),
         "rescue_latency_without_backoff_undisturbed_s": stats([s["machinery"] for s in quiet]),
         "rescue_detection_s": stats([s["detection"] for s in samples]),
+        "dead_worker_rescues": len(early),
+        "dead_worker_rescue_to_dispatch_s": stats([s["dispatched_at"] - s["rescued_at"] for s in early]),
         "slowest_undisturbed_rescues": [
             {
                 "task_id": s["task_id"],

@@ -34,6 +34,11 @@ class LeaseSettings:
     retry_every: float = 1.0
     margin: float = 1.0
     stall_after: float = 10.0
+    # Seconds after which a holder presumed dead (see ``liveness``) may be replaced before its
+    # lease expires; None (the default) always waits for expiry. Only for leases whose every
+    # effect is a term-fenced store write (the supervisor's): an application's coroutine under
+    # ``run_while_leader`` acts outside the store, so its lease must run out first (LEAD7).
+    take_from_dead: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.margin < self.ttl:
@@ -99,12 +104,42 @@ class LeaseKeeper:
             except Exception as e:  # the store is down: keep campaigning, never crash (REL3)
                 log.warning("lease %s: acquire failed: %s", self.name, e)
                 got = None
+            if got is None and s.take_from_dead is not None:
+                try:
+                    sent = self.clock.monotonic()
+                    got = await self._take_from_dead(s.take_from_dead)
+                except Exception as e:
+                    log.warning("lease %s: takeover failed: %s", self.name, e)
             if got is None:
                 await self._sleep_or_stop(stop, s.retry_every)
                 continue
             await self._lead(got[0], sent, stop)
             # Having just given the lease up (a stall, a lost renewal), let a healthier peer win it.
             await self._sleep_or_stop(stop, s.retry_every)
+
+    async def _take_from_dead(self, dead_after: float) -> tuple[int, float] | None:
+        """Take the lease now if its holder is presumed dead, instead of waiting out its TTL."""
+        from . import liveness
+        from .store import transitions
+
+        row = await self.store.transact(transitions.lease_holder, self.name)
+        if row is None or row["id"] == self.holder:
+            return None
+        verdicts = liveness.presumed_dead([row], float(row["now"]), dead_after)
+        if not verdicts:
+            return None
+        got = await self.store.transact(
+            transitions.take_lease, self.name, self.holder, row["id"], int(row["term"]), self.settings.ttl
+        )
+        if got is not None:
+            log.warning(
+                "lease %s: took term %d from %s, presumed dead (%s)",
+                self.name,
+                got[0],
+                row["id"],
+                verdicts[0].reason,
+            )
+        return got
 
     async def _lead(self, term: int, sent: float, stop: asyncio.Event) -> None:
         s = self.settings

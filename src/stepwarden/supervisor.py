@@ -11,9 +11,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import liveness
 from .clock import SYSTEM_CLOCK, Clock
 from .leader import Leadership
-from .store import Store, SweepResult
+from .store import Store, SweepResult, transitions
 
 log = logging.getLogger("stepwarden.supervisor")
 LEASE = "supervisor"
@@ -23,6 +24,9 @@ LEASE = "supervisor"
 class SupervisorSettings:
     interval: float = 1.0
     batch: int = 200
+    # A worker silent for this long (no heartbeat) is presumed dead: its in-flight steps are
+    # rescued and its leases taken over without waiting for complete-by or TTL (see liveness).
+    dead_after: float = 3.0
 
 
 class Supervisor:
@@ -45,6 +49,7 @@ class Supervisor:
     async def sweep(self, term: int) -> SweepResult:
         """Sweep until fewer than a batch of expired attempts remain; each batch one transaction."""
         total = SweepResult()
+        await self._rescue_orphans(term, total)
         while True:
             r = await self.store.sweep_expired(self.me, LEASE, term, self.settings.batch)
             total.rescued += r.rescued
@@ -58,6 +63,38 @@ class Supervisor:
         if total.rescued:
             log.info("supervisor %s (term %d) rescued %d expired attempt(s)", self.me, term, total.rescued)
         return total
+
+    async def _rescue_orphans(self, term: int, total: SweepResult) -> None:
+        """Rescue the steps of workers presumed dead, before their complete-by passes."""
+        owners = [r for r in await self.store.transact(transitions.owners_in_flight) if r["id"] != self.me]
+        if not owners:
+            return
+        now = float(owners[0]["now"])
+        for verdict in liveness.presumed_dead(owners, now, self.settings.dead_after):
+            while True:
+                r = await self.store.transact(
+                    transitions.rescue_orphans,
+                    self.me,
+                    LEASE,
+                    term,
+                    verdict.worker,
+                    verdict.reason,
+                    self.settings.batch,
+                    self.store.rng,
+                )
+                total.rescued += r.rescued
+                total.escalated += r.escalated
+                total.alerts.extend(r.alerts)
+                if r.rescued:
+                    log.warning(
+                        "supervisor %s: rescued %d step(s) of worker %s, presumed dead (%s)",
+                        self.me,
+                        r.rescued,
+                        verdict.worker,
+                        verdict.reason,
+                    )
+                if r.rescued < self.settings.batch:
+                    break
 
     async def lead(self, leadership: Leadership) -> None:
         """The leader's loop: one sweep per interval, reporting progress so a stall gives up the lease."""

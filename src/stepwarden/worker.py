@@ -48,7 +48,7 @@ class WorkerSettings:
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     alerts: AlertSettings = field(default_factory=AlertSettings)
-    heartbeat: float = 5.0
+    heartbeat: float = 1.0
 
     def __post_init__(self) -> None:
         bad = [r for r in self.roles if r not in ROLES]
@@ -61,6 +61,8 @@ class WorkerSettings:
             raise InputError("concurrency must be between 1 and 10000")
         if self.name is not None:
             check_ident("worker name", self.name)
+        if not 0 < 2 * self.heartbeat <= self.supervisor.dead_after:
+            raise InputError("the heartbeat must be positive and at most half the supervisor's dead_after")
 
 
 class Worker:
@@ -149,7 +151,7 @@ class Worker:
                 LEASE,
                 self.identity,
                 self.supervisor.lead,
-                settings=s.lease,
+                settings=replace(s.lease, take_from_dead=s.supervisor.dead_after),
                 clock=clock,
                 on_change=m.lease_changed if m else None,
             )
@@ -164,7 +166,10 @@ class Worker:
                 store, ALERT_LEASE, self.identity, self.alert_dispatcher.lead, settings=s.lease, clock=clock
             )
             jobs.append(asyncio.create_task(self.alert_keeper.run(stop), name="alerts"))
-        jobs.append(asyncio.create_task(self._heartbeat(stop), name="heartbeat"))
+        # The heartbeat outlives ``stop``: while the agents drain and release their attempts the
+        # worker is alive, and must not look dead to the supervisor (see liveness).
+        beats_stop = asyncio.Event()
+        beats = asyncio.create_task(self._heartbeat(beats_stop), name="heartbeat")
         jobs.append(asyncio.create_task(store.listen(self._woken, stop), name="listen"))
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
@@ -174,6 +179,8 @@ class Worker:
         finally:
             stop.set()
             await asyncio.wait(jobs, timeout=s.agent.shutdown_grace + 5)
+            beats_stop.set()
+            await asyncio.wait([beats], timeout=5)
             await _safe(store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True))
             log.info("worker %s stopped", self.identity)
 

@@ -55,7 +55,9 @@ def test_agent_killed_mid_step_is_rescued_and_the_step_completes_once(cluster: C
     term = cluster.one("SELECT term FROM leases WHERE name = 'supervisor'")["term"]
     rescued = cluster.events(task, "rescued")
     assert [(e["attempt"], e["actor"], e["detail"]["term"]) for e in rescued] == [(1, boss.identity, term)]
-    assert rescued[0]["detail"]["late_by"] >= 0
+    # Rescued as soon as the supervisor saw agent1's process gone, before complete-by passed.
+    assert "presumed dead: process" in rescued[0]["detail"]["reason"]
+    assert rescued[0]["detail"]["late_by"] < 0
     completed = cluster.events(task, "step_completed")
     assert [(e["step_idx"], e["attempt"]) for e in completed] == [(0, 2)]
     assert [r["attempt"] for r in cluster.sql("SELECT attempt FROM replies WHERE task_id = ?", task)] == [2]
@@ -70,6 +72,53 @@ def test_agent_killed_mid_step_is_rescued_and_the_step_completes_once(cluster: C
     assert runs[0]["ended_at"] is None
     assert step_row(cluster, task)["result"] == runs[1]["detail"]
     assert boss.alive() and fresh.alive()
+
+
+def test_a_dead_workers_step_is_rescued_in_seconds_not_at_complete_by(cluster: Cluster) -> None:
+    """SIGKILL: the supervisor, on the same machine, sees the process gone at its next sweep."""
+    cluster.start("boss", "scheduler,supervisor")
+    doomed = cluster.start("agent1", "agent")
+    task = cluster.submit("long", {"sleep": {"1": 120}})  # complete-by 30 s
+    cluster.wait(lambda: cluster.executions("task_id = ? AND attempt = 1", task), 15, "attempt 1 to start")
+    doomed.signal(signal.SIGKILL)
+    killed = time.time()
+    cluster.start("agent2", "agent")
+    assert cluster.wait(lambda: final_state(cluster, task), 20, "the task to finish") == "processed"
+    rescued = cluster.events(task, "rescued")
+    assert len(rescued) == 1 and "process" in rescued[0]["detail"]["reason"]
+    assert rescued[0]["at"] - killed < 3.0  # a sweep interval (1 s) and a round trip, not 30 s
+    assert [r["attempt"] for r in cluster.sql("SELECT attempt FROM replies WHERE task_id = ?", task)] == [2]
+
+
+def test_a_silent_worker_is_presumed_dead_after_its_heartbeat_stops(cluster: Cluster) -> None:
+    """SIGSTOP: the process still exists, but it no longer beats; after dead_after (3 s) its step
+    is rescued, and when it wakes its old attempt's reply is stale."""
+    cluster.start("boss", "scheduler,supervisor")
+    frozen = cluster.start("agent1", "agent")
+    task = cluster.submit("long", {"sleep": {"1": 4}})  # complete-by 30 s; attempt 1 runs 4 s
+    cluster.wait(lambda: cluster.executions("task_id = ? AND attempt = 1", task), 15, "attempt 1 to start")
+    frozen.signal(signal.SIGSTOP)
+    frozen.expect_alive = True
+    stopped = time.time()
+    try:
+        cluster.start("agent2", "agent")
+        assert cluster.wait(lambda: final_state(cluster, task), 20, "the task to finish") == "processed"
+        rescued = cluster.events(task, "rescued")
+        assert len(rescued) == 1 and "no heartbeat" in rescued[0]["detail"]["reason"]
+        assert 2.0 < rescued[0]["at"] - stopped < 8.0
+    finally:
+        frozen.signal(signal.SIGCONT)
+    # Woken, attempt 1 finishes and replies: stale, and the step keeps attempt 2's result.
+    late = cluster.wait(
+        lambda: cluster.sql(
+            "SELECT status FROM replies WHERE task_id = ? AND attempt = 1 AND status != 'new'", task
+        ),
+        20,
+        "the woken agent's late reply to be judged",
+    )
+    assert late[0]["status"] == "stale"
+    assert step_row(cluster, task)["attempt"] == 2 and cluster.task_state(task) == "processed"
+    assert frozen.alive()
 
 
 def test_late_reply_from_an_old_attempt_is_stale_and_changes_nothing(cluster: Cluster) -> None:

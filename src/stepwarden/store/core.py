@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from .. import liveness
 from ..errors import UnknownWorkflow
 from ..workflow import Workflow
 from . import transitions as t
@@ -152,9 +153,18 @@ class Store:
                 return
             text = json.dumps(breakers or {})
             if tx.run("worker_beat", id=worker_id, breakers=text) == 0:
-                tx.run("worker_upsert", id=worker_id, roles=",".join(roles), agents=",".join(agents))
+                tx.run(
+                    "worker_upsert",
+                    id=worker_id,
+                    roles=",".join(roles),
+                    agents=",".join(agents),
+                    **liveness.me(),
+                )
                 tx.run("worker_beat", id=worker_id, breakers=text)
 
+        # On the lease lane: a heartbeat queued behind a burst of work would make a busy worker
+        # look dead to the supervisor (see liveness).
+        beat.stepwarden_lane = "lease"  # type: ignore[attr-defined]
         await self.transact(beat)
 
 

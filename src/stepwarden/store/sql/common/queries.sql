@@ -163,12 +163,50 @@ FROM leases ORDER BY name;
 SELECT name, term, holder, acquired_at, ended_at FROM lease_terms ORDER BY name, term;
 
 -- name: worker_upsert
-INSERT INTO workers (id, roles, agents, started_at, heartbeat_at)
-VALUES (:id, :roles, :agents, {now}, {now})
+INSERT INTO workers (id, roles, agents, started_at, heartbeat_at, host_key, pid, proc_start)
+VALUES (:id, :roles, :agents, {now}, {now}, :host_key, :pid, :proc_start)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = {now}, stopped_at = NULL;
 
 -- name: worker_beat
-UPDATE workers SET heartbeat_at = {now}, breakers = :breakers WHERE id = :id;
+-- A worker that was presumed dead and turns out alive clears its stop mark by beating again.
+UPDATE workers SET heartbeat_at = {now}, breakers = :breakers, stopped_at = NULL WHERE id = :id;
+
+-- name: owners_in_flight
+-- The workers whose agents hold taken requests: the only ones whose death strands a step.
+SELECT w.id, w.host_key, w.pid, w.proc_start, w.heartbeat_at, w.stopped_at, {now} AS now
+FROM workers w WHERE w.id IN (SELECT taken_by FROM requests WHERE state = 'taken');
+
+-- name: lease_holder
+SELECT l.term, w.id, w.host_key, w.pid, w.proc_start, w.heartbeat_at, w.stopped_at, {now} AS now
+FROM leases l JOIN workers w ON w.id = l.holder
+WHERE l.name = :name AND l.expires_at > {now};
+
+-- name: lease_take
+-- Take a lease from a holder presumed dead before it expires: conditional on that holder and
+-- term, so of several successors exactly one wins, and the old term's writes are fenced out.
+UPDATE leases SET holder = :holder, term = term + 1, expires_at = {now} + :ttl, acquired_at = {now},
+                  renewed_at = {now}
+WHERE name = :name AND holder = :dead AND term = :term
+RETURNING term, expires_at;
+
+-- name: orphaned_steps
+-- In-flight attempts whose request a (presumed) dead worker had taken and not answered.
+SELECT s.task_id, s.idx, s.attempt, s.state, s.complete_by
+FROM requests r JOIN steps s ON s.task_id = r.task_id AND s.idx = r.step_idx AND s.attempt = r.attempt
+WHERE r.state = 'taken' AND r.taken_by = :worker AND s.state IN ('running', 'compensating')
+  AND NOT EXISTS (SELECT 1 FROM replies p
+                  WHERE p.task_id = s.task_id AND p.step_idx = s.idx AND p.attempt = s.attempt
+                    AND p.status = 'new')
+ORDER BY s.task_id, s.idx LIMIT :limit;
+
+-- name: still_orphaned
+SELECT 1 AS ok
+FROM requests r JOIN steps s ON s.task_id = r.task_id AND s.idx = r.step_idx AND s.attempt = r.attempt
+WHERE s.task_id = :task_id AND s.idx = :idx AND s.attempt = :attempt
+  AND r.state = 'taken' AND r.taken_by = :worker AND s.state IN ('running', 'compensating')
+  AND NOT EXISTS (SELECT 1 FROM replies p
+                  WHERE p.task_id = s.task_id AND p.step_idx = s.idx AND p.attempt = s.attempt
+                    AND p.status = 'new');
 
 -- name: worker_stop
 UPDATE workers SET stopped_at = {now} WHERE id = :id;
