@@ -27,6 +27,13 @@ class SupervisorSettings:
     # A worker silent for this long (no heartbeat) is presumed dead: its in-flight steps are
     # rescued and its leases taken over without waiting for complete-by or TTL (see liveness).
     dead_after: float = 3.0
+    # Finished tasks (processed, compensated, cancelled; not error) older than this are deleted
+    # with all their rows, by the leader, every ``prune_every`` s, in transactions of
+    # ``prune_batch`` tasks, at most ``prune_rounds`` of them at a time. None keeps everything.
+    retention: float | None = 7 * 86400.0
+    prune_every: float = 10.0
+    prune_batch: int = 500
+    prune_rounds: int = 10
 
 
 class Supervisor:
@@ -45,6 +52,8 @@ class Supervisor:
         self.settings = settings or SupervisorSettings()
         self.on_sweep = on_sweep or (lambda r, seconds: None)
         self.rescued = 0
+        self.pruned = 0
+        self._next_prune = 0.0
 
     async def sweep(self, term: int) -> SweepResult:
         """Sweep until fewer than a batch of expired attempts remain; each batch one transaction."""
@@ -96,6 +105,22 @@ class Supervisor:
                 if r.rescued < self.settings.batch:
                     break
 
+    async def prune(self, term: int) -> int:
+        """Delete finished tasks past their retention, a bounded number of batches per call."""
+        s = self.settings
+        if s.retention is None:
+            return 0
+        total = 0
+        for _ in range(s.prune_rounds):
+            n = await self.store.transact(transitions.prune, self.me, LEASE, term, s.retention, s.prune_batch)
+            total += n
+            if n < s.prune_batch:
+                break
+        if total:
+            log.info("supervisor %s (term %d) pruned %d finished task(s)", self.me, term, total)
+        self.pruned += total
+        return total
+
     async def lead(self, leadership: Leadership) -> None:
         """The leader's loop: one sweep per interval, reporting progress so a stall gives up the lease."""
         while True:
@@ -103,6 +128,9 @@ class Supervisor:
                 started = self.clock.monotonic()
                 r = await self.sweep(leadership.term)
                 self.on_sweep(r, self.clock.monotonic() - started)
+                if self.clock.monotonic() >= self._next_prune:
+                    self._next_prune = self.clock.monotonic() + self.settings.prune_every
+                    await self.prune(leadership.term)
             except Exception as e:
                 from .errors import LostOwnership
 

@@ -888,3 +888,73 @@ def test_supervisor_sweeps_batch_after_batch_until_done(
     store.sweep_expired = spy  # type: ignore[method-assign]
     assert run(sup.sweep(term)).rescued == 5
     assert sizes == [2, 2, 1]
+
+
+# -- pruning finished tasks (the leader keeps the hot tables small) ----------------------------------
+
+
+def prune(store: Store, term: int, retention: float, limit: int = 100, me: str = SUP) -> int:
+    return store.transact_sync(t.prune, me, "supervisor", term, retention, limit)
+
+
+def finish(store: Store, wf: Workflow) -> int:
+    task_id = submit(store, wf, reply_to="app")  # status messages too
+    claim(store)
+    for name in ("a", "b", "c"):
+        take(store)
+        complete(store, task_id, name)
+    assert task(store, task_id)["state"] == "processed"
+    return task_id
+
+
+def rows_of(store: Store, task_id: int) -> dict[str, int]:
+    tables = ("steps", "requests", "replies", "events", "messages")
+    out = {
+        tb: q(store, f"SELECT count(*) AS n FROM {tb} WHERE task_id = ?", task_id)[0]["n"] for tb in tables
+    }
+    out["tasks"] = q(store, "SELECT count(*) AS n FROM tasks WHERE id = ?", task_id)[0]["n"]
+    return out
+
+
+def test_prune_deletes_finished_tasks_past_retention_with_all_their_rows_and_keeps_the_rest(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    wf = make_workflow()
+    term = lease(store)
+    old = [finish(store, wf) for _ in range(3)]
+    errored = submit(store, wf)
+    claim(store)
+    store.transact_sync(
+        lambda tx: tx.sql(
+            "UPDATE tasks SET state = 'error', finished_at = ? WHERE id = ?", (clock.wall(), errored)
+        )
+    )
+    clock.advance(3600)
+    recent = finish(store, wf)
+    running = submit(store, wf)
+    claim(store)
+    assert all(n > 0 for n in rows_of(store, old[0]).values())
+
+    assert prune(store, term, retention=1800) == 3
+    for task_id in old:
+        assert rows_of(store, task_id) == dict.fromkeys(
+            ("steps", "requests", "replies", "events", "messages", "tasks"), 0
+        )
+    for task_id in (errored, recent, running):  # an error waits for an operator; the others are young
+        assert rows_of(store, task_id)["tasks"] == 1 and rows_of(store, task_id)["steps"] == 3
+    assert prune(store, term, retention=1800) == 0
+
+
+def test_prune_is_bounded_per_transaction_and_fenced_by_the_term(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    wf = make_workflow()
+    term = lease(store)
+    done = [finish(store, wf) for _ in range(5)]
+    clock.advance(100)
+    assert prune(store, term, retention=10, limit=2) == 2
+    assert [rows_of(store, i)["tasks"] for i in done] == [0, 0, 1, 1, 1]  # oldest first
+    with pytest.raises(LostOwnership):
+        prune(store, term + 1, retention=10, limit=2)  # not the current term: nothing deleted
+    assert [rows_of(store, i)["tasks"] for i in done] == [0, 0, 1, 1, 1]
+    assert prune(store, term, retention=10, limit=10) == 3

@@ -500,6 +500,21 @@ def _rescue(
     out.escalated += what != "retry"
 
 
+def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) -> int:
+    """Delete up to ``limit`` tasks finished more than ``retention`` seconds ago, with every row
+    they own, so the hot tables stay the size of the live work. Leader-only and term-fenced, so
+    two supervisors never prune at once; bounded, so a large backlog is many small transactions."""
+    _fence(tx, me, lease, term)
+    ids = [int(r["id"]) for r in tx.all("prunable_tasks", retention=retention, limit=limit)]
+    if ids:
+        text = json.dumps(ids)
+        for table in ("steps", "requests", "replies", "events", "messages", "tasks"):
+            tx.put("prune_" + table, ids=text)
+    if len(ids) < limit:  # the backlog is done: old worker rows go too
+        tx.put("prune_workers", retention=retention)
+    return len(ids)
+
+
 def owners_in_flight(tx: Tx) -> list[Row]:
     """The workers holding taken requests, each row with the database's ``now``."""
     return tx.all("owners_in_flight")

@@ -210,3 +210,16 @@ WHERE s.task_id = :task_id AND s.idx = :idx AND s.attempt = :attempt
 
 -- name: worker_stop
 UPDATE workers SET stopped_at = {now} WHERE id = :id;
+
+-- name: prunable_tasks
+-- Finished tasks past their retention, oldest first. `error` tasks are kept: they wait for an
+-- operator. PostgreSQL locks them (see its override) so a concurrent retry wins or waits.
+SELECT id FROM tasks
+WHERE finished_at IS NOT NULL AND finished_at < {now} - :retention
+  AND state IN ('processed', 'compensated', 'cancelled')
+ORDER BY finished_at LIMIT :limit;
+
+-- name: prune_workers
+DELETE FROM workers
+WHERE heartbeat_at < {now} - :retention
+  AND id NOT IN (SELECT taken_by FROM requests WHERE state = 'taken' AND taken_by IS NOT NULL);

@@ -47,3 +47,30 @@ FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKE
 -- has committed, so two terms never write at the same time.
 SELECT 1 AS ok FROM leases
 WHERE name = :name AND holder = :holder AND term = :term AND expires_at > {now} FOR SHARE;
+
+-- name: prune_steps
+DELETE FROM steps WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+
+-- name: prune_requests
+DELETE FROM requests WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+
+-- name: prune_replies
+DELETE FROM replies WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+
+-- name: prune_events
+DELETE FROM events WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+
+-- name: prune_messages
+DELETE FROM messages WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+
+-- name: prune_tasks
+DELETE FROM tasks WHERE id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+
+-- name: prunable_tasks
+-- FOR UPDATE re-checks each row as committed: a task an operator retried meanwhile no longer
+-- matches and is skipped, so its rows are never deleted under it.
+SELECT id FROM tasks
+WHERE finished_at IS NOT NULL AND finished_at < {now} - :retention
+  AND state IN ('processed', 'compensated', 'cancelled')
+ORDER BY finished_at LIMIT :limit
+FOR UPDATE SKIP LOCKED;

@@ -34,3 +34,21 @@ FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit;
 -- name: lease_holds
 SELECT 1 AS ok FROM leases
 WHERE name = :name AND holder = :holder AND term = :term AND expires_at > {now};
+
+-- name: prune_steps
+DELETE FROM steps WHERE task_id IN (SELECT value FROM json_each(:ids));
+
+-- name: prune_requests
+DELETE FROM requests WHERE task_id IN (SELECT value FROM json_each(:ids));
+
+-- name: prune_replies
+DELETE FROM replies WHERE task_id IN (SELECT value FROM json_each(:ids));
+
+-- name: prune_events
+DELETE FROM events WHERE task_id IN (SELECT value FROM json_each(:ids));
+
+-- name: prune_messages
+DELETE FROM messages WHERE task_id IN (SELECT value FROM json_each(:ids));
+
+-- name: prune_tasks
+DELETE FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
