@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .agent_health import AgentHealth
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, Permanent, Transient
-from .policies import Backoff, CircuitBreaker
+from .policies import Backoff
 from .store import ApplyResult, RequestMsg, Store
-from .store.transitions import event
 from .workflow import check_ident
 
 log = logging.getLogger("stepwarden.agent")
@@ -109,6 +109,13 @@ class AgentSettings:
     shutdown_grace: float = 5.0
     # Apply replies in the transaction that records them (set when the process is a scheduler too).
     apply_replies: bool = False
+    # Instance health (AGT6): failures in a row, while another instance succeeds, that make this
+    # instance unhealthy; an instance silent for `instance_stale` seconds is not counted as live.
+    unhealthy_after: int = 3
+    instance_stale: float = 30.0
+    success_every: float = 1.0  # write successes at most this often when nothing depends on them
+    trial_ttl: float = 60.0  # a half-open trial not reported within this is open to others again
+    report_timeout: float = 5.0  # give up waiting for the store to record a call's outcome
 
 
 class AgentRole:
@@ -138,9 +145,10 @@ class AgentRole:
         self.on_applied = on_applied or (lambda r: None)
         self.on_attempt = on_attempt or (lambda agent, outcome, seconds: None)
         self.inflight: dict[str, int] = dict.fromkeys(agents, 0)
-        self.breakers = {
-            n: CircuitBreaker(a.breaker_threshold, a.breaker_cool_off) for n, a in agents.items()
-        }
+        # The breakers are shared through the store; this is the instance's mirror of them, and
+        # its own health (AGT3, AGT6; see agent_health.py).
+        self.health = AgentHealth(store, me, agents, clock, self.settings)
+        self.breakers = self.health.breakers
         self.rng = random.Random()
         self.pool = ThreadPoolExecutor(
             max_workers=threads or max(4, sum(a.concurrency for a in agents.values())),
@@ -156,6 +164,7 @@ class AgentRole:
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
         try:
+            await self._register()
             while not stop.is_set():
                 got = 0
                 try:
@@ -171,32 +180,39 @@ class AgentRole:
                 idle = min(self.settings.idle_poll_max, idle * 2)
         finally:
             await self.drain()
+            try:
+                await self.health.stop()
+            except Exception as e:
+                log.warning("agent %s: could not record the instances' stop: %r", self.me, e)
+
+    async def _register(self) -> None:
+        try:
+            await self.health.register({n: a.concurrency for n, a in self.agents.items()})
+        except Exception as e:  # retried at the next pull
+            log.warning("agent %s: could not register its agent instances: %r", self.me, e)
+
+    def load(self) -> dict[str, tuple[int, int]]:
+        """``{agent: (capacity, in flight)}``, for the heartbeat."""
+        return {n: (a.concurrency, self.inflight[n]) for n, a in self.agents.items()}
 
     async def pull(self) -> int:
-        now = self.clock.monotonic()
-        got = 0
-        for name, agent in self.agents.items():
-            room = agent.concurrency - self.inflight[name]
-            # An open breaker stops this instance pulling the agent's requests (AGT6); a half-open
-            # one lets a single trial request through.
-            breaker = self.breakers[name]
-            trial_busy = breaker.state == "half_open" and breaker.trial_in_flight
-            if room <= 0 or breaker.rejecting(now) or trial_busy:
-                continue
-            trial = breaker.state != "closed"  # cooling off is over: take one request as the trial
-            if trial:
-                room = min(room, 1)
-            for msg in await self.store.claim_requests(self.me, [name], room):
-                if trial:
-                    breaker.allow(now)  # reserve the trial now, so the next pull takes nothing
-                got += 1
-                self.inflight[name] += 1
-                t = asyncio.create_task(self.execute(agent, msg, trial), name=f"request-{msg.id}")
-                self.tasks[t] = msg
-                t.add_done_callback(lambda done: self.tasks.pop(done, None))
-        return got
+        """Take requests up to capacity, for the agents whose shared breaker is closed (or whose
+        trial this instance won) and for which this instance is healthy (AGT6)."""
+        if not self.health.registered:
+            await self.health.register({n: a.concurrency for n, a in self.agents.items()})
+        rooms = {n: a.concurrency - self.inflight[n] for n, a in self.agents.items()}
+        msgs, trials, probes = await self.health.pull(rooms)
+        for msg in msgs:
+            agent = self.agents[msg.agent]
+            self.inflight[agent.name] += 1
+            trial = msg.agent in trials
+            probe = msg.agent in probes
+            t = asyncio.create_task(self.execute(agent, msg, trial, probe), name=f"request-{msg.id}")
+            self.tasks[t] = msg
+            t.add_done_callback(lambda done: self.tasks.pop(done, None))
+        return len(msgs)
 
-    async def execute(self, agent: Agent, msg: RequestMsg, trial: bool = False) -> None:
+    async def execute(self, agent: Agent, msg: RequestMsg, trial: bool = False, probe: bool = False) -> None:
         try:
             started = self.clock.monotonic()
             outcome = await self._attempt(agent, msg, trial)
@@ -219,6 +235,18 @@ class AgentRole:
         finally:
             self.inflight[agent.name] -= 1
             self.wake.set()
+            if probe:
+                self.health.probe_done(agent.name)
+            if trial:  # a trial that ended without a verdict (complete-by passed) counts as failed
+                await self._guard(self.health.release_trial(agent.name, "the trial call gave no answer"))
+
+    async def _guard(self, coro: Awaitable[None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("agent %s: health bookkeeping failed: %r", self.me, e)
 
     async def _reply(self, msg: RequestMsg, outcome: str, result: Any, error: str | None) -> None:
         """Queue the reply and wait until it is committed. Replies that finish while a batch is
@@ -278,14 +306,15 @@ class AgentRole:
         )
         tries = int(msg.policy.get("tries", 4))
         backoff = Backoff(**(msg.policy.get("in_attempt") or {}))
-        breaker = self.breakers[agent.name]
+        health = self.health
         last = "no attempt made"
         for n in range(1, tries + 1):
             left = deadline - self.clock.monotonic()
             if left <= 0:
                 return None
-            if not ((trial and n == 1) or breaker.allow(self.clock.monotonic())):
-                last = f"circuit breaker for {agent.name!r} is open"
+            held = None if (trial and n == 1) else health.may_call(agent.name)
+            if held is not None:
+                last = held
             else:
                 try:
                     result = await self._call(handler, req, left)
@@ -293,17 +322,22 @@ class AgentRole:
                     if deadline - self.clock.monotonic() <= 0.001:
                         return None  # complete-by: cancel and stay silent (AGT4)
                     last = "operation timed out"
-                    self._failed(agent.name, last)
+                    await self._guard(health.ended(agent.name, False, last, trial and n == 1))
                 except Exception as e:
                     kind = agent.classify(e)
                     if kind == "permanent":
-                        self._succeeded(agent.name)  # the service answered: it is up
+                        # the service answered: it is up
+                        await self._guard(health.ended(agent.name, True, None, trial and n == 1))
                         return "error", None, _describe(e)
                     last = _describe(e)
-                    self._failed(agent.name, last)
+                    await self._guard(health.ended(agent.name, False, last, trial and n == 1))
                 else:
-                    self._succeeded(agent.name)
+                    await self._guard(health.ended(agent.name, True, None, trial and n == 1))
                     return "ok", result, None
+                if not health.healthy(agent.name):
+                    # Others succeed where this instance fails: hand the attempt back, uncounted,
+                    # so that a healthy instance runs it now (AGT6).
+                    return "released", None, f"instance {self.me} unhealthy for {agent.name!r}: {last}"
             delay = backoff.delay(n, self.rng)
             if n == tries or self.clock.monotonic() + delay >= deadline:
                 break
@@ -313,33 +347,6 @@ class AgentRole:
         if self.clock.monotonic() >= deadline:
             return None
         return "retry", None, f"transient: {last}"
-
-    def _failed(self, agent: str, why: str) -> None:
-        if self.breakers[agent].record_failure(self.clock.monotonic()):
-            log.warning("agent %s: circuit breaker opened (%s)", agent, why)
-            self._note("breaker_opened", agent, why)
-
-    def _succeeded(self, agent: str) -> None:
-        was = self.breakers[agent].state
-        self.breakers[agent].record_success()
-        if was != "closed":
-            log.info("agent %s: circuit breaker closed", agent)
-            self._note("breaker_closed", agent, "a trial call succeeded")
-
-    def _note(self, kind: str, agent: str, why: str) -> None:
-        """Record a breaker change as an event for operators, without holding up the call (AGT3)."""
-
-        async def write() -> None:
-            try:
-                await self.store.transact(
-                    lambda tx: event(tx, kind, None, self.me, agent=agent, reason=why[:300])
-                )
-            except Exception as e:
-                log.warning("could not record %s for %s: %r", kind, agent, e)
-
-        t = asyncio.create_task(write())
-        self._notes.add(t)
-        t.add_done_callback(self._notes.discard)
 
     async def _call(self, handler: Handler, req: Request, timeout: float) -> Any:
         if inspect.iscoroutinefunction(handler):

@@ -407,6 +407,23 @@ def workers(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
 
 
 @cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--all", "include_stopped", is_flag=True, help="Include instances of workers that stopped.")
+@click.pass_context
+def agents(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
+    """Agent breakers (shared by every instance) and agent instances: capacity, health, load."""
+    from .store import agents as store_agents
+
+    view = _open(ctx).transact_sync(store_agents.list_agents, include_stopped)
+    if as_json:
+        _print_json(view)
+        return
+    from .cli_render import agents_tables
+
+    agents_tables(view)
+
+
+@cli.command()
 @click.argument("task_id", required=False)
 @click.option("--reply-to", default=None, metavar="QUEUE", help="Follow a reply queue instead of one task.")
 @click.option(

@@ -185,3 +185,38 @@ def workers_table(rows: list[dict[str, Any]]) -> None:
             _short(w["stopped_at"]),
         )
     console.print(t)
+
+
+def agents_tables(view: dict[str, list[dict[str, Any]]]) -> None:
+    """Each agent's shared breaker, then every live agent instance (AGT3, AGT6)."""
+    console = _console()
+    if not view["breakers"] and not view["instances"]:
+        console.print("no agents")
+        return
+    b = Table("agent", "breaker", "since", "failures", "opened by", "trial by", "opens", box=None)
+    for r in view["breakers"]:
+        b.add_row(
+            r["agent"],
+            r["state"].replace("_", "-"),
+            _short(r["since"]),
+            f"{r['failures']}/{r['threshold']}",
+            _v(r["opened_by"]),
+            _v(r["trial_by"]),
+            str(r["opens"]),
+        )
+    console.print(b)
+    cols = ("worker", "agent", "capacity", "in flight", "health", "last success", "last failure", "error")
+    t = Table(*cols, box=None)
+    for i in view["instances"]:
+        health = "healthy" if i["healthy"] else "unhealthy"
+        t.add_row(
+            i["worker"],
+            i["agent"],
+            str(i["capacity"]),
+            str(i["inflight"]),
+            health,
+            _short(i["last_success_at"]),
+            _short(i["last_failure_at"]),
+            _v((i["last_error"] or "")[:60] or None),
+        )
+    console.print(t)

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .store import TASK_STATES, Store, Tx, views
+from .store import agents as store_agents
 
 if TYPE_CHECKING:
     from .store import ApplyResult, SweepResult
@@ -184,6 +185,7 @@ class StoreSnapshot:
     unapplied_replies: int = 0
     leases: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
+    agents: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"breakers": [], "instances": []})
     alerts: dict[str, int] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=dict)
     refresh_seconds: float = 0.0
@@ -207,6 +209,7 @@ def read_snapshot(tx: Tx, tally: EventTally) -> tuple[StoreSnapshot, list[dict[s
     snap.workers = views.list_workers(tx)
     for w in snap.workers:
         w["heartbeat_epoch"] = _epoch(w["heartbeat_at"])
+    snap.agents = store_agents.list_agents(tx)
     snap.alerts = {
         r["kind"]: int(r["n"])
         for r in tx.sql("SELECT kind, COUNT(*) AS n FROM alerts WHERE acked_at IS NULL GROUP BY kind")
@@ -381,6 +384,7 @@ def _store_families(s: StoreSnapshot) -> Iterator[Metric]:
     for agent, n in sorted(opened.items()):
         open_.add_metric([agent], n)
     yield from (breaker, open_, workers, age)
+    yield from _agent_families(s)
     alerts = GaugeMetricFamily(
         "stepwarden_alerts_unacked", "Alerts not yet acknowledged, by kind.", labels=["kind"]
     )
@@ -392,6 +396,40 @@ def _store_families(s: StoreSnapshot) -> Iterator[Metric]:
         "How long the last read of the store took.",
         value=s.refresh_seconds,
     )
+
+
+def _agent_families(s: StoreSnapshot) -> Iterator[Metric]:
+    """The agents' shared breakers and their instances' own health (AGT3, AGT6)."""
+    state = GaugeMetricFamily(
+        "stepwarden_agent_breaker_state",
+        "Each agent's circuit breaker, shared by all its instances: 0 closed, 1 half-open, 2 open.",
+        labels=["agent"],
+    )
+    opens = CounterMetricFamily(
+        "stepwarden_agent_breaker_opens", "Times each agent's shared breaker opened.", labels=["agent"]
+    )
+    for b in s.agents["breakers"]:
+        state.add_metric([b["agent"]], BREAKER_VALUE.get(b["state"], 2))
+        opens.add_metric([b["agent"]], b["opens"])
+    healthy = GaugeMetricFamily(
+        "stepwarden_agent_instance_healthy",
+        "1 if the agent instance is healthy, 0 if it stopped pulling because its own calls fail.",
+        labels=["agent", "worker"],
+    )
+    inflight = GaugeMetricFamily(
+        "stepwarden_agent_instance_inflight",
+        "Requests each agent instance runs, as of its last heartbeat.",
+        labels=["agent", "worker"],
+    )
+    capacity = GaugeMetricFamily(
+        "stepwarden_agent_instance_capacity", "Each agent instance's capacity.", labels=["agent", "worker"]
+    )
+    for i in s.agents["instances"]:
+        labels = [i["agent"], i["worker"]]
+        healthy.add_metric(labels, 1 if i["healthy"] else 0)
+        inflight.add_metric(labels, i["inflight"])
+        capacity.add_metric(labels, i["capacity"])
+    yield from (state, opens, healthy, inflight, capacity)
 
 
 # -- one worker process ------------------------------------------------------------------------------
@@ -484,14 +522,20 @@ class WorkerMetrics(Collector):
         )
         breaker = GaugeMetricFamily(
             "stepwarden_worker_breaker_state",
-            "This process's breakers: 0 closed, 1 half-open, 2 open.",
+            "The agents' shared breakers as this process last read them: 0 closed, 1 half-open, 2 open.",
+            labels=["agent"],
+        )
+        healthy = GaugeMetricFamily(
+            "stepwarden_worker_agent_healthy",
+            "1 if this instance is healthy for the agent, 0 if it stopped pulling its requests.",
             labels=["agent"],
         )
         if role is not None:
             for name in sorted(role.agents):
                 inflight.add_metric([name], role.inflight.get(name, 0))
                 breaker.add_metric([name], BREAKER_VALUE.get(role.breakers[name].state, 2))
-        yield from (inflight, breaker)
+                healthy.add_metric([name], 1 if role.health.healthy(name) else 0)
+        yield from (inflight, breaker, healthy)
         sup = w.supervisor
         yield _counter(
             "stepwarden_worker_rescued",

@@ -205,6 +205,8 @@ class Worker:
         await self.app.store.worker_beat(
             self.identity, self.settings.roles, list(self.agents), breakers=breakers
         )
+        if self.agent_role is not None:  # agent instances: capacity and load (AGT6)
+            await self.agent_role.health.beat(self.agent_role.load())
 
 
 async def _safe(coro: object) -> None:

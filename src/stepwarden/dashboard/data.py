@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import NotFound
 from ..metrics import breaker_state
+from ..store import agents as store_agents
 from ..store import TASK_STATES, Tx, views
 from ..store.views import iso
 
@@ -167,7 +168,14 @@ def worker_list(tx: Tx) -> dict[str, Any]:
     }
     for w in live:
         w["heartbeat_age"] = t - beats[w["id"]] if w["id"] in beats else None
-    return {"workers": live, "stopped": stopped, "now": t}
+    agents = store_agents.list_agents(tx)
+    return {
+        "workers": live,
+        "stopped": stopped,
+        "breakers": agents["breakers"],
+        "instances": agents["instances"],
+        "now": t,
+    }
 
 
 def overview(tx: Tx) -> dict[str, Any]:
@@ -181,9 +189,12 @@ def overview(tx: Tx) -> dict[str, Any]:
     unacked = int(tx.sql("SELECT COUNT(*) AS n FROM alerts WHERE acked_at IS NULL")[0]["n"])
     leases = views.list_leases(tx)
     workers = views.list_workers(tx)
-    open_breakers = sorted(
-        {(w["id"], a) for w in workers for a, st in w["breakers"].items() if breaker_state(st) != "closed"}
-    )
+    # The breakers are shared by every instance of an agent: one entry per agent, with who opened it.
+    open_breakers = [
+        (b["opened_by"] or "-", b["agent"])
+        for b in store_agents.list_agents(tx)["breakers"]
+        if b["state"] != "closed"
+    ]
     return {
         "counts": {s: counts.get(s, 0) for s in TASK_STATES},
         "total": sum(counts.values()),

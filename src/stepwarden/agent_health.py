@@ -1,0 +1,262 @@
+"""One worker's side of agent health: its mirror of the shared breakers, and its own health.
+
+The truth is in the store (``store/agents.py``, where the rules are explained): one circuit breaker
+per agent shared by every instance, and one health row per agent instance. This module keeps what
+an instance needs between two transactions -- the breaker states it last read, whether it holds a
+half-open trial, whether it is itself unhealthy and when to probe -- and turns the store's answers
+(seconds on the database clock) into moments on the local monotonic clock.
+
+Why not a breaker library: pybreaker, aiobreaker, circuitbreaker and purgatory keep the state in the
+process (or in Redis); here it must live in the one thing the instances share, the store, and
+change by conditional statements so that exactly one instance opens it and raises the alert, and
+exactly one runs the half-open trial. That is a few SQL statements, not a library's job.
+
+Successes are the common case, so they are written lazily: at once only when they change something
+(the instance or the breaker has failures counted, a trial, a probe), otherwise at most once per
+``success_every`` seconds in the background, so that ``last_success_at`` stays fresh enough for the
+others to tell "the service is up, only I fail" from "the service is down".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .clock import Clock
+from .policies import BreakerState
+from .store import RequestMsg, Store
+from .store import agents as sa
+
+if TYPE_CHECKING:
+    from .agent import Agent, AgentSettings
+
+log = logging.getLogger("stepwarden.agent")
+
+
+@dataclass
+class BreakerMirror:
+    """This instance's copy of one agent's shared breaker, as last read from the store."""
+
+    state: BreakerState = "closed"
+    failures: int = 0  # consecutive failures counted by the store, across instances
+    retry_at: float = 0.0  # local monotonic moment when a trial may be claimed
+    trial: bool = False  # this instance holds the half-open trial
+    opened_by: str | None = None
+    local_failures: int = 0  # failures this instance could not report (store unreachable)
+
+    def rejecting(self) -> bool:
+        """Calls fail fast: the breaker is open or half-open, and the trial is not ours."""
+        return self.state != "closed" and not self.trial
+
+    def update(self, view: sa.BreakerView | None, now: float) -> None:
+        if view is None:
+            return
+        self.state = view.state if view.state in ("closed", "open", "half_open") else "open"  # type: ignore[assignment]
+        self.failures = view.failures
+        self.retry_at = now + view.retry_in if view.retry_in is not None else 0.0
+        self.opened_by = view.opened_by
+        self.local_failures = 0
+
+
+@dataclass
+class InstanceHealth:
+    """This instance's own health for one agent."""
+
+    healthy: bool = True
+    probe_at: float = 0.0  # local monotonic moment an unhealthy instance probes again
+    probing: bool = False  # a probe request is running
+    failures: int = 0  # consecutive failed calls of this instance
+    unsent: int = 0  # successes not yet written to the store
+    last_ok: float | None = None  # monotonic moment of the latest success
+    written_at: float = float("-inf")  # monotonic moment successes were last written
+    writing: bool = False
+
+
+class AgentHealth:
+    """The shared breakers and this instance's health, for the agents one worker runs."""
+
+    def __init__(
+        self, store: Store, me: str, agents: Mapping[str, Agent], clock: Clock, settings: AgentSettings
+    ) -> None:
+        self.store = store
+        self.me = me
+        self.agents = agents
+        self.clock = clock
+        self.settings = settings
+        self.rules = sa.HealthRules(
+            unhealthy_after=settings.unhealthy_after,
+            probe_after=0.0,  # per agent: its breaker cool-off (see _rules)
+            stale_after=settings.instance_stale,
+            trial_ttl=settings.trial_ttl,
+        )
+        self.breakers = {n: BreakerMirror() for n in agents}
+        self.instances = {n: InstanceHealth() for n in agents}
+        self.registered = False
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _rules(self, agent: str) -> sa.HealthRules:
+        cool = self.agents[agent].breaker_cool_off
+        return sa.HealthRules(
+            self.rules.unhealthy_after, cool, self.rules.stale_after, max(cool, self.settings.trial_ttl)
+        )
+
+    async def register(self, capacity: Mapping[str, int]) -> None:
+        specs = [
+            sa.InstanceSpec(n, capacity.get(n, a.concurrency), a.breaker_threshold, a.breaker_cool_off)
+            for n, a in self.agents.items()
+        ]
+        await self.store.transact(sa.register, self.me, specs)
+        self.registered = True
+
+    async def beat(self, load: Mapping[str, tuple[int, int]]) -> None:
+        """Heartbeat with capacity and requests in flight; flushes pending successes too."""
+        await self.store.transact(sa.beat, self.me, dict(load))
+        for name, inst in self.instances.items():
+            if inst.unsent and not inst.writing:
+                self._write_later(name)
+
+    async def stop(self) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=2)
+        await self.store.transact(sa.stop, self.me)
+
+    # -- pulling ------------------------------------------------------------------------------------
+    async def pull(self, rooms: Mapping[str, int]) -> tuple[list[RequestMsg], set[str], set[str]]:
+        """Claim up to ``rooms[agent]`` requests for each agent this instance may serve now.
+
+        An unhealthy instance takes nothing for the agent, except one probe request once its
+        cool-off is over; an open breaker lets through only the trial, claimed in the store by one
+        instance. Returns the requests, the agents whose trial we hold, and those being probed."""
+        now = self.clock.monotonic()
+        wants: dict[str, sa.Want] = {}
+        probes: set[str] = set()
+        for name, room in rooms.items():
+            inst, b = self.instances[name], self.breakers[name]
+            if room <= 0 or b.trial:
+                continue
+            if b.local_failures >= self.agents[name].breaker_threshold and now < b.retry_at:
+                continue  # the store was unreachable when we failed: hold back locally
+            if not inst.healthy:
+                if inst.probing or now < inst.probe_at:
+                    continue
+                probes.add(name)
+                wants[name] = sa.Want(1, may_trial=False)
+                continue
+            wants[name] = sa.Want(room, may_trial=b.state != "closed" and now >= b.retry_at)
+        if not wants:
+            return [], set(), set()
+        got = await self.store.transact(sa.pull, self.me, wants, self.rules)
+        now = self.clock.monotonic()
+        for name, b in self.breakers.items():
+            b.update(got.breakers.get(name), now)
+        for name in got.trials:
+            self.breakers[name].trial = True
+            log.info("agent %s: breaker cool-off over, this instance runs the trial call", name)
+        taken = {m.agent for m in got.requests}
+        for name in probes & taken:
+            self.instances[name].probing = True
+            log.info("agent %s: probing this unhealthy instance with one request", name)
+        return got.requests, got.trials, probes & taken
+
+    # -- calls ---------------------------------------------------------------------------------------
+    def may_call(self, agent: str) -> str | None:
+        """None if a call may go to the service now, else why not (the try fails fast)."""
+        b = self.breakers[agent]
+        if b.rejecting():
+            return f"circuit breaker for {agent!r} is {b.state.replace('_', '-')}"
+        return None
+
+    def healthy(self, agent: str) -> bool:
+        return self.instances[agent].healthy
+
+    async def ended(self, agent: str, ok: bool, error: str | None = None, trial: bool = False) -> None:
+        """One call to the service ended: ``ok`` if it answered (a permanent error is an answer)."""
+        inst = self.instances[agent]
+        now = self.clock.monotonic()
+        if ok:
+            inst.last_ok = now
+            inst.unsent += 1
+            b = self.breakers[agent]
+            if trial or not inst.healthy or inst.failures or b.failures or b.local_failures:
+                inst.failures = 0
+                await self._send(agent, True, None, trial)
+            elif now - inst.written_at >= self.settings.success_every and not inst.writing:
+                self._write_later(agent)
+            return
+        inst.failures += 1
+        await self._send(agent, False, error, trial)
+
+    async def release_trial(self, agent: str, why: str) -> None:
+        """The trial request ended without a call's verdict (complete-by passed): count it failed."""
+        if self.breakers[agent].trial:
+            await self._send(agent, False, why, True)
+
+    def probe_done(self, agent: str) -> None:
+        inst = self.instances[agent]
+        inst.probing = False
+        if not inst.healthy and inst.probe_at <= self.clock.monotonic():
+            inst.probe_at = self.clock.monotonic() + self.agents[agent].breaker_cool_off
+
+    def _write_later(self, agent: str) -> None:
+        inst = self.instances[agent]
+        inst.writing = True
+
+        async def write() -> None:
+            try:
+                await self._send(agent, True, None, False)
+            finally:
+                inst.writing = False
+
+        t = asyncio.create_task(write(), name=f"health-{agent}")
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    async def _send(self, agent: str, ok: bool, error: str | None, trial: bool) -> None:
+        inst, b = self.instances[agent], self.breakers[agent]
+        a = self.agents[agent]
+        now = self.clock.monotonic()
+        n = inst.unsent if ok else 0
+        ago = max(0.0, now - inst.last_ok) if ok and inst.last_ok is not None else 0.0
+        r = sa.Report(agent, ok, error, trial, ago, n)
+        if trial:
+            b.trial = False  # reported now, whatever the answer
+        try:
+            verdict = await asyncio.wait_for(
+                self.store.transact(
+                    sa.report, self.me, r, a.breaker_threshold, a.breaker_cool_off, self._rules(agent)
+                ),
+                self.settings.report_timeout,
+            )
+        except Exception as e:  # the store is unreachable: decide locally until it answers again
+            log.warning("agent %s: could not record a call's outcome: %r", agent, e)
+            if not ok:
+                b.local_failures += 1
+                if b.local_failures >= a.breaker_threshold:
+                    b.retry_at = now + a.breaker_cool_off
+            return
+        if ok:
+            inst.unsent -= n
+            inst.written_at = now
+        now = self.clock.monotonic()
+        b.update(verdict.breaker, now)
+        if verdict.opened:
+            log.warning("agent %s: circuit breaker opened for every instance (%s)", agent, error)
+        if verdict.closed:
+            log.info("agent %s: trial call succeeded, circuit breaker closed for every instance", agent)
+        was = inst.healthy
+        inst.healthy = verdict.healthy
+        if not verdict.healthy:
+            inst.probe_at = now + (verdict.probe_in if verdict.probe_in is not None else a.breaker_cool_off)
+            if was:
+                log.warning(
+                    "agent %s: this instance's calls fail while others succeed: unhealthy, "
+                    "not pulling its requests for %gs (%s)",
+                    agent,
+                    a.breaker_cool_off,
+                    error,
+                )
+        elif not was:
+            log.info("agent %s: probe succeeded, this instance is healthy again", agent)

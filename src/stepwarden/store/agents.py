@@ -1,0 +1,283 @@
+"""Agent instances and their shared circuit breakers, in the store (AGT3, AGT6).
+
+Two failures, two answers, both decided from rows every instance can see:
+
+- **The remote service fails.** Failures from every instance of an agent count toward ONE breaker
+  row (``agent_breakers``). The failure that reaches the threshold opens it with a conditional
+  ``UPDATE ... WHERE state = 'closed'``: exactly one instance's statement changes the row, and only
+  that instance raises the ``breaker_opened`` alert. Every instance reads the row when it pulls, so
+  all of them stop pulling the agent's requests at once. After the cool-off (``retry_at``, on the
+  database clock) one instance wins the conditional claim of the half-open trial; its success
+  closes the breaker for all (``breaker_closed``), its failure opens it for another cool-off.
+  The failure that reaches the threshold opens it only if at least two live instances are failing
+  (or the agent has one instance): one instance alone cannot open the breaker for all.
+- **Only this instance's calls fail** (its own network path, say). A failure made while another
+  live, healthy instance of the same agent has succeeded since this one began failing (and has not
+  failed since) is not the service's fault: it does not count toward the breaker. After ``unhealthy_after`` such failures in
+  a row the instance marks itself unhealthy (``agent_instances.healthy = 0``) and stops pulling that
+  agent's requests, so the work goes to healthy instances; it probes again after ``probe_at``.
+
+The functions here run inside one transaction each (``store.transact(fn, ...)``); the agent role
+(``agent.py``) keeps a local mirror of what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import RequestMsg, Row, Tx
+from .core import _claim_requests
+from .transitions import alert, event
+from .views import iso
+
+
+@dataclass(frozen=True)
+class BreakerView:
+    """One agent's shared breaker as read in a transaction; ``retry_in`` is seconds on the database
+    clock until a trial may be claimed (None when closed)."""
+
+    agent: str
+    state: str
+    failures: int
+    retry_in: float | None
+    opened_by: str | None = None
+    trial_by: str | None = None
+
+    @classmethod
+    def of(cls, r: Row) -> BreakerView:
+        return cls(
+            agent=str(r["agent"]),
+            state=str(r["state"]),
+            failures=int(r["failures"]),
+            retry_in=None if r["retry_in"] is None else float(r["retry_in"]),
+            opened_by=r["opened_by"],
+            trial_by=r["trial_by"],
+        )
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What an instance registers for one agent: its capacity and its breaker settings."""
+
+    agent: str
+    capacity: int
+    threshold: int
+    cool_off: float
+
+
+@dataclass(frozen=True)
+class Want:
+    """A pull's wish for one agent: up to ``room`` requests; ``may_trial``: this instance may run
+    the half-open trial if the breaker's cool-off is over."""
+
+    room: int
+    may_trial: bool = True
+
+
+@dataclass
+class PullResult:
+    requests: list[RequestMsg] = field(default_factory=list)
+    breakers: dict[str, BreakerView] = field(default_factory=dict)
+    trials: set[str] = field(default_factory=set)  # agents whose trial this instance now holds
+
+
+@dataclass(frozen=True)
+class Report:
+    """The outcome of one call to the service, as an instance reports it."""
+
+    agent: str
+    ok: bool
+    error: str | None = None
+    trial: bool = False
+    ago: float = 0.0  # seconds between the call's end and this report
+    successes: int = 1  # calls this report stands for (successes are written in batches)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the store decided about a reported call."""
+
+    breaker: BreakerView | None
+    healthy: bool
+    probe_in: float | None = None  # an unhealthy instance probes again after this many seconds
+    opened: bool = False  # this report opened the breaker (and raised the alert)
+    closed: bool = False  # this report's trial closed the breaker
+    own_fault: bool = False  # the failure was judged this instance's own (others succeed)
+
+
+@dataclass(frozen=True)
+class HealthRules:
+    unhealthy_after: int = 3  # own-fault failures in a row that make an instance unhealthy
+    probe_after: float = 5.0  # seconds an unhealthy instance waits before probing again
+    stale_after: float = 30.0  # an instance with no heartbeat for this long is not live
+    trial_ttl: float = 60.0  # a trial not reported within this is open to others again
+
+
+def register(tx: Tx, me: str, specs: Sequence[InstanceSpec]) -> None:
+    """Register this worker's agent instances (capacity, heartbeat) and make sure each agent has
+    its breaker row, with the threshold and cool-off of the agent's definition."""
+    for s in specs:
+        tx.run("agent_breaker_ensure", agent=s.agent, threshold=s.threshold, cool_off=s.cool_off)
+        tx.run("agent_instance_upsert", worker=me, agent=s.agent, capacity=s.capacity)
+
+
+def beat(tx: Tx, me: str, load: dict[str, tuple[int, int]]) -> None:
+    """Heartbeat: ``{agent: (capacity, inflight)}``."""
+    for agent, (capacity, inflight) in load.items():
+        tx.run("agent_instance_beat", worker=me, agent=agent, capacity=capacity, inflight=inflight)
+
+
+def stop(tx: Tx, me: str) -> None:
+    tx.run("agent_instances_stop", worker=me)
+
+
+def breakers(tx: Tx) -> dict[str, BreakerView]:
+    return {str(r["agent"]): BreakerView.of(r) for r in tx.all("agent_breakers_all")}
+
+
+def pull(tx: Tx, me: str, wants: dict[str, Want], rules: HealthRules) -> PullResult:
+    """Claim requests for the agents whose shared breaker lets them through, in one transaction:
+    closed, up to ``room``; open past its cool-off, ONE request as the trial, if this instance wins
+    the conditional claim of it. The breaker rows read are returned for the caller's mirror."""
+    out = PullResult(breakers=breakers(tx))
+    for agent, want in wants.items():
+        b = out.breakers.get(agent)
+        if b is None or b.state == "closed":
+            out.requests += _claim_requests(tx, me, [agent], want.room)
+            continue
+        if not want.may_trial or b.retry_in is None or b.retry_in > 0:
+            continue
+        if not tx.run("agent_breaker_trial", agent=agent, me=me, trial_ttl=rules.trial_ttl):
+            continue  # another instance took the trial
+        got = _claim_requests(tx, me, [agent], 1)
+        if not got:
+            tx.run("agent_breaker_untrial", agent=agent, me=me)
+            continue
+        out.requests += got
+        out.trials.add(agent)
+        out.breakers[agent] = BreakerView(agent, "half_open", b.failures, rules.trial_ttl, b.opened_by, me)
+        event(tx, "breaker_trial", None, me, agent=agent, request=got[0].id)
+    return out
+
+
+def report(tx: Tx, me: str, r: Report, threshold: int, cool_off: float, rules: HealthRules) -> Verdict:
+    """Record one call's outcome and apply the rules in the module docstring."""
+    if r.ok:
+        return _report_ok(tx, me, r)
+    row = tx.one("agent_instance_fail", me=me, agent=r.agent, ago=r.ago, error=(r.error or "")[:1000])
+    if row is None:  # not registered (a role used without run()): register and count it now
+        return Verdict(breaker=None, healthy=True)
+    failures, since, healthy = int(row["failures"]), float(row["failing_since"]), bool(row["healthy"])
+    others = tx.one("agent_others_ok", agent=r.agent, me=me, stale=rules.stale_after, since=since)
+    if others is not None and int(others["n"]) > 0:
+        # The service answers others: this instance's own path is at fault. It does not count
+        # toward the shared breaker; enough of it in a row makes the instance unhealthy.
+        if r.trial:  # a trial that says nothing about the service: give it back at once
+            tx.run("agent_breaker_untrial", agent=r.agent, me=me)
+        probe_in: float | None = None
+        if failures >= rules.unhealthy_after or not healthy:
+            tx.run("agent_instance_unhealthy", me=me, agent=r.agent, cool_off=rules.probe_after)
+            probe_in = rules.probe_after
+            if healthy:
+                event(tx, "instance_unhealthy", None, me, agent=r.agent, failures=failures, reason=r.error)
+        return Verdict(_breaker(tx, r.agent), probe_in is None, probe_in, own_fault=True)
+    reason = (r.error or "")[:300]
+    opened = False
+    if r.trial:
+        if tx.run("agent_breaker_reopen", agent=r.agent, me=me, cool_off=cool_off, reason=reason):
+            event(tx, "breaker_reopened", None, me, agent=r.agent, reason=reason)
+    else:
+        row = tx.one("agent_failing_spread", agent=r.agent, me=me, stale=rules.stale_after)
+        live, failing = (int(row["live"]), int(row["failing"])) if row else (1, 1)
+        spread = 1 if failing >= min(2, live) else 0
+        got = tx.one(
+            "agent_breaker_fail",
+            agent=r.agent,
+            me=me,
+            threshold=threshold,
+            cool_off=cool_off,
+            reason=reason,
+            spread=spread,
+        )
+        if got is not None and got["state"] == "open":
+            opened = True  # this statement moved closed -> open: this instance alone raises the alert
+            event(tx, "breaker_opened", None, me, agent=r.agent, reason=reason)
+            alert(
+                tx,
+                "breaker_opened",
+                None,
+                None,
+                f"circuit breaker of agent {r.agent!r} opened for every instance after {threshold} "
+                f"failures in a row (last: {reason}); a trial call is made after {cool_off:g}s",
+            )
+    return Verdict(_breaker(tx, r.agent), healthy, opened=opened)
+
+
+def _report_ok(tx: Tx, me: str, r: Report) -> Verdict:
+    if tx.run("agent_instance_recovered", me=me, agent=r.agent):
+        event(tx, "instance_healthy", None, me, agent=r.agent)
+    tx.run("agent_instance_ok", me=me, agent=r.agent, n=r.successes, ago=r.ago)
+    closed = False
+    if r.trial:
+        closed = bool(tx.run("agent_breaker_close", agent=r.agent, me=me))
+        if closed:
+            event(tx, "breaker_closed", None, me, agent=r.agent, reason="a trial call succeeded")
+    else:
+        tx.run("agent_breaker_reset", agent=r.agent)
+    return Verdict(_breaker(tx, r.agent), True, closed=closed)
+
+
+def _breaker(tx: Tx, agent: str) -> BreakerView | None:
+    return breakers(tx).get(agent)
+
+
+# -- views for operators (CLI, dashboard, metrics) ---------------------------------------------------
+
+
+def list_agents(tx: Tx, include_stopped: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """``{"breakers": [...], "instances": [...]}``: each agent's shared breaker, and every live
+    agent instance with its capacity, health, requests in flight and last success and failure."""
+    out_b = [
+        {
+            "agent": r["agent"],
+            "state": r["state"],
+            "failures": int(r["failures"]),
+            "threshold": int(r["threshold"]),
+            "cool_off": float(r["cool_off"]),
+            "since": iso(r["changed_at"]),
+            "opened_at": iso(r["opened_at"]),
+            "opened_by": r["opened_by"],
+            "trial_by": r["trial_by"],
+            "retry_in": None if r["retry_in"] is None else round(float(r["retry_in"]), 3),
+            "reason": r["reason"],
+            "opens": int(r["opens"]),
+        }
+        for r in tx.all("agent_breakers_all")
+    ]
+    instances = []
+    for r in tx.all("agent_instances_all"):
+        if r["stopped_at"] is not None and not include_stopped:
+            continue
+        now = float(r["now"])
+        instances.append(
+            {
+                "worker": r["worker"],
+                "agent": r["agent"],
+                "capacity": int(r["capacity"]),
+                "inflight": int(r["inflight"]),
+                "healthy": bool(r["healthy"]),
+                "failures": int(r["failures"]),
+                "successes_total": int(r["successes_total"]),
+                "failures_total": int(r["failures_total"]),
+                "last_success_at": iso(r["last_success_at"]),
+                "last_failure_at": iso(r["last_failure_at"]),
+                "last_error": r["last_error"],
+                "unhealthy_since": iso(r["unhealthy_since"]),
+                "probe_in": None if r["probe_at"] is None else round(float(r["probe_at"]) - now, 3),
+                "heartbeat_age": round(now - float(r["heartbeat_at"]), 3),
+                "stopped_at": iso(r["stopped_at"]),
+            }
+        )
+    return {"breakers": out_b, "instances": instances}

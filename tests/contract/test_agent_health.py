@@ -1,0 +1,261 @@
+"""Shared circuit breakers and instance health in the store (AGT3, AGT6), on every store.
+
+The store's clock is the test's FakeClock, so cool-offs and trial leases are crossed with
+``clock.advance`` and never slept through. Each transition is a conditional statement; the tests
+check that exactly one reporter makes it (one ``breaker_opened`` alert, one trial holder), also
+with reporters racing on threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from stepwarden.clock import FakeClock
+from stepwarden.store import Store
+from stepwarden.store import agents as sa
+from stepwarden.store import transitions as t
+from stepwarden.workflow import Workflow, encode_input
+
+A, B, C = "agent-a:1:aaa", "agent-b:2:bbb", "agent-c:3:ccc"
+THRESHOLD, COOL_OFF = 3, 10.0
+RULES = sa.HealthRules(unhealthy_after=3, probe_after=COOL_OFF, stale_after=30.0, trial_ttl=20.0)
+
+
+def register(store: Store, *workers: str) -> None:
+    for w in workers:
+        store.transact_sync(sa.register, w, [sa.InstanceSpec("svc", 4, THRESHOLD, COOL_OFF)])
+
+
+def report(store: Store, me: str, ok: bool, *, trial: bool = False, error: str = "down") -> sa.Verdict:
+    r = sa.Report("svc", ok, None if ok else error, trial)
+    return store.transact_sync(sa.report, me, r, THRESHOLD, COOL_OFF, RULES)
+
+
+def pull(store: Store, me: str, room: int = 4, may_trial: bool = True) -> sa.PullResult:
+    return store.transact_sync(sa.pull, me, {"svc": sa.Want(room, may_trial)}, RULES)
+
+
+def dispatch(store: Store, make_workflow: Callable[..., Workflow], n: int) -> None:
+    wf = make_workflow("s", budget=600.0, compensate=False)
+    for i in range(n):
+        store.transact_sync(
+            t.submit,
+            wf,
+            encode_input({"i": i}),
+            correlation_id=None,
+            idempotency_key=None,
+            priority=0,
+            reply_to=None,
+        )
+    assert store.transact_sync(t.claim_and_dispatch, "sched", 100) == n
+
+
+def rows(store: Store, sql: str) -> list[dict[str, Any]]:
+    return store.transact_sync(lambda tx: tx.sql(sql))
+
+
+def breaker(store: Store) -> dict[str, Any]:
+    [b] = store.transact_sync(sa.list_agents)["breakers"]
+    return b
+
+
+def alerts(store: Store) -> list[dict[str, Any]]:
+    return rows(store, "SELECT kind, message FROM alerts ORDER BY id")
+
+
+def kinds(store: Store) -> list[str]:
+    return [r["kind"] for r in rows(store, "SELECT kind FROM events WHERE task_id IS NULL ORDER BY id")]
+
+
+def test_failures_across_instances_open_the_breaker_once_and_a_trial_closes_it(
+    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+) -> None:
+    register(store, A, B, C)
+    dispatch(store, make_workflow, 4)
+    # consecutive failures from three instances: the third reaches the threshold
+    verdicts = [report(store, w, False) for w in (A, B, C)]
+    assert [v.opened for v in verdicts] == [False, False, True]
+    assert verdicts[-1].breaker is not None and verdicts[-1].breaker.state == "open"
+    # failures after it opened change nothing: no second alert
+    assert not report(store, A, False).opened
+    b = breaker(store)
+    assert (b["state"], b["opened_by"], b["opens"]) == ("open", C, 1)
+    assert [a["kind"] for a in alerts(store)] == ["breaker_opened"]
+    assert "svc" in alerts(store)[0]["message"]
+    # open for every instance: nobody pulls, nobody may try before the cool-off
+    for w in (A, B, C):
+        got = pull(store, w)
+        assert got.requests == [] and got.breakers["svc"].state == "open"
+    clock.advance(COOL_OFF - 0.5)
+    assert pull(store, A).requests == []
+    # after the cool-off exactly one instance wins the half-open trial, with one request
+    clock.advance(0.5)
+    first, second = pull(store, A), pull(store, B)
+    assert first.trials == {"svc"} and len(first.requests) == 1
+    assert second.trials == set() and second.requests == []
+    # the trial fails: open again for a new cool-off, still one alert
+    v = report(store, A, False, trial=True)
+    assert v.breaker is not None and v.breaker.state == "open" and not v.opened
+    assert v.breaker.retry_in == COOL_OFF
+    assert pull(store, B).requests == []
+    clock.advance(COOL_OFF)
+    trial = pull(store, B)
+    assert trial.trials == {"svc"} and len(trial.requests) == 1
+    v = report(store, B, True, trial=True)
+    assert v.closed and v.breaker is not None and v.breaker.state == "closed"
+    # closed for all: the others pull again
+    assert len(pull(store, C).requests) == 2
+    assert [a["kind"] for a in alerts(store)] == ["breaker_opened"]
+    assert [k for k in kinds(store) if k.startswith("breaker")] == [
+        "breaker_opened",
+        "breaker_trial",
+        "breaker_reopened",
+        "breaker_trial",
+        "breaker_closed",
+    ]
+
+
+def test_a_success_resets_the_consecutive_count(store: Store) -> None:
+    register(store, A, B)
+    report(store, A, False)
+    report(store, B, False)
+    report(store, B, True)
+    assert breaker(store)["failures"] == 0
+    assert not report(store, A, False).opened and not report(store, B, False).opened
+    assert breaker(store)["state"] == "closed"
+
+
+def test_one_instance_alone_cannot_open_the_breaker_while_others_are_live(store: Store) -> None:
+    register(store, A, B)
+    verdicts = [report(store, A, False) for _ in range(THRESHOLD + 2)]
+    assert not any(v.opened for v in verdicts) and breaker(store)["state"] == "closed"
+    assert report(store, B, False).opened  # a second instance failing too: the service is down
+
+
+def test_racing_reporters_open_the_breaker_exactly_once(store: Store) -> None:
+    workers = [f"agent-{i}:{i}:race" for i in range(8)]
+    register(store, *workers)
+    opened: list[bool] = []
+    lock = threading.Lock()
+    go = threading.Barrier(len(workers))
+
+    def fail(w: str) -> None:
+        go.wait()
+        for _ in range(2):
+            v = report(store, w, False)
+            with lock:
+                opened.append(v.opened)
+
+    threads = [threading.Thread(target=fail, args=(w,)) for w in workers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert len(opened) == 16 and opened.count(True) == 1
+    assert [a["kind"] for a in alerts(store)] == ["breaker_opened"]
+    assert breaker(store)["opens"] == 1
+
+
+def test_racing_instances_claim_one_trial(
+    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+) -> None:
+    workers = [f"agent-{i}:{i}:trial" for i in range(6)]
+    register(store, *workers)
+    dispatch(store, make_workflow, 6)
+    for w in workers[:THRESHOLD]:
+        report(store, w, False)
+    clock.advance(COOL_OFF)
+    results: list[sa.PullResult] = []
+    lock = threading.Lock()
+    go = threading.Barrier(len(workers))
+
+    def try_pull(w: str) -> None:
+        go.wait()
+        got = pull(store, w)
+        with lock:
+            results.append(got)
+
+    threads = [threading.Thread(target=try_pull, args=(w,)) for w in workers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert sum(len(r.trials) for r in results) == 1
+    assert sum(len(r.requests) for r in results) == 1
+
+
+def test_a_trial_whose_holder_vanished_is_claimed_again_after_its_lease(
+    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+) -> None:
+    register(store, A, B)
+    dispatch(store, make_workflow, 3)
+    for w in (A, B, A):
+        report(store, w, False)
+    clock.advance(COOL_OFF)
+    assert pull(store, A).trials == {"svc"}  # ... and A dies without reporting
+    clock.advance(RULES.trial_ttl - 1)
+    assert pull(store, B).trials == set()
+    clock.advance(1)
+    assert pull(store, B).trials == {"svc"}
+
+
+def test_a_trial_with_no_request_to_try_is_given_back(
+    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+) -> None:
+    register(store, A, B)
+    for w in (A, B, A):
+        report(store, w, False)
+    clock.advance(COOL_OFF)
+    assert pull(store, A).trials == set()  # nothing queued: no trial held
+    dispatch(store, make_workflow, 1)
+    assert pull(store, B).trials == {"svc"}
+
+
+def test_an_instance_failing_while_another_succeeds_goes_unhealthy_not_the_breaker(store: Store) -> None:
+    register(store, A, B)
+    report(store, A, False)  # A's streak starts
+    assert report(store, B, True).healthy  # B succeeds after it: the service is up
+    v1 = report(store, A, False)
+    assert v1.own_fault and v1.healthy
+    v2 = report(store, A, False)  # A's third failure in a row, all while B succeeds
+    assert v2.own_fault and not v2.healthy and v2.probe_in == COOL_OFF
+    b = breaker(store)
+    assert b["state"] == "closed" and b["failures"] == 0  # B's success reset A's first failure
+    instances = {i["worker"]: i for i in store.transact_sync(sa.list_agents)["instances"]}
+    assert not instances[A]["healthy"] and instances[A]["failures"] == 3
+    assert instances[A]["probe_in"] == COOL_OFF and instances[A]["last_error"] == "down"
+    assert instances[B]["healthy"] and instances[B]["last_success_at"] is not None
+    # a failed probe: still unhealthy, not counted toward the breaker either
+    v3 = report(store, A, False)
+    assert v3.own_fault and not v3.healthy and breaker(store)["failures"] == 0
+    assert alerts(store) == []
+    # the probe succeeds: healthy again
+    assert report(store, A, True).healthy
+    assert [k for k in kinds(store) if k.startswith("instance")] == ["instance_unhealthy", "instance_healthy"]
+
+
+def test_a_stopped_or_silent_instance_is_no_evidence_that_the_service_is_up(
+    store: Store, clock: FakeClock
+) -> None:
+    register(store, A, B, C)
+    report(store, A, False)
+    report(store, B, True)
+    store.transact_sync(sa.stop, B)  # B's success does not count once B stopped
+    clock.advance(1)
+    report(store, C, True)
+    clock.advance(RULES.stale_after + 1)  # ... nor C's once its heartbeat is stale
+    verdicts = [report(store, A, False) for _ in range(THRESHOLD)]
+    assert not any(v.own_fault for v in verdicts)
+    assert verdicts[-1].opened
+
+
+def test_heartbeat_records_capacity_and_load(store: Store) -> None:
+    register(store, A)
+    store.transact_sync(sa.beat, A, {"svc": (8, 3)})
+    [i] = store.transact_sync(sa.list_agents)["instances"]
+    assert (i["worker"], i["agent"], i["capacity"], i["inflight"], i["healthy"]) == (A, "svc", 8, 3, True)
+    store.transact_sync(sa.stop, A)
+    assert store.transact_sync(sa.list_agents)["instances"] == []
+    assert len(store.transact_sync(sa.list_agents, True)["instances"]) == 1
