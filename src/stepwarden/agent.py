@@ -10,6 +10,7 @@ interrupted; it keeps running in its thread, and its late result is discarded un
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import random
@@ -18,11 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from . import tracing
 from .agent_health import AgentHealth
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, Permanent, Transient
 from .policies import Backoff
 from .store import ApplyResult, RequestMsg, Store
+from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
 from .workflow import check_ident
 
 log = logging.getLogger("stepwarden.agent")
@@ -149,6 +152,7 @@ class AgentRole:
         # its own health (AGT3, AGT6; see agent_health.py).
         self.health = AgentHealth(store, me, agents, clock, self.settings)
         self.breakers = self.health.breakers
+        self.tracer = tracing.tracer(me)  # spans per attempt when the `otel` extra is installed
         self.rng = random.Random()
         self.pool = ThreadPoolExecutor(
             max_workers=threads or max(4, sum(a.concurrency for a in agents.values())),
@@ -201,21 +205,44 @@ class AgentRole:
         if not self.health.registered:
             await self.health.register({n: a.concurrency for n, a in self.agents.items()})
         rooms = {n: a.concurrency - self.inflight[n] for n, a in self.agents.items()}
-        msgs, trials, probes = await self.health.pull(rooms)
+        msgs, trials, probes, workflows = await self.health.pull(rooms, self.tracer.wants_workflows)
         for msg in msgs:
             agent = self.agents[msg.agent]
             self.inflight[agent.name] += 1
             trial = msg.agent in trials
             probe = msg.agent in probes
-            t = asyncio.create_task(self.execute(agent, msg, trial, probe), name=f"request-{msg.id}")
+            span = self.tracer.attempt(msg, workflows.get(msg.task_id))
+            t = asyncio.create_task(self.execute(agent, msg, trial, probe, span), name=f"request-{msg.id}")
             self.tasks[t] = msg
             t.add_done_callback(lambda done: self.tasks.pop(done, None))
         return len(msgs)
 
-    async def execute(self, agent: Agent, msg: RequestMsg, trial: bool = False, probe: bool = False) -> None:
+    async def execute(
+        self,
+        agent: Agent,
+        msg: RequestMsg,
+        trial: bool = False,
+        probe: bool = False,
+        span: AttemptSpan | NoAttempt = NO_ATTEMPT,
+    ) -> None:
+        try:
+            with span:
+                await self._execute(agent, msg, trial, span)
+        finally:
+            self.inflight[agent.name] -= 1
+            self.wake.set()
+            if probe:
+                self.health.probe_done(agent.name)
+            if trial:  # a trial that ended without a verdict (complete-by passed) counts as failed
+                await self._guard(self.health.release_trial(agent.name, "the trial call gave no answer"))
+
+    async def _execute(
+        self, agent: Agent, msg: RequestMsg, trial: bool, span: AttemptSpan | NoAttempt
+    ) -> None:
         try:
             started = self.clock.monotonic()
-            outcome = await self._attempt(agent, msg, trial)
+            outcome = await self._attempt(agent, msg, trial, span)
+            span.finish(outcome[0] if outcome else "silent", outcome[2] if outcome else None)
             self.on_attempt(agent.name, outcome[0] if outcome else "silent", self.clock.monotonic() - started)
             if outcome is None:
                 log.info(
@@ -232,13 +259,6 @@ class AgentRole:
             raise
         except Exception as e:  # never let one request kill the role
             log.exception("request %s: unexpected failure: %r", msg.id, e)
-        finally:
-            self.inflight[agent.name] -= 1
-            self.wake.set()
-            if probe:
-                self.health.probe_done(agent.name)
-            if trial:  # a trial that ended without a verdict (complete-by passed) counts as failed
-                await self._guard(self.health.release_trial(agent.name, "the trial call gave no answer"))
 
     async def _guard(self, coro: Awaitable[None]) -> None:
         try:
@@ -274,6 +294,7 @@ class AgentRole:
                     self.on_reply()
                     if applied is not None:
                         self.on_applied(applied)
+                        self.tracer.applied(applied)
                         self.wake.set()  # next steps were just dispatched: pull them now
                     break
                 except Exception as e:  # the attempts expire and are rescued if this never succeeds
@@ -284,7 +305,7 @@ class AgentRole:
                     fut.set_result(None)
 
     async def _attempt(
-        self, agent: Agent, msg: RequestMsg, trial: bool = False
+        self, agent: Agent, msg: RequestMsg, trial: bool = False, span: AttemptSpan | NoAttempt = NO_ATTEMPT
     ) -> tuple[str, Any, str | None] | None:
         """Returns (outcome, result, error) to send, or None to stay silent (complete-by passed)."""
         deadline = self.clock.monotonic() + msg.remaining
@@ -322,6 +343,7 @@ class AgentRole:
                     if deadline - self.clock.monotonic() <= 0.001:
                         return None  # complete-by: cancel and stay silent (AGT4)
                     last = "operation timed out"
+                    span.try_failed(n, last)
                     await self._guard(health.ended(agent.name, False, last, trial and n == 1))
                 except Exception as e:
                     kind = agent.classify(e)
@@ -330,6 +352,7 @@ class AgentRole:
                         await self._guard(health.ended(agent.name, True, None, trial and n == 1))
                         return "error", None, _describe(e)
                     last = _describe(e)
+                    span.try_failed(n, last)
                     await self._guard(health.ended(agent.name, False, last, trial and n == 1))
                 else:
                     await self._guard(health.ended(agent.name, True, None, trial and n == 1))
@@ -353,7 +376,8 @@ class AgentRole:
             coro: Awaitable[Any] = handler(req)
             return await asyncio.wait_for(coro, timeout)
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.pool, handler, req)
+        # In the caller's context, so the attempt's span (and other context) is current in the thread.
+        fut = loop.run_in_executor(self.pool, contextvars.copy_context().run, handler, req)
         # A thread cannot be interrupted: on timeout the call runs on, and its result is dropped.
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
 

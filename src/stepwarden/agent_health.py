@@ -124,12 +124,15 @@ class AgentHealth:
         await self.store.transact(sa.stop, self.me)
 
     # -- pulling ------------------------------------------------------------------------------------
-    async def pull(self, rooms: Mapping[str, int]) -> tuple[list[RequestMsg], set[str], set[str]]:
+    async def pull(
+        self, rooms: Mapping[str, int], with_workflows: bool = False
+    ) -> tuple[list[RequestMsg], set[str], set[str], dict[int, str]]:
         """Claim up to ``rooms[agent]`` requests for each agent this instance may serve now.
 
         An unhealthy instance takes nothing for the agent, except one probe request once its
         cool-off is over; an open breaker lets through only the trial, claimed in the store by one
-        instance. Returns the requests, the agents whose trial we hold, and those being probed."""
+        instance. Returns the requests, the agents whose trial we hold, those being probed, and
+        (``with_workflows``, for tracing) the workflow of each request's task."""
         now = self.clock.monotonic()
         wants: dict[str, sa.Want] = {}
         probes: set[str] = set()
@@ -147,8 +150,8 @@ class AgentHealth:
                 continue
             wants[name] = sa.Want(room, may_trial=b.state != "closed" and now >= b.retry_at)
         if not wants:
-            return [], set(), set()
-        got = await self.store.transact(sa.pull, self.me, wants, self.rules)
+            return [], set(), set(), {}
+        got = await self.store.transact(sa.pull, self.me, wants, self.rules, with_workflows)
         now = self.clock.monotonic()
         for name, b in self.breakers.items():
             b.update(got.breakers.get(name), now)
@@ -159,7 +162,7 @@ class AgentHealth:
         for name in probes & taken:
             self.instances[name].probing = True
             log.info("agent %s: probing this unhealthy instance with one request", name)
-        return got.requests, got.trials, probes & taken
+        return got.requests, got.trials, probes & taken, got.workflows
 
     # -- calls ---------------------------------------------------------------------------------------
     def may_call(self, agent: str) -> str | None:

@@ -10,8 +10,8 @@ from typing import Any
 
 from ..errors import NotFound
 from ..metrics import breaker_state
-from ..store import agents as store_agents
 from ..store import TASK_STATES, Tx, views
+from ..store import agents as store_agents
 from ..store.views import iso
 
 PAGE = 50

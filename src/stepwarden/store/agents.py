@@ -13,9 +13,10 @@ Two failures, two answers, both decided from rows every instance can see:
   (or the agent has one instance): one instance alone cannot open the breaker for all.
 - **Only this instance's calls fail** (its own network path, say). A failure made while another
   live, healthy instance of the same agent has succeeded since this one began failing (and has not
-  failed since) is not the service's fault: it does not count toward the breaker. After ``unhealthy_after`` such failures in
-  a row the instance marks itself unhealthy (``agent_instances.healthy = 0``) and stops pulling that
-  agent's requests, so the work goes to healthy instances; it probes again after ``probe_at``.
+  failed since) is not the service's fault: it does not count toward the breaker. After
+  ``unhealthy_after`` failures in a row the instance marks itself unhealthy
+  (``agent_instances.healthy = 0``) and stops pulling that agent's requests, so the work goes to
+  healthy instances; it probes again after ``probe_at``.
 
 The functions here run inside one transaction each (``store.transact(fn, ...)``); the agent role
 (``agent.py``) keeps a local mirror of what they return.
@@ -81,6 +82,7 @@ class PullResult:
     requests: list[RequestMsg] = field(default_factory=list)
     breakers: dict[str, BreakerView] = field(default_factory=dict)
     trials: set[str] = field(default_factory=set)  # agents whose trial this instance now holds
+    workflows: dict[int, str] = field(default_factory=dict)  # task id -> workflow, if asked (tracing)
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,9 @@ def breakers(tx: Tx) -> dict[str, BreakerView]:
     return {str(r["agent"]): BreakerView.of(r) for r in tx.all("agent_breakers_all")}
 
 
-def pull(tx: Tx, me: str, wants: dict[str, Want], rules: HealthRules) -> PullResult:
+def pull(
+    tx: Tx, me: str, wants: dict[str, Want], rules: HealthRules, with_workflows: bool = False
+) -> PullResult:
     """Claim requests for the agents whose shared breaker lets them through, in one transaction:
     closed, up to ``room``; open past its cool-off, ONE request as the trial, if this instance wins
     the conditional claim of it. The breaker rows read are returned for the caller's mirror."""
@@ -159,6 +163,11 @@ def pull(tx: Tx, me: str, wants: dict[str, Want], rules: HealthRules) -> PullRes
         out.trials.add(agent)
         out.breakers[agent] = BreakerView(agent, "half_open", b.failures, rules.trial_ttl, b.opened_by, me)
         event(tx, "breaker_trial", None, me, agent=agent, request=got[0].id)
+    if with_workflows and out.requests:
+        ids = sorted({m.task_id for m in out.requests})
+        marks = ", ".join("?" for _ in ids)
+        for r in tx.sql(f"SELECT id, workflow FROM tasks WHERE id IN ({marks})", tuple(ids)):
+            out.workflows[int(r["id"])] = str(r["workflow"])
     return out
 
 

@@ -1,0 +1,214 @@
+"""OpenTelemetry spans for tasks and step attempts (OPS6), when the ``otel`` extra is installed.
+
+Without ``opentelemetry-api`` every hook here is a no-op object whose methods do nothing, chosen
+once at import: nothing is imported, allocated or looked up per attempt. With the API installed but
+no SDK configured, OpenTelemetry's own no-op tracer is used (also near zero cost); configure an SDK
+``TracerProvider`` and exporter in your worker's process to record them.
+
+What is recorded:
+
+- a span per **step attempt**, in the agent instance that runs it, named ``attempt AGENT.OPERATION``
+  (kind CONSUMER: it processes a request message), with attributes ``stepwarden.task.id``,
+  ``stepwarden.workflow``, ``stepwarden.step``, ``stepwarden.attempt``, ``stepwarden.kind``
+  (do/undo), ``stepwarden.agent``, ``stepwarden.operation``, ``stepwarden.outcome`` (ok, error,
+  retry, released, silent) and the worker; each failed try inside the attempt is a span event. The
+  span is current while the operation runs, so spans of an instrumented HTTP client nest under it.
+- a span per **task finished** by a worker that applies its agents' replies (``stepwarden.task``,
+  with the final state).
+
+How attempts are linked: every span of a task has the same trace id, derived from the task id
+(:func:`task_trace_id`), and as parent a remote span context derived from it too -- so the attempts
+of one task, made by different processes across retries and failovers, are one trace without any
+context having to travel through the store. A retry made by the same process also carries a span
+link to the previous attempt's span.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+try:
+    from opentelemetry import trace as _trace
+except ImportError:  # the `otel` extra is not installed: every hook below is a no-op
+    _trace = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from .store import ApplyResult, RequestMsg
+
+ENABLED = _trace is not None
+TRACER_NAME = "stepwarden"
+_REMEMBER = 10_000  # previous attempts' span contexts kept per process, for links
+
+
+def _digest(task_id: int) -> bytes:
+    return hashlib.blake2b(f"stepwarden:task:{task_id}".encode(), digest_size=24).digest()
+
+
+def task_trace_id(task_id: int) -> int:
+    """The trace id of every span of task ``task_id``: the same in every process (128 bits)."""
+    return int.from_bytes(_digest(task_id)[:16], "big") or 1
+
+
+def task_span_id(task_id: int) -> int:
+    """The span id of the task's (remote, never emitted) root context: the attempts' parent."""
+    return int.from_bytes(_digest(task_id)[16:], "big") or 1
+
+
+class NoAttempt:
+    """The attempt span when tracing is off: does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> NoAttempt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def try_failed(self, n: int, error: str) -> None:
+        return None
+
+    def finish(self, outcome: str, error: str | None = None) -> None:
+        return None
+
+
+class NoTracer:
+    """The tracer when the ``otel`` extra is not installed."""
+
+    __slots__ = ()
+    wants_workflows = False
+
+    def attempt(self, msg: RequestMsg, workflow: str | None = None) -> NoAttempt:
+        return NO_ATTEMPT
+
+    def applied(self, result: ApplyResult) -> None:
+        return None
+
+
+NO_ATTEMPT = NoAttempt()
+
+
+class AttemptSpan:
+    """One attempt's span, current while the attempt runs."""
+
+    def __init__(self, tracer: Tracer, msg: RequestMsg, workflow: str | None) -> None:
+        self.tracer = tracer
+        self.msg = msg
+        self.workflow = workflow
+        self.span: Any = None
+        self._use: Any = None
+        self._finished = False
+
+    def __enter__(self) -> AttemptSpan:
+        assert _trace is not None
+        msg = self.msg
+        step = msg.idempotency_key.split(":", 1)[1]
+        parent = _trace.set_span_in_context(_trace.NonRecordingSpan(_task_context(msg.task_id)))
+        key = (msg.task_id, msg.step_idx, msg.kind)
+        before = self.tracer.last.get(key)
+        links = [_trace.Link(before, {"stepwarden.link": "previous_attempt"})] if before is not None else []
+        attrs: dict[str, Any] = {
+            "stepwarden.task.id": msg.task_id,
+            "stepwarden.step": step,
+            "stepwarden.step.index": msg.step_idx,
+            "stepwarden.attempt": msg.attempt,
+            "stepwarden.kind": msg.kind,
+            "stepwarden.agent": msg.agent,
+            "stepwarden.operation": msg.operation,
+            "stepwarden.idempotency_key": msg.idempotency_key,
+            "stepwarden.worker": self.tracer.me,
+        }
+        if self.workflow is not None:
+            attrs["stepwarden.workflow"] = self.workflow
+        self.span = self.tracer.otel.start_span(
+            f"attempt {msg.agent}.{msg.operation}",
+            context=parent,
+            kind=_trace.SpanKind.CONSUMER,
+            attributes=attrs,
+            links=links,
+        )
+        self.tracer.remember(key, self.span.get_span_context())
+        self._use = _trace.use_span(self.span, end_on_exit=False)
+        self._use.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._use is not None:
+            self._use.__exit__(*exc)
+        if self.span is not None and self.span.is_recording():
+            if not self._finished:  # cancelled (worker stopping) or failed before an outcome
+                self.span.set_attribute("stepwarden.outcome", "cancelled" if exc and exc[0] else "none")
+            self.span.end()
+
+    def try_failed(self, n: int, error: str) -> None:
+        self.span.add_event("try_failed", {"stepwarden.try": n, "error": error[:500]})
+
+    def finish(self, outcome: str, error: str | None = None) -> None:
+        assert _trace is not None
+        self._finished = True
+        self.span.set_attribute("stepwarden.outcome", outcome)
+        if outcome in ("error", "retry"):
+            self.span.set_status(_trace.Status(_trace.StatusCode.ERROR, (error or outcome)[:500]))
+        elif outcome == "silent":
+            self.span.set_status(_trace.Status(_trace.StatusCode.ERROR, "complete-by passed: no reply"))
+        elif outcome == "ok":
+            self.span.set_status(_trace.Status(_trace.StatusCode.OK))
+
+
+class Tracer:
+    """Spans of one worker process (see the module docstring)."""
+
+    wants_workflows = True
+
+    def __init__(self, me: str) -> None:
+        assert _trace is not None
+        from . import __version__
+
+        self.me = me
+        self.otel = _trace.get_tracer(TRACER_NAME, __version__)
+        self.last: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
+
+    def remember(self, key: tuple[int, int, str], ctx: Any) -> None:
+        self.last[key] = ctx
+        self.last.move_to_end(key)
+        while len(self.last) > _REMEMBER:
+            self.last.popitem(last=False)
+
+    def attempt(self, msg: RequestMsg, workflow: str | None = None) -> AttemptSpan:
+        return AttemptSpan(self, msg, workflow)
+
+    def applied(self, result: ApplyResult) -> None:
+        """Replies applied by this process: a span for each task they finished."""
+        assert _trace is not None
+        for task_id, state in result.finished:
+            parent = _trace.set_span_in_context(_trace.NonRecordingSpan(_task_context(task_id)))
+            span = self.otel.start_span(
+                "stepwarden.task",
+                context=parent,
+                attributes={
+                    "stepwarden.task.id": task_id,
+                    "stepwarden.task.state": state,
+                    "stepwarden.outcome": state,
+                    "stepwarden.worker": self.me,
+                },
+            )
+            if state != "processed":
+                span.set_status(_trace.Status(_trace.StatusCode.ERROR, f"task ended {state}"))
+            span.end()
+
+
+def _task_context(task_id: int) -> Any:
+    assert _trace is not None
+    return _trace.SpanContext(
+        trace_id=task_trace_id(task_id),
+        span_id=task_span_id(task_id),
+        is_remote=True,
+        trace_flags=_trace.TraceFlags(_trace.TraceFlags.SAMPLED),
+    )
+
+
+def tracer(me: str) -> Tracer | NoTracer:
+    """The tracer for a worker process: real when ``opentelemetry-api`` is importable."""
+    return Tracer(me) if ENABLED else NoTracer()

@@ -1,0 +1,216 @@
+"""OpenTelemetry spans per step attempt and per finished task (OPS6), with the SDK's in-memory
+exporter; and the no-op path when ``opentelemetry`` is not installed.
+
+The agent role runs on the fake clock: attempt 1 fails (a transient error, one try), the role
+applies its own reply (as a worker that is also a scheduler does), the clock passes the step's
+back-off, the scheduler dispatches attempt 2, which succeeds and finishes the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from stepwarden import tracing
+from stepwarden.agent import Agent, AgentRole, AgentSettings, Request
+from stepwarden.clock import FakeClock
+from stepwarden.errors import Transient
+from stepwarden.policies import Backoff, Retry
+from stepwarden.store import Store
+from stepwarden.store import transitions as t
+from stepwarden.workflow import Workflow, encode_input
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+ME = "agent-1:1:otel"
+
+
+@pytest.fixture(scope="module")
+def exporter() -> InMemorySpanExporter:
+    """An in-memory exporter on the process's tracer provider (set once per process)."""
+    exp = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    return exp
+
+
+async def finish(role: AgentRole) -> None:
+    if role.tasks:
+        _, pending = await asyncio.wait(set(role.tasks), timeout=5)
+        assert not pending
+
+
+def test_attempts_and_the_task_are_spans_of_one_trace_linked_across_retries(
+    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow], exporter: InMemorySpanExporter
+) -> None:
+    exporter.clear()
+    retry = Retry(max_failures=3, backoff=Backoff(initial=5.0, maximum=5.0, jitter=0.0), tries=1)
+    wf = make_workflow("s", budget=60.0, retry=retry, compensate=False)
+    task_id, _ = store.transact_sync(
+        t.submit,
+        wf,
+        encode_input({"n": 1}),
+        correlation_id=None,
+        idempotency_key=None,
+        priority=0,
+        reply_to=None,
+    )
+    agent = Agent("svc")
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(req.attempt)
+        assert trace.get_current_span().get_span_context().trace_id == tracing.task_trace_id(task_id)
+        if req.attempt == 1:
+            raise Transient("service busy")
+        return "done"
+
+    async def body() -> None:
+        role = AgentRole(store, {"svc": agent}, ME, clock=clock, settings=AgentSettings(apply_replies=True))
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 1
+        assert await role.pull() == 1
+        await finish(role)
+        clock.advance(5.0)  # the step's back-off
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 1
+        assert await role.pull() == 1
+        await finish(role)
+
+    asyncio.run(body())
+    assert calls == [1, 2]
+    state = store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks WHERE id = ?", (task_id,)))
+    assert state[0]["state"] == "processed"
+
+    spans: list[ReadableSpan] = list(exporter.get_finished_spans())
+    attempts = sorted(
+        (s for s in spans if s.name == "attempt svc.do_s"), key=lambda s: s.attributes["stepwarden.attempt"]
+    )  # type: ignore[index]
+    [task] = [s for s in spans if s.name == "stepwarden.task"]
+    assert len(attempts) == 2
+    # one trace per task, derived from the task id: the same in any process
+    trace_id = tracing.task_trace_id(task_id)
+    assert {s.context.trace_id for s in [*attempts, task]} == {trace_id}
+    assert all(s.parent is not None and s.parent.span_id == tracing.task_span_id(task_id) for s in attempts)
+    first, second = attempts
+    want: dict[str, Any] = {
+        "stepwarden.task.id": task_id,
+        "stepwarden.workflow": "wf",
+        "stepwarden.step": "s",
+        "stepwarden.agent": "svc",
+        "stepwarden.operation": "do_s",
+        "stepwarden.kind": "do",
+    }
+    for s in attempts:
+        assert {k: s.attributes[k] for k in want} == want  # type: ignore[index]
+        assert s.kind == trace.SpanKind.CONSUMER
+    assert (first.attributes["stepwarden.attempt"], first.attributes["stepwarden.outcome"]) == (1, "retry")  # type: ignore[index]
+    assert (second.attributes["stepwarden.attempt"], second.attributes["stepwarden.outcome"]) == (2, "ok")  # type: ignore[index]
+    assert first.status.status_code == trace.StatusCode.ERROR
+    assert second.status.status_code == trace.StatusCode.OK
+    assert [e.name for e in first.events] == ["try_failed"]
+    assert first.events[0].attributes is not None and "service busy" in str(
+        first.events[0].attributes["error"]
+    )
+    # the retry links to the attempt before it
+    assert [link.context.span_id for link in second.links] == [first.context.span_id]
+    assert task.attributes is not None and task.attributes["stepwarden.task.state"] == "processed"
+
+
+def test_task_trace_ids_are_stable_and_distinct() -> None:
+    assert tracing.task_trace_id(17) == tracing.task_trace_id(17)
+    ids = {tracing.task_trace_id(i) for i in range(1000)}
+    assert len(ids) == 1000 and all(0 < i < 2**128 for i in ids)
+    assert all(0 < tracing.task_span_id(i) < 2**64 for i in range(100))
+
+
+def test_without_opentelemetry_every_hook_is_a_no_op() -> None:
+    """In a fresh interpreter where ``import opentelemetry`` fails, as without the extra."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["opentelemetry"] = None  # import fails, as when the extra is not installed
+        from stepwarden import tracing
+        from stepwarden.agent import AgentRole
+        assert not tracing.ENABLED
+        tr = tracing.tracer("w:1:x")
+        assert isinstance(tr, tracing.NoTracer) and tr.attempt(None) is tracing.NO_ATTEMPT
+        with tr.attempt(None) as span:
+            span.try_failed(1, "x")
+            span.finish("ok")
+        tr.applied(None)
+        assert not [m for m in sys.modules if m.startswith("opentelemetry.")]
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_the_role_runs_unchanged_with_the_no_op_tracer(
+    store: Store, make_workflow: Callable[..., Workflow], clock: FakeClock
+) -> None:
+    wf = make_workflow("s", budget=60.0, compensate=False)
+    store.transact_sync(
+        t.submit, wf, encode_input({}), correlation_id=None, idempotency_key=None, priority=0, reply_to=None
+    )
+    agent = Agent("svc")
+
+    seen: list[Any] = []
+
+    @agent.operation
+    def do_s(req: Request) -> int:  # a plain function, in the role's thread pool
+        seen.append(trace.get_current_span())
+        return 1
+
+    async def body() -> None:
+        role = AgentRole(store, {"svc": agent}, ME, clock=clock, settings=AgentSettings(apply_replies=True))
+        role.tracer = tracing.NoTracer()
+        store.transact_sync(t.claim_and_dispatch, "sched", 10)
+        assert await role.pull() == 1
+        await finish(role)
+
+    asyncio.run(body())
+    rows = store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks"))
+    assert rows == [{"state": "processed"}]
+    assert len(seen) == 1 and not seen[0].get_span_context().is_valid  # no span, nothing recorded
+
+
+def test_a_plain_function_sees_the_attempt_span_in_its_thread(
+    store: Store, make_workflow: Callable[..., Workflow], clock: FakeClock, exporter: InMemorySpanExporter
+) -> None:
+    exporter.clear()
+    wf = make_workflow("s", budget=60.0, compensate=False)
+    task_id, _ = store.transact_sync(
+        t.submit, wf, encode_input({}), correlation_id=None, idempotency_key=None, priority=0, reply_to=None
+    )
+    agent = Agent("svc")
+    seen: list[int] = []
+
+    @agent.operation
+    def do_s(req: Request) -> int:
+        seen.append(trace.get_current_span().get_span_context().trace_id)
+        return 1
+
+    async def body() -> None:
+        role = AgentRole(store, {"svc": agent}, ME, clock=clock)
+        store.transact_sync(t.claim_and_dispatch, "sched", 10)
+        assert await role.pull() == 1
+        await finish(role)
+
+    asyncio.run(body())
+    assert seen == [tracing.task_trace_id(task_id)]
