@@ -198,6 +198,7 @@ class App:
         if connection is not None:
             tx = store.tx_on(connection)
             yield AppTransaction(self, connection, tx)
+            tx.flush()  # the events and messages kept for the end of the block
             if hasattr(tx, "send_notifications"):
                 tx.send_notifications()  # delivered when the caller commits
             return

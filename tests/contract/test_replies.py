@@ -191,7 +191,8 @@ def test_a_message_committed_late_with_a_lower_id_is_not_skipped(pg_url: str, ma
         try:
             tx = store.tx_on(slow)
             task = {"id": early, "reply_to": "web-1", "correlation_id": "slow"}
-            t.message(tx, task, "received")  # takes the lower id; not committed yet
+            t.message(tx, task, "received")
+            tx.flush()  # written now: it takes the lower id, but is not committed yet
             fast = submit(store, wf, correlation_id="fast")  # a higher id, committed first
             got = consume(store, "web-1", "app", 1)
             assert [(m.task_id, m.seq) for m in got] == [(fast, 1)]

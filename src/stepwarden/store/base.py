@@ -20,6 +20,8 @@ STEP_STATES = ("pending", "running", "completed", "failed", "compensating", "com
 class Tx(Protocol):
     """Named queries inside one transaction."""
 
+    dialect: str  # "sqlite" or "postgres": for the few transitions one dialect does in one statement
+
     def one(self, query: str, /, **params: Any) -> Row | None: ...
 
     def all(self, query: str, /, **params: Any) -> list[Row]: ...
@@ -35,6 +37,15 @@ class Tx(Protocol):
 
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
         """Raw SQL in this dialect, for read-only views that filter dynamically."""
+        ...
+
+    def later(self, query: str, /, **params: Any) -> None:
+        """A write nothing in this transaction reads back (events, status messages): kept until
+        the transaction ends and then sent with the others of its query as one batch, in order."""
+        ...
+
+    def flush(self) -> None:
+        """Send the writes kept by :meth:`later`; the store calls it before every commit."""
         ...
 
 

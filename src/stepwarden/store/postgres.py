@@ -60,11 +60,14 @@ def _to_psycopg(sql: str) -> str:
 
 
 class PgTx:
+    dialect = "postgres"
+
     def __init__(self, conn: Any, queries: dict[str, str], notify: set[str], pipeline: Any = None) -> None:
         self.conn = conn
         self.q = queries
         self.notify = notify
         self.pipeline = pipeline
+        self.kept: dict[str, list[dict[str, Any]]] = {}
 
     def _exec(self, query: str, params: dict[str, Any]) -> Any:
         channel = NOTIFY_ON.get(query)
@@ -101,6 +104,17 @@ class PgTx:
         cur = self.conn.cursor(row_factory=dict_row).execute(text, params or None)
         self._sync()
         return list(cur.fetchall()) if cur.description else []
+
+    def later(self, query: str, /, **params: Any) -> None:
+        self.kept.setdefault(query, []).append(params)
+
+    def flush(self) -> None:
+        kept, self.kept = self.kept, {}
+        for query, rows in kept.items():
+            channel = NOTIFY_ON.get(query)
+            if channel:
+                self.notify.add(channel)
+            self.conn.cursor().executemany(self.q[query], rows)
 
     def send_notifications(self) -> None:
         for channel in sorted(self.notify):
@@ -194,6 +208,7 @@ class PostgresStore(Store):
                     conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
                 tx = PgTx(conn, self.queries, notify, pipeline)
                 out = fn(tx, *args, **kwargs)
+                tx.flush()
                 tx.send_notifications()  # delivered when this transaction commits
                 pipeline.sync()  # every statement has answered: what fails from here is the COMMIT
                 stage[0] = "commit"
@@ -218,6 +233,7 @@ class PostgresStore(Store):
         pass  # psycopg opens a transaction with the first statement
 
     def commit(self, conn: Any, tx: Any) -> None:
+        tx.flush()
         tx.send_notifications()
         conn.commit()
 

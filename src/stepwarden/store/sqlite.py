@@ -16,6 +16,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -34,10 +35,17 @@ def _dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
     return {d[0]: v for d, v in zip(cur.description, row, strict=True)}
 
 
+def _busy(e: sqlite3.OperationalError) -> bool:
+    return "locked" in str(e) or "busy" in str(e)
+
+
 class SqliteTx:
+    dialect = "sqlite"
+
     def __init__(self, conn: sqlite3.Connection, queries: dict[str, str]) -> None:
         self.conn = conn
         self.q = queries
+        self.kept: dict[str, list[dict[str, Any]]] = {}
 
     def _cur(self) -> sqlite3.Cursor:
         cur = self.conn.cursor()
@@ -59,6 +67,14 @@ class SqliteTx:
 
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
         return self._cur().execute(text, params).fetchall()
+
+    def later(self, query: str, /, **params: Any) -> None:
+        self.kept.setdefault(query, []).append(params)
+
+    def flush(self) -> None:
+        kept, self.kept = self.kept, {}
+        for query, rows in kept.items():
+            self.conn.executemany(self.q[query], rows)
 
 
 class SQLiteStore(Store):
@@ -122,9 +138,11 @@ class SQLiteStore(Store):
         **kwargs: P.kwargs,
     ) -> R:
         """One ``BEGIN IMMEDIATE`` transaction on ``conn``: commit on return, roll back on error."""
-        conn.execute("BEGIN IMMEDIATE")
+        self.begin(conn)
         try:
-            out = fn(SqliteTx(conn, self.queries), *args, **kwargs)
+            tx = SqliteTx(conn, self.queries)
+            out = fn(tx, *args, **kwargs)
+            tx.flush()
         except BaseException:
             conn.execute("ROLLBACK")
             raise
@@ -139,9 +157,37 @@ class SQLiteStore(Store):
         return SqliteTx(conn, self.queries)
 
     def begin(self, conn: Any) -> None:
-        conn.execute("BEGIN IMMEDIATE")
+        """Take the write lock, retrying every fraction of a millisecond while another writer holds it.
+
+        SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25... ms between tries, so under
+        contention a writer idles for milliseconds after the lock was freed: with many short
+        transactions from several processes that idling, not the work, sets the pace. Here the
+        busy handler is off for BEGIN only (set back for every other statement) and the retry
+        sleeps 0.1 ms growing to 2 ms, until the same ``busy_timeout`` deadline."""
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as e:
+                if not _busy(e):
+                    raise
+            deadline = time.monotonic() + self.busy_timeout
+            delay = 0.0001
+            while True:
+                time.sleep(delay)
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    return
+                except sqlite3.OperationalError as e:
+                    if not _busy(e) or time.monotonic() >= deadline:
+                        raise
+                delay = min(delay * 1.5, 0.002)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
 
     def commit(self, conn: Any, tx: Any) -> None:
+        tx.flush()
         conn.execute("COMMIT")
 
     def rollback(self, conn: Any) -> None:

@@ -27,7 +27,7 @@ def event(
     /,
     **detail: Any,
 ) -> None:
-    tx.put(
+    tx.later(
         "insert_event",
         task_id=task_id,
         idx=idx,
@@ -42,7 +42,7 @@ def message(tx: Tx, task: Row, kind: str, /, **body: Any) -> None:
     """A status message on the task's reply queue (SCH8), in the same transaction as the change."""
     if task.get("reply_to"):
         body = {"task_id": task["id"], "correlation_id": task.get("correlation_id"), "kind": kind, **body}
-        tx.put(
+        tx.later(
             "insert_message",
             queue=task["reply_to"],
             task_id=task["id"],
@@ -74,6 +74,10 @@ def submit(
     at READ COMMITTED two concurrent submitters would both miss the look-up, and the second would
     then fail on the unique index instead of getting the first one's task.
     """
+    if tx.dialect == "postgres":
+        return _submit_in_one_statement(
+            tx, wf, input_text, correlation_id, idempotency_key, priority, reply_to
+        )
     row = tx.one(
         "insert_task",
         workflow=wf.name,
@@ -109,25 +113,91 @@ def submit(
     return task_id, True
 
 
+def _submit_in_one_statement(
+    tx: Tx,
+    wf: Workflow,
+    input_text: str,
+    correlation_id: str | None,
+    idempotency_key: str | None,
+    priority: int,
+    reply_to: str | None,
+) -> tuple[int, bool]:
+    """PostgreSQL: the same rows as :func:`submit`, in one statement (one round trip, not three)."""
+    row = tx.one(
+        "submit_task",
+        workflow=wf.name,
+        version=wf.version,
+        input=input_text,
+        correlation_id=correlation_id,
+        idempotency_key=idempotency_key,
+        reply_to=reply_to,
+        priority=priority,
+        steps=_steps_json(wf),
+        detail=json.dumps({"workflow": wf.name, "correlation_id": correlation_id}),
+    )
+    if row is None:
+        found = tx.one("task_by_key", key=idempotency_key)
+        assert found is not None
+        return int(found["id"]), False
+    return int(row["id"]), True
+
+
+def _steps_json(wf: Workflow) -> str:
+    return json.dumps(
+        [
+            {
+                "idx": idx,
+                "name": s.name,
+                "agent": s.agent,
+                "operation": s.operation,
+                "compensate": s.compensate,
+                "budget": s.complete_by,
+                "policy": json.dumps(s.retry.to_dict()),
+                "on_error": s.on_error,
+            }
+            for idx, s in enumerate(wf.steps)
+        ]
+    )
+
+
 def claim_and_dispatch(tx: Tx, me: str, limit: int) -> int:
-    """Claim claimable tasks (SCH1) and dispatch each one's next step, all in this transaction."""
+    """Claim claimable tasks (SCH1) and dispatch each one's next step, all in this transaction.
+
+    Set-based where it counts: one statement claims the batch, one reads all their steps, and
+    the writes go out without waiting for each other, so a round's cost barely grows with its size."""
     tasks = tx.all("claim_tasks", me=me, limit=limit)
+    if not tasks:
+        return 0
+    steps = steps_of(tx, [task["id"] for task in tasks])
+    now = float(tasks[0]["now"])
     for task in tasks:
         event(tx, "claimed", task["id"], me, state=task["state"])
-        advance(tx, task, me)
+        advance(tx, task, me, steps.get(task["id"], []), now)
     return len(tasks)
 
 
-def advance(tx: Tx, task: Row, me: str) -> None:
-    """Move a task I hold to its next action: the next step, the next undo, or its end."""
-    steps = tx.all("steps_of_task", task_id=task["id"])
+def steps_of(tx: Tx, task_ids: list[int]) -> dict[int, list[Row]]:
+    """The steps of several tasks in one statement, by task, in step order."""
+    out: dict[int, list[Row]] = {}
+    for s in tx.all("steps_of_tasks", ids=json.dumps(task_ids)):
+        out.setdefault(s["task_id"], []).append(s)
+    return out
+
+
+def advance(tx: Tx, task: Row, me: str, steps: list[Row] | None = None, now: float | None = None) -> None:
+    """Move a task I hold to its next action: the next step, the next undo, or its end.
+
+    ``steps`` are the task's step rows as they stand in this transaction (they are kept up to date
+    by the hot path); without them they are read again."""
+    if steps is None:
+        steps = tx.all("steps_of_task", task_id=task["id"])
     if task["state"] in ("pending", "processing") and task["cancel_requested"]:
         begin_compensation(tx, task, me, reason="cancel requested")
         return
     if task["state"] in ("pending", "processing"):
         for s in steps:
             if s["state"] != "completed":
-                dispatch(tx, task, s, steps, me, "do")
+                dispatch(tx, task, s, steps, me, "do", now)
                 return
         tx.put("finish_task", task_id=task["id"], state="processed", error=None)
         event(tx, "processed", task["id"], me)
@@ -137,7 +207,7 @@ def advance(tx: Tx, task: Row, me: str) -> None:
     # compensating: undo, in reverse order, every started step that has an undo and is not undone
     for s in reversed(steps):
         if s["started_at"] is not None and s["compensate"] and s["state"] != "compensated":
-            dispatch(tx, task, s, steps, me, "undo")
+            dispatch(tx, task, s, steps, me, "undo", now)
             return
     final = "cancelled" if task["cancel_requested"] else "compensated"
     tx.put("finish_task", task_id=task["id"], state=final, error=None)
@@ -152,17 +222,39 @@ def begin_compensation(tx: Tx, task: Row, me: str, reason: str) -> None:
     task["state"] = "compensating"
     event(tx, "compensating", task["id"], me, reason=reason)
     message(tx, task, "compensating", reason=reason)
-    advance(tx, task, me)
+    advance(tx, task, me)  # reads the steps again: the skips above changed them
 
 
-def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str) -> None:
-    """Start the step's next attempt and send its request message (SCH3), fenced by the attempt."""
+def dispatch(
+    tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str, now: float | None = None
+) -> None:
+    """Start the step's next attempt and send its request message (SCH3), fenced by the attempt.
+
+    The attempt's complete-by is the database's ``now`` (read once per transaction) plus the
+    step's budget. The update is conditional on the attempt number; it cannot miss, because every
+    transition of a task's steps first holds the task (claimed or locked in this transaction)."""
+    if now is None:
+        now = _now(tx)
     state = "running" if kind == "do" else "compensating"
-    started = tx.one(
-        "start_attempt", task_id=task["id"], idx=step["idx"], attempt=step["attempt"], state=state, me=me
+    attempt = int(step["attempt"]) + 1
+    complete_by = now + float(step["budget"])
+    tx.put(
+        "start_attempt",
+        task_id=task["id"],
+        idx=step["idx"],
+        attempt=step["attempt"],
+        state=state,
+        me=me,
+        complete_by=complete_by,
+        now=now,
     )
-    if started is None:
-        raise LostOwnership(f"step {task['id']}/{step['name']} moved under us")
+    step.update(
+        state=state,
+        attempt=attempt,
+        locked_by=me,
+        complete_by=complete_by,
+        started_at=step["started_at"] if step["started_at"] is not None else now,
+    )
     payload: dict[str, Any] = {"input": json.loads(task["input"]), "results": _results(steps)}
     if kind == "undo":
         payload["undo"] = json.loads(step["result"]) if step["result"] else None
@@ -171,7 +263,7 @@ def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str)
         "insert_request",
         task_id=task["id"],
         idx=step["idx"],
-        attempt=started["attempt"],
+        attempt=attempt,
         kind=kind,
         agent=agent,
         operation=op,
@@ -179,7 +271,7 @@ def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str)
         policy=step["policy"],
         key=f"{task['id']}:{step['name']}",
         priority=task["priority"],
-        complete_by=started["complete_by"],
+        complete_by=complete_by,
         me=me,
     )
     tx.put(
@@ -187,18 +279,20 @@ def dispatch(tx: Tx, task: Row, step: Row, steps: list[Row], me: str, kind: str)
         task_id=task["id"],
         state=task["state"] if kind == "undo" else "processing",
         me=me,
-        complete_by=started["complete_by"],
+        complete_by=complete_by,
     )
+    if kind == "do":
+        task["state"] = "processing"
     event(
         tx,
         "dispatched",
         task["id"],
         me,
         step["idx"],
-        started["attempt"],
+        attempt,
         step=step["name"],
         kind=kind,
-        complete_by=started["complete_by"],
+        complete_by=complete_by,
     )
 
 
@@ -207,11 +301,30 @@ def _results(steps: list[Row]) -> dict[str, Any]:
 
 
 def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResult:
-    """Apply agents' replies: only the current attempt's, received before complete-by (SCH4)."""
+    """Apply agents' replies: only the current attempt's, received before complete-by (SCH4).
+
+    The batch's tasks are locked, and their steps read, in one statement each; a task whose
+    replies take the common path (a step completes, the next is dispatched or the task ends) is
+    then kept up to date in memory. Any other path reads it again before its next reply."""
     out = ApplyResult()
-    for r in sorted(tx.all("new_replies", limit=limit), key=lambda r: (r["task_id"], r["id"])):
-        task = tx.one("task_for_update", task_id=r["task_id"])
-        steps = tx.all("steps_of_task", task_id=r["task_id"])
+    replies = sorted(tx.all("new_replies", limit=limit), key=lambda r: (r["task_id"], r["id"]))
+    if not replies:
+        return out
+    ids = sorted({r["task_id"] for r in replies})
+    tasks = {t["id"]: t for t in tx.all("tasks_for_update", ids=json.dumps(ids))}
+    all_steps = steps_of(tx, ids)
+    now = float(replies[0]["now"])
+    stale_tasks: set[int] = set()
+    for r in replies:
+        if r["task_id"] in stale_tasks:  # changed by a path that does not keep memory up to date
+            tasks.pop(r["task_id"], None)
+            found = tx.one("task_for_update", task_id=r["task_id"])
+            if found is not None:
+                tasks[r["task_id"]] = found
+            all_steps[r["task_id"]] = tx.all("steps_of_task", task_id=r["task_id"])
+            stale_tasks.discard(r["task_id"])
+        task = tasks.get(r["task_id"])
+        steps = all_steps.get(r["task_id"], [])
         step = next((s for s in steps if s["idx"] == r["step_idx"]), None)
         expect = "running" if r["kind"] == "do" else "compensating"
         current = (
@@ -223,9 +336,9 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             and r["received_at"] <= step["complete_by"]
             and task["state"] in ("processing", "compensating")
         )
+        # The replies are ours alone (locked, or SQLite's single writer): marking cannot miss.
         if not current or task is None or step is None:
-            if not tx.run("mark_reply", id=r["id"], status="stale", me=me):
-                continue  # another scheduler judged it first
+            tx.put("mark_reply", id=r["id"], status="stale", me=me)
             event(
                 tx,
                 "stale_reply",
@@ -238,16 +351,17 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             )
             out.stale += 1
             continue
-        if not tx.run("mark_reply", id=r["id"], status="accepted", me=me):
-            continue
+        tx.put("mark_reply", id=r["id"], status="accepted", me=me)
         tx.put(
             "finish_request", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], outcome=r["outcome"]
         )
         out.accepted += 1
         if r["outcome"] == "released":
             release_attempt(tx, task, step, me, r["error"] or "released")
+            stale_tasks.add(task["id"])
         elif r["outcome"] == "ok":
             done = "completed" if r["kind"] == "do" else "compensated"
+            result = r["result"] if r["kind"] == "do" else step["result"]
             tx.put(
                 "complete_step",
                 task_id=task["id"],
@@ -255,11 +369,15 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
                 attempt=r["attempt"],
                 state=done,
                 expect=expect,
-                result=r["result"] if r["kind"] == "do" else step["result"],
+                result=result,
             )
+            step.update(state=done, result=result, locked_by=None, complete_by=None, finished_at=now)
             event(tx, "step_" + done, task["id"], me, step["idx"], r["attempt"], step=step["name"])
             message(tx, task, "step_" + done, step=step["name"])
-            advance(tx, task, me)
+            compensating = task["state"] == "compensating"
+            advance(tx, task, me, steps, now)
+            if task["state"] == "compensating" and not compensating:
+                stale_tasks.add(task["id"])  # a cancel began compensation: it read its own rows
         else:
             fail_attempt(
                 tx,
@@ -271,6 +389,7 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
                 permanent=r["outcome"] == "error",
                 out_alerts=out.alerts,
             )
+            stale_tasks.add(task["id"])
         if task["state"] in FINAL_TASK_STATES:
             out.finished.append((task["id"], task["state"]))
     return out

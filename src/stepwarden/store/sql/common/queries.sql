@@ -38,10 +38,10 @@ SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_erro
 FROM steps WHERE task_id = :task_id ORDER BY idx;
 
 -- name: start_attempt
+-- complete_by is the transaction's database time plus the step's budget, computed by the caller.
 UPDATE steps SET state = :state, attempt = attempt + 1, locked_by = :me,
-                 complete_by = {now} + budget, started_at = COALESCE(started_at, {now})
-WHERE task_id = :task_id AND idx = :idx AND attempt = :attempt
-RETURNING attempt, complete_by;
+                 complete_by = :complete_by, started_at = COALESCE(started_at, :now)
+WHERE task_id = :task_id AND idx = :idx AND attempt = :attempt;
 
 -- name: insert_request
 INSERT INTO requests (task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,

@@ -13,7 +13,8 @@ UPDATE tasks t SET locked_by = :me,
                    state = CASE WHEN t.state = 'pending' THEN 'processing' ELSE t.state END,
                    updated_at = {now}
 FROM c WHERE t.id = c.id
-RETURNING t.id, t.state, t.input, t.priority, t.correlation_id, t.reply_to, t.cancel_requested, t.workflow;
+RETURNING t.id, t.state, t.input, t.priority, t.correlation_id, t.reply_to, t.cancel_requested, t.workflow,
+          {now} AS now;
 
 -- name: task_for_update
 -- Every transition of a task locks its row first, so its steps change under one lock at a time.
@@ -39,7 +40,8 @@ RETURNING requests.id, task_id, step_idx, attempt, kind, agent, operation, paylo
           idempotency_key, complete_by, complete_by - {now} AS remaining;
 
 -- name: new_replies
-SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by
+SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by,
+       {now} AS now
 FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED;
 
 -- name: lease_holds
@@ -74,3 +76,44 @@ WHERE finished_at IS NOT NULL AND finished_at < {now} - :retention
   AND state IN ('processed', 'compensated', 'cancelled')
 ORDER BY finished_at LIMIT :limit
 FOR UPDATE SKIP LOCKED;
+
+-- name: steps_of_tasks
+SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
+       failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
+       started_at, finished_at
+FROM steps WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)) ORDER BY task_id, idx;
+
+-- name: tasks_for_update
+-- Locked in id order, like every transition that holds several tasks: no deadlocks.
+SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
+FROM tasks WHERE id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)) ORDER BY id
+FOR UPDATE;
+
+-- name: submit_task
+-- A whole submission in one statement (SUB1): the task, its steps, its `received` event and
+-- status message, and the wake-up hint. A repeated idempotency key inserts nothing and returns
+-- no row (SUB3); the caller then reads the existing task.
+WITH t AS (
+    INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, idempotency_key,
+                       reply_to, priority, run_at, created_at, updated_at)
+    VALUES (:workflow, :version, 'pending', :input, :correlation_id, :idempotency_key,
+            :reply_to, :priority, {now}, {now}, {now})
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING id),
+s AS (
+    INSERT INTO steps (task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state)
+    SELECT t.id, x.idx, x.name, x.agent, x.operation, x.compensate, x.budget, x.policy, x.on_error,
+           'pending'
+    FROM t, jsonb_to_recordset(:steps::jsonb) AS x(idx int, name text, agent text, operation text,
+                                                   compensate text, budget float8, policy text,
+                                                   on_error text)),
+e AS (
+    INSERT INTO events (task_id, kind, detail, at) SELECT t.id, 'received', :detail, {now} FROM t),
+m AS (
+    INSERT INTO messages (queue, task_id, correlation_id, kind, body, created_at)
+    SELECT :reply_to::text, t.id, :correlation_id::text, 'received',
+           json_build_object('task_id', t.id, 'correlation_id', :correlation_id::text,
+                             'kind', 'received')::text,
+           {now}
+    FROM t WHERE :reply_to::text IS NOT NULL)
+SELECT id, pg_notify('stepwarden_tasks', '') AS hinted FROM t;

@@ -8,7 +8,8 @@ UPDATE tasks SET locked_by = :me,
 WHERE id IN (SELECT id FROM tasks INDEXED BY tasks_claimable
              WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND run_at <= {now}
              ORDER BY priority DESC, id LIMIT :limit)
-RETURNING id, state, input, priority, correlation_id, reply_to, cancel_requested, workflow;
+RETURNING id, state, input, priority, correlation_id, reply_to, cancel_requested, workflow,
+          {now} AS now;
 
 -- name: task_for_update
 SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
@@ -28,7 +29,8 @@ RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, polic
           complete_by, complete_by - {now} AS remaining;
 
 -- name: new_replies
-SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by
+SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by,
+       {now} AS now
 FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit;
 
 -- name: lease_holds
@@ -52,3 +54,14 @@ DELETE FROM messages WHERE task_id IN (SELECT value FROM json_each(:ids));
 
 -- name: prune_tasks
 DELETE FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
+
+-- name: steps_of_tasks
+SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
+       failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
+       started_at, finished_at
+FROM steps WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, idx;
+
+-- name: tasks_for_update
+-- Locked in id order, like every transition that holds several tasks: no deadlocks.
+SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
+FROM tasks WHERE id IN (SELECT value FROM json_each(:ids)) ORDER BY id;
