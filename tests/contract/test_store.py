@@ -217,7 +217,7 @@ def test_concurrent_submits_with_one_key_all_get_the_one_task(store: Store, make
             barrier.wait(timeout=30)
             try:
                 got[r].append(submit_full(store, wf, {"r": r}, idempotency_key=f"race-{r}"))
-            except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            except BaseException as exc:  # collected and asserted below
                 errors.append(exc)
 
     pool = [threading.Thread(target=submitter) for _ in range(threads)]
