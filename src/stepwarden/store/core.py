@@ -200,7 +200,7 @@ def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[Requ
 
 
 def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
-    tx.put(
+    tx.put(  # not kept for later: apply_replies, in this same transaction, reads it
         "insert_reply",
         request_id=request_id,
         outcome=outcome,

@@ -117,8 +117,10 @@ class PgTx:
             self.conn.cursor().executemany(self.q[query], rows)
 
     def send_notifications(self) -> None:
-        for channel in sorted(self.notify):
-            self.conn.execute("SELECT pg_notify(%s, '')", (channel,))
+        if self.notify:  # one statement for all channels: each statement costs a message exchange
+            channels = sorted(self.notify)
+            calls = ", ".join("pg_notify(%s, '')" for _ in channels)
+            self.conn.execute(f"SELECT {calls}", channels)
         self.notify.clear()
 
 
