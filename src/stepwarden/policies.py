@@ -120,6 +120,10 @@ BreakerState = Literal["closed", "open", "half_open"]
 class CircuitBreaker:
     """Fail fast after ``threshold`` consecutive failures, for ``cool_off`` seconds.
 
+    An in-process breaker, for an application's own calls. The agent role does not use it: an
+    agent's breaker is shared by all its instances through the store (``store/agents.py``), so
+    that it opens for every instance at once and raises one alert.
+
     After the cool-off one trial call is let through (half-open); its success closes the breaker,
     its failure opens it again. Time is passed in, so the rules are tested with plain numbers.
     """

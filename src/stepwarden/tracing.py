@@ -158,9 +158,10 @@ class AttemptSpan:
 
 
 class Tracer:
-    """Spans of one worker process (see the module docstring)."""
+    """Spans of one worker process (see the module docstring).
 
-    wants_workflows = True
+    Until an SDK tracer provider is configured (the API's global is still its proxy or no-op
+    provider) it makes no span at all and asks for no workflow names: nearly free."""
 
     def __init__(self, me: str) -> None:
         assert _trace is not None
@@ -176,12 +177,21 @@ class Tracer:
         while len(self.last) > _REMEMBER:
             self.last.popitem(last=False)
 
-    def attempt(self, msg: RequestMsg, workflow: str | None = None) -> AttemptSpan:
-        return AttemptSpan(self, msg, workflow)
+    @property
+    def wants_workflows(self) -> bool:
+        """Is a real tracer provider configured? (Checked per pull: it may be set after start.)"""
+        assert _trace is not None
+        provider = _trace.get_tracer_provider()
+        return not isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider)
+
+    def attempt(self, msg: RequestMsg, workflow: str | None = None) -> AttemptSpan | NoAttempt:
+        return AttemptSpan(self, msg, workflow) if self.wants_workflows else NO_ATTEMPT
 
     def applied(self, result: ApplyResult) -> None:
         """Replies applied by this process: a span for each task they finished."""
         assert _trace is not None
+        if not result.finished or not self.wants_workflows:
+            return
         for task_id, state in result.finished:
             parent = _trace.set_span_in_context(_trace.NonRecordingSpan(_task_context(task_id)))
             span = self.otel.start_span(

@@ -45,7 +45,9 @@ class Instance:
     """A worker process running ``healthapp:app``, with its metrics URL."""
 
     def __init__(self, cluster: Cluster, name: str, **env: str) -> None:
-        helpers = sys.modules[type(cluster).__module__]  # the integration conftest
+        # WorkerProc of the integration conftest: through the Cluster class's own globals, since
+        # several conftest modules share the name "conftest" in sys.modules.
+        worker_proc = type(cluster).start.__globals__["WorkerProc"]
         log_path = cluster.tmp / f"worker-{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed by WorkerProc.end
         cmd = [sys.executable, "-m", "stepwarden", "--db", cluster.url, "worker", "--app", "healthapp:app"]
@@ -53,7 +55,7 @@ class Instance:
         popen = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(cluster.env, **env), cwd=cluster.tmp
         )
-        self.proc: WorkerProc = helpers.WorkerProc(name, popen, log_path, log)
+        self.proc: WorkerProc = worker_proc(name, popen, log_path, log)
         cluster.workers.append(self.proc)
         self.identity = cluster.identity(self.proc)
 

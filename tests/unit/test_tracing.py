@@ -161,6 +161,26 @@ def test_without_opentelemetry_every_hook_is_a_no_op() -> None:
     assert out.stdout.strip() == "ok"
 
 
+def test_with_the_api_but_no_sdk_provider_no_span_is_made() -> None:
+    """The ``otel`` extra installed but no SDK configured: no span objects, no workflow lookups."""
+    code = textwrap.dedent(
+        """
+        from stepwarden import tracing
+        tr = tracing.tracer("w:1:x")
+        assert tracing.ENABLED and isinstance(tr, tracing.Tracer)
+        assert not tr.wants_workflows and tr.attempt(None) is tracing.NO_ATTEMPT
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        trace.set_tracer_provider(TracerProvider())  # configured later: spans from then on
+        assert tr.wants_workflows
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 def test_the_role_runs_unchanged_with_the_no_op_tracer(
     store: Store, make_workflow: Callable[..., Workflow], clock: FakeClock
 ) -> None:

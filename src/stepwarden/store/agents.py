@@ -33,6 +33,8 @@ from .core import _claim_requests
 from .transitions import alert, event
 from .views import iso
 
+SILENT_AFTER = 60.0  # an instance with no heartbeat for this long is listed only with include_stopped
+
 
 @dataclass(frozen=True)
 class BreakerView:
@@ -111,7 +113,7 @@ class Verdict:
 
 @dataclass(frozen=True)
 class HealthRules:
-    unhealthy_after: int = 3  # own-fault failures in a row that make an instance unhealthy
+    unhealthy_after: int = 5  # own-fault failures in a row that make an instance unhealthy
     probe_after: float = 5.0  # seconds an unhealthy instance waits before probing again
     stale_after: float = 30.0  # an instance with no heartbeat for this long is not live
     trial_ttl: float = 60.0  # a trial not reported within this is open to others again
@@ -247,7 +249,8 @@ def _breaker(tx: Tx, agent: str) -> BreakerView | None:
 
 def list_agents(tx: Tx, include_stopped: bool = False) -> dict[str, list[dict[str, Any]]]:
     """``{"breakers": [...], "instances": [...]}``: each agent's shared breaker, and every live
-    agent instance with its capacity, health, requests in flight and last success and failure."""
+    agent instance with its capacity, health, requests in flight and last success and failure
+    (``include_stopped``: also those stopped, or silent for ``SILENT_AFTER`` seconds)."""
     out_b = [
         {
             "agent": r["agent"],
@@ -267,9 +270,10 @@ def list_agents(tx: Tx, include_stopped: bool = False) -> dict[str, list[dict[st
     ]
     instances = []
     for r in tx.all("agent_instances_all"):
-        if r["stopped_at"] is not None and not include_stopped:
-            continue
         now = float(r["now"])
+        gone = r["stopped_at"] is not None or now - float(r["heartbeat_at"]) > SILENT_AFTER
+        if gone and not include_stopped:  # stopped, or killed without a word
+            continue
         instances.append(
             {
                 "worker": r["worker"],
