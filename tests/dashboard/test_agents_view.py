@@ -7,13 +7,17 @@ opened by failures of two instances.
 
 from __future__ import annotations
 
-from starlette.testclient import TestClient
+import warnings
 
 from stepwarden.dashboard.web import create_app
 from stepwarden.store import agents as sa
 
 from .conftest import Scene
 from .test_metrics import parse, value
+
+with warnings.catch_warnings():  # starlette's note about httpx, as in the other dashboard tests
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
 
 A, B, C = "agent-a:1:aaaaaa", "agent-b:2:bbbbbb", "agent-c:3:cccccc"
 RULES = sa.HealthRules(unhealthy_after=2, probe_after=30.0)
