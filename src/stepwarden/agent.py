@@ -14,7 +14,7 @@ import contextvars
 import inspect
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -166,6 +166,7 @@ class AgentRole:
         self._outbox: list[tuple[tuple[int, str, Any, str | None], asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
+        self._agent_of: dict[int, str] = {}  # request id -> agent, for replies queued to send
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -209,15 +210,43 @@ class AgentRole:
         rooms = {n: a.concurrency - self.inflight[n] for n, a in self.agents.items()}
         msgs, trials, probes, workflows = await self.health.pull(rooms, self.tracer.wants_workflows)
         for msg in msgs:
-            agent = self.agents[msg.agent]
-            self.inflight[agent.name] += 1
-            trial = msg.agent in trials
-            probe = msg.agent in probes
-            span = self.tracer.attempt(msg, workflows.get(msg.task_id))
-            t = asyncio.create_task(self.execute(agent, msg, trial, probe, span), name=f"request-{msg.id}")
-            self.tasks[t] = msg
-            t.add_done_callback(lambda done: self.tasks.pop(done, None))
+            self._start(msg, msg.agent in trials, msg.agent in probes, workflows.get(msg.task_id))
         return len(msgs)
+
+    def _start(
+        self, msg: RequestMsg, trial: bool = False, probe: bool = False, workflow: str | None = None
+    ) -> None:
+        agent = self.agents[msg.agent]
+        self.inflight[agent.name] += 1
+        span = self.tracer.attempt(msg, workflow)
+        t = asyncio.create_task(self.execute(agent, msg, trial, probe, span), name=f"request-{msg.id}")
+        self.tasks[t] = msg
+        t.add_done_callback(lambda done: self.tasks.pop(done, None))
+
+    # -- requests handed over in this worker's own transactions (see scheduler.LocalAgents) -------
+    def reserve(self, freeing: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Free slots per agent that a transaction of this worker may fill directly: only agents
+        whose shared breaker is closed and for which this instance is healthy (anything else goes
+        through :meth:`pull`, which knows about trials and probes). ``freeing``: slots that the
+        same transaction's replies give back. Held (counted in flight) until :meth:`accept`."""
+        out: dict[str, int] = {}
+        if not self.health.registered:
+            return out
+        for name, a in self.agents.items():
+            b = self.breakers[name]
+            if b.state != "closed" or b.trial or not self.health.healthy(name):
+                continue
+            room = a.concurrency - self.inflight[name] + (freeing or {}).get(name, 0)
+            if room > 0:
+                out[name] = room
+                self.inflight[name] += room
+        return out
+
+    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int]) -> None:
+        for name, room in reserved.items():
+            self.inflight[name] -= room
+        for msg in msgs:
+            self._start(msg)
 
     async def execute(
         self,
@@ -275,6 +304,7 @@ class AgentRole:
         being written go together in the next transaction (group commit: one fsync for many)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._replied.add(msg.id)
+        self._agent_of[msg.id] = msg.agent
         self._outbox.append(((msg.id, outcome, result, error), fut))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_outbox(), name="agent-replies")
@@ -285,24 +315,39 @@ class AgentRole:
             batch, self._outbox = self._outbox, []
             for n in range(1, 6):
                 try:
-                    applied = await self.store.send_replies(
-                        self.me, [item for item, _ in batch], apply=self.settings.apply_replies
-                    )
+                    items = [item for item, _ in batch]
+                    if self.settings.apply_replies:
+                        # One transaction records the replies, applies them (the next steps are
+                        # dispatched) and refills the slots they free: one commit per cycle.
+                        freeing: dict[str, int] = {}
+                        for request_id, *_ in items:
+                            name = self._agent_of.get(request_id)
+                            if name is not None:
+                                freeing[name] = freeing.get(name, 0) + 1
+                        reserved = self.reserve(freeing)
+                        taken: list[RequestMsg] = []
+                        try:
+                            applied, taken = await self.store.send_replies_and_take(self.me, items, reserved)
+                        finally:
+                            self.accept(taken, reserved)
+                    else:
+                        applied = await self.store.send_replies(self.me, items, apply=False)
                     for a in applied.alerts if applied else ():
                         log.error(
                             "ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"]
                         )
                     self.completed += len(batch)
-                    self.on_reply()
-                    if applied is not None:
+                    if applied is None:
+                        self.on_reply()  # a scheduler has replies to apply
+                    else:  # applied, and the next steps dispatched and taken as far as we have room
                         self.on_applied(applied)
                         self.tracer.applied(applied)
-                        self.wake.set()  # next steps were just dispatched: pull them now
                     break
                 except Exception as e:  # the attempts expire and are rescued if this never succeeds
                     log.warning("%d repl(ies) failed to send (try %d): %r", len(batch), n, e)
                     await self.clock.sleep(0.2 * n)
-            for _, fut in batch:
+            for (request_id, *_), fut in batch:
+                self._agent_of.pop(request_id, None)
                 if not fut.done():
                     fut.set_result(None)
 

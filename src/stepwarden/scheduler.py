@@ -12,10 +12,24 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from .agent import _wait_any
 from .clock import SYSTEM_CLOCK, Clock
-from .store import ApplyResult, Store
+from .store import ApplyResult, RequestMsg, Store
+
+
+class LocalAgents(Protocol):
+    """This worker's own agents, when it runs them: a round may hand them requests directly."""
+
+    def reserve(self) -> dict[str, int]:
+        """Slots to fill, per agent, held until :meth:`accept` (so no other pull takes them too)."""
+        ...
+
+    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int]) -> None:
+        """Run ``msgs`` (taken in the round's transaction) and give back the unused reservations."""
+        ...
+
 
 log = logging.getLogger("stepwarden.scheduler")
 
@@ -38,6 +52,7 @@ class SchedulerRole:
         wake: asyncio.Event | None = None,
         on_dispatch: Callable[[], None] | None = None,
         on_applied: Callable[[ApplyResult], None] | None = None,
+        local: LocalAgents | None = None,
     ) -> None:
         self.store = store
         self.me = me
@@ -46,13 +61,24 @@ class SchedulerRole:
         self.wake = wake or asyncio.Event()
         self.on_dispatch = on_dispatch or (lambda: None)
         self.on_applied = on_applied or (lambda r: None)
+        self.local = local
         self.claimed = 0
         self.accepted = 0
         self.stale = 0
 
     async def tick(self) -> int:
         """One round: apply replies, then claim and dispatch. Returns how much work it did."""
-        applied, claimed = await self.store.schedule(self.me, self.settings.batch)
+        if self.local is None:
+            applied, claimed = await self.store.schedule(self.me, self.settings.batch)
+        else:
+            reserved = self.local.reserve()
+            taken: list[RequestMsg] = []
+            try:
+                applied, claimed, taken = await self.store.schedule_and_take(
+                    self.me, self.settings.batch, reserved
+                )
+            finally:
+                self.local.accept(taken, reserved)
         if applied.accepted or applied.stale:
             self.accepted += applied.accepted
             self.stale += applied.stale

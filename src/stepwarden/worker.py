@@ -142,6 +142,8 @@ class Worker:
                 on_attempt=m.attempt_finished if m else None,
             )
             jobs.append(asyncio.create_task(self.agent_role.run(stop), name="agent"))
+            if self.scheduler is not None:
+                self.scheduler.local = self.agent_role  # rounds hand requests to our own agents
         if "supervisor" in s.roles:
             self.supervisor = Supervisor(
                 store, self.identity, clock=clock, settings=s.supervisor, on_sweep=m.swept if m else None

@@ -21,6 +21,11 @@ class Tx(Protocol):
     """Named queries inside one transaction."""
 
     dialect: str  # "sqlite" or "postgres": for the few transitions one dialect does in one statement
+    dispatched: list[str]  # the agents this transaction sent requests to, in order
+
+    def quiet(self, channel: str) -> None:
+        """Send no wake-up hint on ``channel`` for this transaction: its work is already taken."""
+        ...
 
     def one(self, query: str, /, **params: Any) -> Row | None: ...
 

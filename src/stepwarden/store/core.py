@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -128,6 +128,40 @@ class Store:
     async def schedule(self, me: str, limit: int) -> tuple[ApplyResult, int]:
         return await self.transact(t.schedule, me, limit, self.rng)
 
+    async def send_replies_and_take(
+        self,
+        me: str,
+        replies: Sequence[tuple[int, str, Any, str | None]],
+        take: Mapping[str, int],
+        apply: bool = True,
+    ) -> tuple[ApplyResult | None, list[RequestMsg]]:
+        """:meth:`send_replies`, then, in the same transaction, take up to ``take[agent]`` queued
+        requests for this worker's own agents: the slots these replies free are refilled (often
+        with the very steps the replies just dispatched) without a transaction of their own."""
+
+        def send_all(tx: Tx) -> tuple[ApplyResult | None, list[RequestMsg]]:
+            for request_id, outcome, result, error in replies:
+                _send_reply(tx, me, request_id, outcome, result, error)
+            limit = 2 * len(replies)
+            applied = t.apply_replies(tx, me, limit, self.rng) if apply else None
+            if applied is not None and applied.accepted + applied.stale < limit:
+                tx.quiet("stepwarden_replies")  # every new reply, ours included, is applied
+            return applied, _take(tx, me, take)
+
+        return await self.transact(send_all)
+
+    async def schedule_and_take(
+        self, me: str, limit: int, take: Mapping[str, int]
+    ) -> tuple[ApplyResult, int, list[RequestMsg]]:
+        """A scheduler round whose worker also runs agents: the requests it dispatches are taken
+        for those agents (up to ``take[agent]``) in the same transaction, no second round trip."""
+
+        def round_(tx: Tx) -> tuple[ApplyResult, int, list[RequestMsg]]:
+            applied, claimed = t.schedule(tx, me, limit, self.rng)
+            return applied, claimed, _take(tx, me, take)
+
+        return await self.transact(round_)
+
     async def acquire_lease(self, name: str, holder: str, ttl: float) -> tuple[int, float] | None:
         return await self.transact(_acquire, name, holder, ttl)
 
@@ -197,6 +231,22 @@ def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[Requ
         )
         for r in sorted(rows, key=lambda r: r["id"])
     ]
+
+
+def _take(tx: Tx, me: str, take: Mapping[str, int]) -> list[RequestMsg]:
+    out: list[RequestMsg] = []
+    exhausted: set[str] = set()
+    for agent, room in take.items():
+        if room > 0:
+            got = _claim_requests(tx, me, [agent], room)
+            out += got
+            if len(got) < room:
+                exhausted.add(agent)
+    if set(tx.dispatched) <= exhausted:
+        # Every request this transaction sent is taken by us, and no more wait for those agents:
+        # a wake-up hint would only send every worker (us included) polling for nothing.
+        tx.quiet("stepwarden_requests")
+    return out
 
 
 def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:

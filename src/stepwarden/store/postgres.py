@@ -68,6 +68,8 @@ class PgTx:
         self.notify = notify
         self.pipeline = pipeline
         self.kept: dict[str, list[dict[str, Any]]] = {}
+        self.dispatched: list[str] = []
+        self.quieted: set[str] = set()
 
     def _exec(self, query: str, params: dict[str, Any]) -> Any:
         channel = NOTIFY_ON.get(query)
@@ -105,6 +107,9 @@ class PgTx:
         self._sync()
         return list(cur.fetchall()) if cur.description else []
 
+    def quiet(self, channel: str) -> None:
+        self.quieted.add(channel)
+
     def later(self, query: str, /, **params: Any) -> None:
         self.kept.setdefault(query, []).append(params)
 
@@ -117,8 +122,8 @@ class PgTx:
             self.conn.cursor().executemany(self.q[query], rows)
 
     def send_notifications(self) -> None:
-        if self.notify:  # one statement for all channels: each statement costs a message exchange
-            channels = sorted(self.notify)
+        channels = sorted(self.notify - self.quieted)
+        if channels:  # one statement for all channels: each statement costs a message exchange
             calls = ", ".join("pg_notify(%s, '')" for _ in channels)
             self.conn.execute(f"SELECT {calls}", channels)
         self.notify.clear()

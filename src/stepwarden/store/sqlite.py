@@ -46,6 +46,7 @@ class SqliteTx:
         self.conn = conn
         self.q = queries
         self.kept: dict[str, list[dict[str, Any]]] = {}
+        self.dispatched: list[str] = []
 
     def _cur(self) -> sqlite3.Cursor:
         cur = self.conn.cursor()
@@ -67,6 +68,9 @@ class SqliteTx:
 
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
         return self._cur().execute(text, params).fetchall()
+
+    def quiet(self, channel: str) -> None:
+        pass  # SQLite's hints come from PRAGMA data_version, not from channels
 
     def later(self, query: str, /, **params: Any) -> None:
         self.kept.setdefault(query, []).append(params)

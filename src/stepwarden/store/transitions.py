@@ -259,6 +259,7 @@ def dispatch(
     if kind == "undo":
         payload["undo"] = json.loads(step["result"]) if step["result"] else None
     agent, op = (step["operation"] if kind == "do" else step["compensate"]).split(".", 1)
+    tx.dispatched.append(agent)
     tx.put(
         "insert_request",
         task_id=task["id"],
