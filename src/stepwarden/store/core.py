@@ -69,15 +69,19 @@ class Store:
         Lease transactions (functions marked ``stepwarden_lane = "lease"``) have a thread and a
         connection of their own: a renewal must never queue behind a burst of the roles' work,
         or a busy leader would lose its lease for no reason but its own backlog."""
-        lane = getattr(fn, "stepwarden_lane", "main")
-        executor = self._executors.get(lane)
-        if executor is None:
-            executor = self._executors[lane] = ThreadPoolExecutor(
-                max_workers=self.threads if lane == "main" else 1,
-                thread_name_prefix=f"stepwarden-{self.dialect}-{lane}",
-            )
+        executor = self.lane(getattr(fn, "stepwarden_lane", "main"))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(executor, lambda: self.transact_sync(fn, *args, **kwargs))
+
+    def lane(self, name: str) -> ThreadPoolExecutor:
+        """The threads (and so the connections) that run one lane's transactions."""
+        executor = self._executors.get(name)
+        if executor is None:
+            executor = self._executors[name] = ThreadPoolExecutor(
+                max_workers=self.threads if name == "main" else 1,
+                thread_name_prefix=f"stepwarden-{self.dialect}-{name}",
+            )
+        return executor
 
     async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
         """Wake-up hints from the database (PostgreSQL LISTEN); stores without them just wait."""
