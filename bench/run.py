@@ -123,7 +123,9 @@ class Reader:
 
             self.conn: Any = psycopg.connect(url.split("?")[0], autocommit=True)
         else:
-            self.conn = sqlite3.connect(floor.sqlite_path(url), isolation_level=None, timeout=30)
+            self.conn = sqlite3.connect(
+                floor.sqlite_path(url.split("?")[0]), isolation_level=None, timeout=30
+            )
 
     def all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         if self.pg:
@@ -237,13 +239,23 @@ def open_app(url: str, module: str = "benchapp") -> tuple[Any, Any]:
 
 
 def stepwarden_throughput(
-    dbs: Databases, store_kind: str, workload: str, n: int, nworkers: int, concurrency: int, prefill: int = 0
+    dbs: Databases,
+    store_kind: str,
+    workload: str,
+    n: int,
+    nworkers: int,
+    concurrency: int,
+    prefill: int = 0,
+    sync: str | None = None,
 ) -> dict[str, Any]:
     """W1 (workflow ``one``) or W2 (``three``): submit ``n`` tasks one call each while the workers
-    run; elapsed from just before the first submit to the last ``processed`` event."""
+    run; elapsed from just before the first submit to the last ``processed`` event. ``sync``: a
+    SQLite ``synchronous`` other than the default FULL (``?synchronous=NORMAL``)."""
     wf = "one" if workload == "w1" else "three"
     steps = 1 if workload == "w1" else 3
     url = dbs.fresh(store_kind, f"sw_{workload}_{nworkers}w{'_pre' if prefill else ''}")
+    if sync and store_kind == "sqlite":
+        url += f"?synchronous={sync}"
     work = Path(tempfile.mkdtemp(prefix="sw-", dir=dbs.work))
     app, store = open_app(url)
     reader = Reader(url)
@@ -744,6 +756,13 @@ def summarise(res: Results) -> dict[str, Any]:
             ):
                 continue
             w, k = s["workload"], s["workers"]
+            if s.get("sync"):  # the faster, less durable SQLite setting: compared with the peers only
+                for name in PEERS:
+                    r = ratio(s, res.find(system=name, store=st, workload=w))
+                    if r:
+                        what = f"stepwarden (synchronous={s['sync']}) {w} / {name}"
+                        out["ratios"].append({"what": what, "store": st, "workers": k, **r})
+                continue
             if w == "w1":
                 fl = res.find(system="floor", store=st, workload="w1", workers=k)
                 r = ratio(s, fl)
@@ -828,7 +847,11 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
         if s["workload"] not in ("w1", "w2"):
             continue
         errs = [r["error"] for r in s["runs"] if "error" in r]
-        label = s["system"] + (f" (+{s['prefill']:,} finished)" if s.get("prefill") else "")
+        label = (
+            s["system"]
+            + (f" (+{s['prefill']:,} finished)" if s.get("prefill") else "")
+            + (f" (synchronous={s['sync']})" if s.get("sync") else "")
+        )
         lines.append(
             f"| {label} | {s['store']} | {s['workload'].upper()} | {s.get('workers', 1)} "
             f"| {fmt(figure(s, 'rate'))} | {fmt(figure(s, 'steps_per_s'))} | {fmt(figure(s, 'submit_rate'))} "
@@ -987,6 +1010,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--tag", default=None, help="suffix of the result files: bench-<date>-<tag>")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (stores, worker logs)")
+    ap.add_argument(
+        "--sqlite-normal",
+        action="store_true",
+        help="also W1/W2 on SQLite with synchronous=NORMAL (no fsync per commit; Huey's default is OFF)",
+    )
     a = ap.parse_args()
     # End cleanly (workers, peers, the PostgreSQL server we started) on SIGTERM and SIGINT, even
     # when started in the background, where SIGINT arrives ignored.
@@ -1108,6 +1136,22 @@ def main() -> int:
                                 dbs, st, "w2", a.tasks, k, a.concurrency
                             ),
                         )
+                    if st == "sqlite" and a.sqlite_normal:
+                        for w in ("w1", "w2"):
+                            if w in workloads:
+                                measure(
+                                    {
+                                        "system": "stepwarden",
+                                        "store": st,
+                                        "workload": w,
+                                        "workers": k,
+                                        "sync": "NORMAL",
+                                    },
+                                    rep,
+                                    lambda st=st, k=k, w=w: stepwarden_throughput(
+                                        dbs, st, w, a.tasks, k, a.concurrency, sync="NORMAL"
+                                    ),
+                                )
                     if prefill and "w1" in workloads:
                         measure(
                             {

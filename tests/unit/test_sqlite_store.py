@@ -51,3 +51,25 @@ def test_a_store_with_a_newer_schema_is_refused(db_path: Path, clock: FakeClock)
 def test_a_store_in_a_missing_directory_is_refused(tmp_path: Path, clock: FakeClock) -> None:
     with pytest.raises(MigrationError, match="does not exist"):
         open_store(f"sqlite:///{tmp_path}/nope/sw.db", clock=clock)
+
+
+def test_the_url_can_ask_for_synchronous_normal_and_nothing_else(tmp_path: Path) -> None:
+    from stepwarden.errors import InputError
+
+    store = open_store(f"sqlite:///{tmp_path / 'a.db'}?synchronous=normal")
+    try:
+        assert isinstance(store, SQLiteStore) and store.synchronous == "NORMAL"
+        assert store.url.endswith("a.db?synchronous=NORMAL")  # workers started from it get it too
+        conn = store.connect()
+        assert conn.execute("PRAGMA synchronous").fetchone()["synchronous"] == 1  # NORMAL
+        conn.close()
+    finally:
+        store.close()
+    default = open_store(f"sqlite:///{tmp_path / 'b.db'}")
+    assert default.synchronous == "FULL" and "?" not in default.url  # type: ignore[attr-defined]
+    default.close()
+    with pytest.raises(InputError, match="synchronous must be FULL"):
+        open_store(f"sqlite:///{tmp_path / 'c.db'}?synchronous=OFF")
+    with pytest.raises(InputError, match="unknown sqlite URL option"):
+        open_store(f"sqlite:///{tmp_path / 'c.db'}?journal=off")
+    assert not (tmp_path / "c.db").exists()  # bad input writes nothing

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from urllib.parse import parse_qsl
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError
@@ -39,10 +40,19 @@ def resolve_url(url: str | None) -> str:
 def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: bool = True) -> Store:
     url = resolve_url(url)
     if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///") :]
+        path, _, query = url[len("sqlite:///") :].partition("?")
         if not path:
             raise InputError("sqlite URL has no path: use sqlite:///relative.db or sqlite:////absolute.db")
-        return SQLiteStore(path, clock=clock, migrate=migrate)
+        options = dict(parse_qsl(query, keep_blank_values=True))
+        unknown = sorted(set(options) - {"synchronous"})
+        if unknown:
+            raise InputError(
+                f"unknown sqlite URL option(s) {', '.join(repr(k)[:40] for k in unknown)}: only synchronous"
+            )
+        sync = options.get("synchronous", "FULL").upper()
+        if sync not in ("FULL", "NORMAL", "EXTRA"):
+            raise InputError("sqlite URL option synchronous must be FULL (the default), NORMAL or EXTRA")
+        return SQLiteStore(path, clock=clock, migrate=migrate, synchronous=sync)
     if url.startswith(("postgresql://", "postgres://")):
         from .postgres import PostgresStore
 

@@ -98,7 +98,9 @@ class SQLiteStore(Store):
         if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
             raise ValueError("synchronous must be FULL, NORMAL or EXTRA")
         self.path = path
-        self.url = f"sqlite:///{path}"
+        self.url = f"sqlite:///{path}" + (
+            "" if synchronous.upper() == "FULL" else f"?synchronous={synchronous.upper()}"
+        )
         self.clock = clock
         self.synchronous = synchronous.upper()
         self.busy_timeout = busy_timeout
