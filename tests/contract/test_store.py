@@ -964,3 +964,38 @@ def test_prune_is_bounded_per_transaction_and_fenced_by_the_term(
         prune(store, term + 1, retention=10, limit=2)  # not the current term: nothing deleted
     assert [rows_of(store, i)["tasks"] for i in done] == [0, 0, 1, 1, 1]
     assert prune(store, term, retention=10, limit=10) == 3
+
+
+# -- a worker that runs both roles takes its own dispatches in the same transaction ------------------
+
+
+def test_a_scheduler_round_takes_the_requests_it_dispatches_up_to_the_room_given(
+    store: Store, make_workflow: Factory
+) -> None:
+    wf = make_workflow()
+    ids = [submit(store, wf) for _ in range(3)]
+    applied, claimed, taken = run(store.schedule_and_take(ME, 10, {"svc": 2}))
+    assert claimed == 3 and applied.accepted == 0
+    assert [(m.task_id, m.attempt, m.agent) for m in taken] == [(ids[0], 1, "svc"), (ids[1], 1, "svc")]
+    rows = q(store, "SELECT task_id, state, taken_by FROM requests ORDER BY task_id")
+    assert [(r["state"], r["taken_by"]) for r in rows] == [("taken", ME), ("taken", ME), ("queued", None)]
+    assert [m.task_id for m in take(store)] == [ids[2]]  # the rest is left to any agent
+
+
+def test_a_reply_batch_applies_and_takes_the_next_steps_in_one_transaction(
+    store: Store, make_workflow: Factory
+) -> None:
+    wf = make_workflow()
+    task_id = submit(store, wf)
+    claim(store)
+    (msg,) = run(store.claim_requests(ME, ["svc"], 5))
+    applied, taken = run(store.send_replies_and_take(ME, [(msg.id, "ok", {"a": 1}, None)], {"svc": 1}))
+    assert applied is not None and applied.accepted == 1
+    # Step a completed and step b was dispatched and taken, all in that one commit.
+    assert [(m.task_id, m.step_idx, m.attempt) for m in taken] == [(task_id, 1, 1)]
+    assert states(store, task_id) == ("processing", ["completed", "running", "pending"])
+    assert last_request(store, task_id, "b")["taken_by"] == ME
+    # Nothing is taken for an agent without room, or one this worker does not run.
+    applied, taken = run(store.send_replies_and_take(ME, [(taken[0].id, "ok", None, None)], {}))
+    assert applied is not None and applied.accepted == 1 and taken == []
+    assert last_request(store, task_id, "c")["state"] == "queued"
