@@ -15,11 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from . import tracing
 from .agent import Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
 from .scheduler import SchedulerRole, SchedulerSettings
+from .store import ApplyResult
 from .supervisor import LEASE, Supervisor, SupervisorSettings
 from .workflow import check_ident
 
@@ -120,13 +122,20 @@ class Worker:
         jobs: list[asyncio.Task[None]] = []
         m = self.metrics
         if "scheduler" in s.roles:
+            spans = tracing.tracer(self.identity)  # task spans for the replies this round applies
+
+            def scheduler_applied(result: ApplyResult) -> None:
+                spans.applied(result)
+                if m is not None:
+                    m.applied(result)
+
             self.scheduler = SchedulerRole(
                 store,
                 self.identity,
                 clock=clock,
                 settings=s.scheduler,
                 wake=self.wake,
-                on_applied=m.applied if m else None,
+                on_applied=scheduler_applied,
             )
             jobs.append(asyncio.create_task(self.scheduler.run(stop), name="scheduler"))
         if self.agents:
