@@ -390,3 +390,64 @@ def test_terms_are_recorded_without_overlap(tracked_store: Any, clock: FakeClock
             await ks.close()
 
     run(body())
+
+
+def beat(store: Any, worker: str, at: float) -> None:
+    """A worker row on another machine (only its heartbeat can tell whether it lives)."""
+    store.transact_sync(
+        lambda tx: tx.sql(
+            "INSERT INTO workers (id, roles, agents, started_at, heartbeat_at, host_key, pid, proc_start) "
+            "VALUES (?, 'supervisor', '', ?, ?, 'elsewhere', 1, '1') "
+            "ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
+            (worker, at, at),
+        )
+    )
+
+
+@pytest.mark.parametrize("take_from_dead", [3.0, None])
+def test_a_lease_is_taken_from_a_holder_presumed_dead_only_when_asked(
+    tracked_store: Any, clock: FakeClock, fake_time: Any, take_from_dead: float | None
+) -> None:
+    """The supervisor's lease (take_from_dead=3) moves as soon as the silent holder's heartbeat is
+    3 s old; an application lease (None) waits for expiry. A live holder's beats keep it."""
+    from dataclasses import replace
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa, wb = Work(clock), Work(clock)
+        cut = Flaky(tracked_store, clock)
+        a = LeaseKeeper(cut, LEASE, "A", wa, settings=S, clock=clock)  # type: ignore[arg-type]
+        b = LeaseKeeper(
+            tracked_store, LEASE, "B", wb, settings=replace(S, take_from_dead=take_from_dead), clock=clock
+        )
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            ks.start(b)
+            for _ in range(8):  # A alive and beating for 4 s: B never takes over
+                beat(tracked_store, "A", clock.wall())
+                await fake_time.run_for(0.5)
+            assert (a.is_leader, b.is_leader) == (True, False)
+            last_beat = clock.wall() - 0.5
+            cut.down = True  # A goes silent: no renewal, no heartbeat (+4)
+            await fake_time.run_for(2.0)
+            assert not b.is_leader  # heartbeat only 2.5 s old
+            await fake_time.run_for(1.5)  # +7.5: heartbeat 4 s old, the lease still runs to +8
+            if take_from_dead is None:
+                assert not b.is_leader
+                await fake_time.run_for(1.5)  # expired at +8, taken at B's next retry
+            assert (b.is_leader, b.term) == (True, 2)
+            row = lease_row(tracked_store)
+            taken = [
+                e
+                for e in tracked_store.transact_sync(lambda tx: tx.sql("SELECT detail FROM events"))
+                if e["detail"] and '"term": 2' in e["detail"]
+            ]
+            assert row["holder"] == "B" and len(taken) == 1
+            if take_from_dead is not None:
+                assert '"taken_from": "A"' in taken[0]["detail"]
+                assert row["acquired_at"] - last_beat <= take_from_dead + S.retry_every
+        finally:
+            await ks.close()
+
+    run(body())
