@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import click
@@ -24,6 +25,7 @@ from .errors import InputError, NotFound, StepwardenError
 from .replies import Replies
 from .store import FINAL_TASK_STATES, TASK_STATES, Store, open_store, resolve_url, views
 from .store import transitions as tr
+from .supervisor import SupervisorSettings
 from .worker import ROLES, WorkerSettings, parse_list
 from .workflow import DEFAULT_MAX_INPUT_BYTES, check_key, check_name, parse_input
 
@@ -135,6 +137,20 @@ def init(ctx: click.Context) -> None:
     default=None,
     help="Serve this worker's Prometheus metrics at http://127.0.0.1:PORT/metrics (0: a free port).",
 )
+@click.option(
+    "--dead-after",
+    type=click.FloatRange(2.0, 3600.0),
+    default=SupervisorSettings.dead_after,
+    show_default=True,
+    help="Seconds without a heartbeat after which a worker is presumed dead and its steps rescued.",
+)
+@click.option(
+    "--retention",
+    type=click.FloatRange(0.0, 36500.0, min_open=True),
+    default=None,
+    help="Days to keep finished tasks before the leader prunes them (default 7).",
+)
+@click.option("--keep-finished", is_flag=True, help="Never prune finished tasks.")
 @click.pass_context
 def worker(
     ctx: click.Context,
@@ -144,10 +160,24 @@ def worker(
     concurrency: int | None,
     name: str | None,
     metrics_port: int | None,
+    dead_after: float,
+    retention: float | None,
+    keep_finished: bool,
 ) -> None:
     """Run scheduler, agent and supervisor roles until SIGTERM/SIGINT."""
+    if keep_finished and retention is not None:
+        raise InputError("--retention and --keep-finished contradict each other: give one")
+    sup = SupervisorSettings(dead_after=dead_after)
+    if keep_finished:
+        sup = replace(sup, retention=None)
+    elif retention is not None:
+        sup = replace(sup, retention=retention * 86400.0)
     settings = WorkerSettings(
-        roles=parse_list(roles) or (), agents=parse_list(agents), concurrency=concurrency, name=name
+        roles=parse_list(roles) or (),
+        agents=parse_list(agents),
+        concurrency=concurrency,
+        name=name,
+        supervisor=sup,
     )
     if app_ref is None and ("agent" in settings.roles):
         raise InputError(

@@ -111,6 +111,10 @@ CASES: dict[str, tuple[str, ...]] = {
     "worker-app-no-colon": ("worker", "--app", "stepwarden.demo.app"),
     "worker-name": ("worker", "--app", DEMO_APP, "--name", "bad name;"),
     "worker-concurrency-zero": ("worker", "--app", DEMO_APP, "--concurrency", "0"),
+    "worker-retention-zero": ("worker", "--app", DEMO_APP, "--retention", "0"),
+    "worker-retention-and-keep": ("worker", "--app", DEMO_APP, "--retention", "3", "--keep-finished"),
+    "worker-dead-after-too-short": ("worker", "--app", DEMO_APP, "--dead-after", "1"),
+    "worker-dead-after-not-a-number": ("worker", "--app", DEMO_APP, "--dead-after", "soon"),
     "worker-concurrency-word": ("worker", "--app", DEMO_APP, "--concurrency", "many"),
     "worker-agents-unknown": ("worker", "--app", DEMO_APP, "--agents", "bogus"),
 }
