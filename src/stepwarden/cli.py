@@ -462,7 +462,12 @@ def agents(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
     metavar="NAME",
     help="With --reply-to: a durable cursor; resume after the last message printed under this name.",
 )
-@click.option("--timeout", type=float, default=None, help="Stop after this many seconds.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0.0, min_open=True),
+    default=None,
+    help="Stop after this many seconds (exit 1 if the task is not final by then).",
+)
 @click.pass_context
 def watch(
     ctx: click.Context,
@@ -499,7 +504,9 @@ def watch(
         if state in FINAL_TASK_STATES:
             click.echo(f"task {tid} is {state}")
             return
-        time.sleep(0.2)
+        time.sleep(0.2 if end is None else max(0.0, min(0.2, end - time.monotonic())))
+    click.echo(f"task {tid} is still {state} after {timeout:g}s", err=True)
+    sys.exit(1)
 
 
 def _watch_queue(store: Store, queue: str, consumer: str | None, timeout: float | None) -> None:

@@ -93,6 +93,8 @@ CASES: dict[str, tuple[str, ...]] = {
     "watch-unknown-task": ("watch", "999999", "--timeout", "10"),
     "watch-word": ("watch", "abc", "--timeout", "10"),
     "watch-timeout-word": ("watch", "{tid}", "--timeout", "soon"),
+    "watch-timeout-negative": ("watch", "{tid}", "--timeout", "-1"),
+    "watch-timeout-zero": ("watch", "{tid}", "--timeout", "0"),
     # click usage errors are one line too
     "unknown-command": ("frobnicate",),
     "unknown-option": ("tasks", "--frobnicate"),

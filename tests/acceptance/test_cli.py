@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -444,3 +445,14 @@ def test_failed_task_alerts_and_can_be_retried_and_cancelled(db: Db, procs: Proc
     r = db.ok("task", "cancel", str(tid))
     assert str(tid) in r.stdout
     assert db.wait_state(tid, FINAL - {"error"})["state"] == "cancelled"
+
+
+def test_watch_of_a_task_that_does_not_finish_in_time_exits_1_and_says_so(tmp_path: Path) -> None:
+    db = make_db(tmp_path, "w.db")
+    tid = db.submit(order("slow"))  # no worker runs: it stays pending
+    started = time.monotonic()
+    r = sw("--db", db.url, "watch", str(tid), "--timeout", "0.6", cwd=tmp_path)
+    assert 0.5 <= time.monotonic() - started < 10
+    assert r.returncode == 1, str(r)
+    assert "received" in r.stdout  # the events so far were printed
+    assert r.stderr.strip() == f"task {tid} is still pending after 0.6s"
