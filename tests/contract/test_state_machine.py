@@ -837,6 +837,10 @@ class StoreMachine(RuleBasedStateMachine):
             assert snapshot(self.store) == before, "a refused retry changed the store"
             return
         self.store.transact_sync(t.retry_task, task_id, step, OPERATOR)
+        if task.state != "error":  # undone effects: a step counts as started again once it reruns
+            for s in task.steps:
+                if s.state == "compensated":
+                    s.started = False
         for idx in range(start, len(task.steps)):
             s = task.steps[idx]
             s.state, s.failure_offset, s.comp_failures, s.complete_by = "pending", s.failure_count, 0, None

@@ -999,3 +999,25 @@ def test_a_reply_batch_applies_and_takes_the_next_steps_in_one_transaction(
     applied, taken = run(store.send_replies_and_take(ME, [(taken[0].id, "ok", None, None)], {}))
     assert applied is not None and applied.accepted == 1 and taken == []
     assert last_request(store, task_id, "c")["state"] == "queued"
+
+
+def test_a_cancelled_task_retried_then_cancelled_again_undoes_only_what_ran_again(
+    store: Store, make_workflow: Factory
+) -> None:
+    task_id = submit(store, make_workflow())
+    claim(store)
+    complete(store, task_id, "a")
+    store.transact_sync(t.cancel_task, task_id, "operator")
+    complete(store, task_id, "b")  # b's reply arrives; the undo of b, then a, follows
+    complete(store, task_id, "b")
+    complete(store, task_id, "a")
+    assert states(store, task_id) == ("cancelled", ["compensated", "compensated", "skipped"])
+    store.transact_sync(t.retry_task, task_id, None, "operator")
+    claim(store)  # a runs again; b does not get to run before the second cancel
+    undos_before = [r for r in requests(store, task_id) if r["kind"] == "undo"]
+    store.transact_sync(t.cancel_task, task_id, "operator")
+    complete(store, task_id, "a")  # a's reply comes, then only a is undone
+    complete(store, task_id, "a")
+    assert states(store, task_id) == ("cancelled", ["compensated", "skipped", "skipped"])
+    undos = [r for r in requests(store, task_id) if r["kind"] == "undo"][len(undos_before) :]
+    assert [r["step_idx"] for r in undos] == [0]  # b's effect was undone already: not again

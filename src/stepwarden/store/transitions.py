@@ -687,6 +687,10 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
         raise InputError(
             f"step {step_name!r} comes after step {names[first_open]!r}, which has not completed"
         )
+    if task["state"] != "error":
+        # Its effects were undone: a step counts as started again only once it runs again, so a
+        # cancel before then does not undo it a second time.
+        tx.sql("UPDATE steps SET started_at = NULL WHERE task_id = ? AND state = 'compensated'", (task_id,))
     tx.sql(
         "UPDATE steps SET state = 'pending', failure_offset = failure_count, comp_failures = 0, "
         "locked_by = NULL, complete_by = NULL, finished_at = NULL WHERE task_id = ? AND idx >= ?",
