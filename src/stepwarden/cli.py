@@ -505,8 +505,7 @@ def watch(
             click.echo(f"task {tid} is {state}")
             return
         time.sleep(0.2 if end is None else max(0.0, min(0.2, end - time.monotonic())))
-    click.echo(f"task {tid} is still {state} after {timeout:g}s", err=True)
-    sys.exit(1)
+    raise StepwardenError(f"task {tid} is still {state} after {timeout:g}s")  # exit 1, one line
 
 
 def _watch_queue(store: Store, queue: str, consumer: str | None, timeout: float | None) -> None:

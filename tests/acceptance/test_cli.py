@@ -455,4 +455,4 @@ def test_watch_of_a_task_that_does_not_finish_in_time_exits_1_and_says_so(tmp_pa
     assert 0.5 <= time.monotonic() - started < 10
     assert r.returncode == 1, str(r)
     assert "received" in r.stdout  # the events so far were printed
-    assert r.stderr.strip() == f"task {tid} is still pending after 0.6s"
+    assert r.stderr.strip() == f"error: task {tid} is still pending after 0.6s"
