@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import InputError, LostOwnership, NotFound
 from ..policies import Decision, Retry
-from ..workflow import Workflow
+from ..workflow import Step, Workflow
 from .base import FINAL_TASK_STATES, ApplyResult, Row, SweepResult, Tx
 
 
@@ -72,22 +72,24 @@ def submit(
 
     The insert itself resolves a duplicate key (ON CONFLICT DO NOTHING) rather than a look-up first:
     at READ COMMITTED two concurrent submitters would both miss the look-up, and the second would
-    then fail on the unique index instead of getting the first one's task.
+    then fail on the unique index instead of getting the first one's task. On PostgreSQL the whole
+    submission is one statement (``submit_task``: one round trip instead of three).
     """
+    task = {
+        "workflow": wf.name,
+        "version": wf.version,
+        "input": input_text,
+        "correlation_id": correlation_id,
+        "idempotency_key": idempotency_key,
+        "reply_to": reply_to,
+        "priority": priority,
+    }
+    steps = [_step_row(idx, s) for idx, s in enumerate(wf.steps)]
     if tx.dialect == "postgres":
-        return _submit_in_one_statement(
-            tx, wf, input_text, correlation_id, idempotency_key, priority, reply_to
-        )
-    row = tx.one(
-        "insert_task",
-        workflow=wf.name,
-        version=wf.version,
-        input=input_text,
-        correlation_id=correlation_id,
-        idempotency_key=idempotency_key,
-        reply_to=reply_to,
-        priority=priority,
-    )
+        detail = json.dumps({"workflow": wf.name, "correlation_id": correlation_id})
+        row = tx.one("submit_task", **task, steps=json.dumps(steps), detail=detail)
+    else:
+        row = tx.one("insert_task", **task)
     if row is None:
         # The key exists, committed by another submitter (Postgres waited for it to commit), so
         # this statement's fresh snapshot sees it.
@@ -95,69 +97,25 @@ def submit(
         assert found is not None
         return int(found["id"]), False
     task_id = int(row["id"])
-    for idx, s in enumerate(wf.steps):
-        tx.put(
-            "insert_step",
-            task_id=task_id,
-            idx=idx,
-            name=s.name,
-            agent=s.agent,
-            operation=s.operation,
-            compensate=s.compensate,
-            budget=s.complete_by,
-            policy=json.dumps(s.retry.to_dict()),
-            on_error=s.on_error,
-        )
-    event(tx, "received", task_id, None, workflow=wf.name, correlation_id=correlation_id)
-    message(tx, {"id": task_id, "reply_to": reply_to, "correlation_id": correlation_id}, "received")
+    if tx.dialect != "postgres":
+        for step in steps:
+            tx.put("insert_step", task_id=task_id, **step)
+        event(tx, "received", task_id, None, workflow=wf.name, correlation_id=correlation_id)
+        message(tx, {"id": task_id, "reply_to": reply_to, "correlation_id": correlation_id}, "received")
     return task_id, True
 
 
-def _submit_in_one_statement(
-    tx: Tx,
-    wf: Workflow,
-    input_text: str,
-    correlation_id: str | None,
-    idempotency_key: str | None,
-    priority: int,
-    reply_to: str | None,
-) -> tuple[int, bool]:
-    """PostgreSQL: the same rows as :func:`submit`, in one statement (one round trip, not three)."""
-    row = tx.one(
-        "submit_task",
-        workflow=wf.name,
-        version=wf.version,
-        input=input_text,
-        correlation_id=correlation_id,
-        idempotency_key=idempotency_key,
-        reply_to=reply_to,
-        priority=priority,
-        steps=_steps_json(wf),
-        detail=json.dumps({"workflow": wf.name, "correlation_id": correlation_id}),
-    )
-    if row is None:
-        found = tx.one("task_by_key", key=idempotency_key)
-        assert found is not None
-        return int(found["id"]), False
-    return int(row["id"]), True
-
-
-def _steps_json(wf: Workflow) -> str:
-    return json.dumps(
-        [
-            {
-                "idx": idx,
-                "name": s.name,
-                "agent": s.agent,
-                "operation": s.operation,
-                "compensate": s.compensate,
-                "budget": s.complete_by,
-                "policy": json.dumps(s.retry.to_dict()),
-                "on_error": s.on_error,
-            }
-            for idx, s in enumerate(wf.steps)
-        ]
-    )
+def _step_row(idx: int, s: Step) -> dict[str, Any]:
+    return {
+        "idx": idx,
+        "name": s.name,
+        "agent": s.agent,
+        "operation": s.operation,
+        "compensate": s.compensate,
+        "budget": s.complete_by,
+        "policy": json.dumps(s.retry.to_dict()),
+        "on_error": s.on_error,
+    }
 
 
 def claim_and_dispatch(tx: Tx, me: str, limit: int) -> int:
