@@ -99,9 +99,7 @@ class Worker:
         for n in names:
             a = self.app.agents[n]
             if s.concurrency is not None:
-                a = Agent(
-                    a.name, s.concurrency, a.breaker_threshold, a.breaker_cool_off, a.classify, a.operations
-                )
+                a = replace(a, concurrency=s.concurrency)  # every other field as the app defined it
             out[n] = a
         return out
 
