@@ -208,8 +208,13 @@ class PostgresStore(Store):
     ) -> R:
         notify: set[str] = set()
         # Pipeline mode: writes whose results are not read (Tx.put) go out without waiting for
-        # a round trip each; reads sync the pipeline when they fetch.
-        with self.pool.connection() as conn, conn.pipeline() as pipeline:
+        # a round trip each; reads sync the pipeline when they fetch. A transaction of one
+        # statement (a submission) gains nothing from it and pays its bookkeeping: it goes plain.
+        piped = getattr(fn, "stepwarden_pipeline", True)
+        with (
+            self.pool.connection() as conn,
+            conn.pipeline() if piped else contextlib.nullcontext() as pipeline,
+        ):
             with conn.transaction():
                 if self.fake_time:
                     conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
@@ -217,7 +222,8 @@ class PostgresStore(Store):
                 out = fn(tx, *args, **kwargs)
                 tx.flush()
                 tx.send_notifications()  # delivered when this transaction commits
-                pipeline.sync()  # every statement has answered: what fails from here is the COMMIT
+                if pipeline is not None:
+                    pipeline.sync()  # every statement has answered: what fails from here is the COMMIT
                 stage[0] = "commit"
             return out
 

@@ -105,6 +105,9 @@ def submit(
     return task_id, True
 
 
+submit.stepwarden_pipeline = False  # type: ignore[attr-defined]  # one statement on PostgreSQL
+
+
 def _step_row(idx: int, s: Step) -> dict[str, Any]:
     return {
         "idx": idx,
