@@ -79,3 +79,41 @@ def test_a_migration_interrupted_by_a_lost_connection_is_retried(
         assert len(calls) == 2
     finally:
         store.close()
+
+
+def test_prune_skips_a_task_another_session_holds_and_does_not_wait(
+    pg_url: str, clock: FakeClock, make_workflow: Any
+) -> None:
+    """An operator retrying an old cancelled task holds its row: the prune must neither delete
+    its rows under it nor wait for it (the prune is fenced by the lease it must keep renewing)."""
+    store = open_store(pg_url, clock=clock)
+    try:
+        wf = make_workflow("a", budget=5)
+        ids = [
+            store.transact_sync(
+                t.submit, wf, "{}", correlation_id=None, idempotency_key=None, priority=0, reply_to=None
+            )[0]
+            for _ in range(2)
+        ]
+        for task_id in ids:
+            store.transact_sync(t.cancel_task, task_id, "operator")
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2  # both end cancelled
+        term, _ = asyncio.run(store.acquire_lease("supervisor", "sup", 1e6)) or (0, 0.0)
+        clock.advance(100)
+        with psycopg.connect(pg_url) as other:
+            other.execute("SELECT id FROM tasks WHERE id = %s FOR UPDATE", (ids[0],))
+            started = time.monotonic()
+            assert store.transact_sync(t.prune, "sup", "supervisor", term, 10.0, 100) == 1
+            assert time.monotonic() - started < 3, "the prune waited for the locked row"
+            other.rollback()
+        left = store.transact_sync(lambda tx: tx.sql("SELECT id FROM tasks ORDER BY id"))
+        assert [r["id"] for r in left] == [ids[0]]
+        assert (
+            store.transact_sync(
+                lambda tx: tx.sql("SELECT count(*) AS n FROM steps WHERE task_id = ?", (ids[0],))
+            )[0]["n"]
+            == len(wf.steps)
+        )
+        assert store.transact_sync(t.prune, "sup", "supervisor", term, 10.0, 100) == 1  # next round
+    finally:
+        store.close()

@@ -1021,3 +1021,21 @@ def test_a_cancelled_task_retried_then_cancelled_again_undoes_only_what_ran_agai
     assert states(store, task_id) == ("cancelled", ["compensated", "skipped", "skipped"])
     undos = [r for r in requests(store, task_id) if r["kind"] == "undo"][len(undos_before) :]
     assert [r["step_idx"] for r in undos] == [0]  # b's effect was undone already: not again
+
+
+def test_of_two_candidates_taking_a_dead_holders_lease_exactly_one_wins(store: Store) -> None:
+    term = lease(store, holder="dead:1:aaa")
+    first = store.transact_sync(t.take_lease, "supervisor", "sup-b:2:bbb", "dead:1:aaa", term, 5.0)
+    second = store.transact_sync(t.take_lease, "supervisor", "sup-c:3:ccc", "dead:1:aaa", term, 5.0)
+    assert first is not None and first[0] == term + 1 and second is None
+    # A take naming a holder or term that is no longer current changes nothing either.
+    assert store.transact_sync(t.take_lease, "supervisor", "sup-c:3:ccc", "sup-b:2:bbb", term, 5.0) is None
+    row = q(store, "SELECT holder, term FROM leases WHERE name = 'supervisor'")[0]
+    assert (row["holder"], row["term"]) == ("sup-b:2:bbb", term + 1)
+    terms = q(store, "SELECT term, holder, ended_at FROM lease_terms ORDER BY term")
+    assert [(r["term"], r["holder"], r["ended_at"] is not None) for r in terms] == [
+        (term, "dead:1:aaa", True),
+        (term + 1, "sup-b:2:bbb", False),
+    ]
+    with pytest.raises(LostOwnership):  # the old term's writes are refused from now on
+        sweep(store, term, me="dead:1:aaa")
