@@ -479,3 +479,50 @@ def test_the_role_loop_serves_requests_until_stopped(rt_store: Store, make_workf
 
     run(body())
     assert sorted(r["result"] for r in replies(rt_store)) == [str(i) for i in range(6)]
+
+
+class FailingTakes:
+    """The store, except that the first ``fail`` reply batches are lost with the connection."""
+
+    def __init__(self, store: Store, fail: int) -> None:
+        self.store, self.fail, self.calls = store, fail, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def send_replies_and_take(self, *args: Any, **kw: Any) -> Any:
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise ConnectionError("server closed the connection unexpectedly")
+        return await self.store.send_replies_and_take(*args, **kw)
+
+
+def test_a_reply_batch_refills_the_slots_it_frees_and_a_lost_one_gives_its_reservation_back(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """A worker that is also a scheduler: its reply transaction takes the next queued requests
+    for the slots the replies free (no pull of its own). When that transaction is lost, the slots
+    it reserved are given back, the batch is sent again, and nothing is taken twice or left behind."""
+    ids = dispatch(rt_store, make_workflow, 4)
+    agent = Agent("svc", concurrency=2)
+    ran: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        ran.append(req.task_id)
+
+    flaky = FailingTakes(rt_store, fail=1)
+
+    async def body() -> None:
+        role = make_role(flaky, agent, settings=AgentSettings(apply_replies=True))  # type: ignore[arg-type]
+        assert await role.pull() == 2  # capacity 2: two of the four
+        await until(lambda: len(ran) == 4 and not role.tasks and not role._outbox, timeout=10)
+        assert role.inflight == {"svc": 0}  # no reservation leaked by the lost batch
+        assert flaky.calls >= 2
+
+    run(body())
+    assert sorted(ran) == ids  # each request ran once: the lost batch took nothing
+    states = rt_store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks ORDER BY id"))
+    assert [s["state"] for s in states] == ["processed"] * 4
+    taken = rt_store.transact_sync(lambda tx: tx.sql("SELECT taken_by FROM requests ORDER BY id"))
+    assert {r["taken_by"] for r in taken} == {ME}
