@@ -111,9 +111,9 @@ class AgentHealth:
         await self.store.transact(sa.register, self.me, specs)
         self.registered = True
 
-    async def beat(self, load: Mapping[str, tuple[int, int]]) -> None:
-        """Heartbeat with capacity and requests in flight; flushes pending successes too."""
-        await self.store.transact(sa.beat, self.me, dict(load))
+    def flush_successes(self) -> None:
+        """At each heartbeat (which records capacity and load, ``Store.worker_beat``): write the
+        successes held back since the last one."""
         for name, inst in self.instances.items():
             if inst.unsent and not inst.writing:
                 self._write_later(name)

@@ -211,11 +211,16 @@ class Worker:
         breakers: dict[str, str] = (
             {n: b.state for n, b in self.agent_role.breakers.items()} if self.agent_role else {}
         )
+        role = self.agent_role
         await self.app.store.worker_beat(
-            self.identity, self.settings.roles, list(self.agents), breakers=breakers
+            self.identity,
+            self.settings.roles,
+            list(self.agents),
+            breakers=breakers,
+            load=role.load() if role is not None else None,  # agent instances (AGT6)
         )
-        if self.agent_role is not None:  # agent instances: capacity and load (AGT6)
-            await self.agent_role.health.beat(self.agent_role.load())
+        if role is not None:
+            role.health.flush_successes()
 
 
 async def _safe(coro: object) -> None:

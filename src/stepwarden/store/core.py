@@ -182,8 +182,11 @@ class Store:
         agents: Sequence[str],
         stopped: bool = False,
         breakers: dict[str, str] | None = None,
+        load: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
-        """Record that a worker is alive, with its agents' breaker states, for operators."""
+        """Record that a worker is alive, with its agents' breaker states, for operators, and its
+        agent instances' ``{agent: (capacity, in flight)}`` (AGT6) in the same transaction."""
+        from . import agents as agent_rows  # it builds on this module
 
         def beat(tx: Tx) -> None:
             if stopped:
@@ -199,6 +202,8 @@ class Store:
                     **liveness.me(),
                 )
                 tx.run("worker_beat", id=worker_id, breakers=text)
+            if load:
+                agent_rows.beat(tx, worker_id, dict(load))
 
         # On the lease lane: a heartbeat queued behind a burst of work would make a busy worker
         # look dead to the supervisor (see liveness).
