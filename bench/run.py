@@ -35,6 +35,7 @@ PEERS_DIR = HERE / ".peers"
 sys.path.insert(0, str(HERE))
 
 import floor  # noqa: E402
+from peers.common import stop as stop_process  # noqa: E402 - by pid: SIGTERM, SIGKILL after a grace
 
 WORKLOADS = ("w1", "w2", "w3", "l1", "floor")
 STORES = ("sqlite", "postgres")
@@ -146,20 +147,6 @@ class Reader:
 
 
 # -- processes -------------------------------------------------------------------------------------
-def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 30.0) -> None:
-    """End one process we started, by its pid: ``sig``, then SIGKILL after ``grace`` seconds."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.kill(proc.pid, sig)
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
-
-
 def start_worker(url: str, app_ref: str, concurrency: int, logfile: Path, env: dict[str, str] | None = None):
     environ = dict(os.environ if env is None else env)
     environ["PYTHONPATH"] = str(HERE) + os.pathsep + environ.get("PYTHONPATH", "")
