@@ -108,12 +108,9 @@ def test_prune_skips_a_task_another_session_holds_and_does_not_wait(
             other.rollback()
         left = store.transact_sync(lambda tx: tx.sql("SELECT id FROM tasks ORDER BY id"))
         assert [r["id"] for r in left] == [ids[0]]
-        assert (
-            store.transact_sync(
-                lambda tx: tx.sql("SELECT count(*) AS n FROM steps WHERE task_id = ?", (ids[0],))
-            )[0]["n"]
-            == len(wf.steps)
-        )
+        assert store.transact_sync(
+            lambda tx: tx.sql("SELECT count(*) AS n FROM steps WHERE task_id = ?", (ids[0],))
+        )[0]["n"] == len(wf.steps)
         assert store.transact_sync(t.prune, "sup", "supervisor", term, 10.0, 100) == 1  # next round
     finally:
         store.close()
