@@ -33,6 +33,7 @@ from .sql import load_queries, pending_migrations
 try:
     import psycopg
     from psycopg.rows import dict_row
+    from psycopg.types.json import Jsonb
     from psycopg_pool import ConnectionPool
 except ImportError:  # pragma: no cover - exercised only without the extra
     psycopg = None  # type: ignore[assignment]
@@ -50,6 +51,24 @@ NOTIFY_ON = {
     "finish_task": "stepwarden_done",
 }
 CHANNELS = sorted(set(NOTIFY_ON.values()))
+# The hot path's writes a transaction defers, by query, with the parameters that name the row
+# each one changes (none: an insert). A deferred write waits until the next read, commit or other
+# write, and goes out with the others of its query as ONE statement (``<query>__many`` in
+# ``batches.sql``) instead of one each: a round of fifty tasks costs about as many statements as
+# a round of one. Deferring reorders these writes only among themselves, and within one window
+# between reads they touch disjoint rows (a task advances once per window), except an update
+# of the same row twice: then that group goes one by one, in order.
+DEFERRED: dict[str, tuple[str, ...]] = {
+    "start_attempt": ("task_id", "idx"),
+    "complete_step": ("task_id", "idx"),
+    "task_in_flight": ("task_id",),
+    "finish_task": ("task_id",),
+    "mark_reply": ("id",),
+    "finish_request": ("task_id", "idx", "attempt"),
+    "request_replied": ("request_id",),
+    "insert_request": (),
+    "insert_reply": (),
+}
 SYSTEM_NOW = "extract(epoch from statement_timestamp())::float8"
 FAKE_NOW = "COALESCE(NULLIF(current_setting('stepwarden.now', true), '')::float8, " + SYSTEM_NOW + ")"
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
@@ -67,15 +86,38 @@ class PgTx:
         self.q = queries
         self.notify = notify
         self.pipeline = pipeline
-        self.kept: dict[str, list[dict[str, Any]]] = {}
+        self.kept: dict[str, list[dict[str, Any]]] = {}  # events, messages: sent at commit
+        self.deferred: dict[str, list[dict[str, Any]]] = {}  # hot writes: sent at the next read
         self.dispatched: list[str] = []
         self.quieted: set[str] = set()
 
     def _exec(self, query: str, params: dict[str, Any]) -> Any:
+        if self.deferred:
+            self._send_deferred()
         channel = NOTIFY_ON.get(query)
         if channel:
             self.notify.add(channel)
         return self.conn.cursor(row_factory=dict_row).execute(self.q[query], params, prepare=True)
+
+    def _send_deferred(self) -> None:
+        deferred, self.deferred = self.deferred, {}
+        for query, rows in deferred.items():
+            keys = DEFERRED[query]
+            if len(rows) > 1 and (not keys or len({tuple(r[k] for k in keys) for r in rows}) == len(rows)):
+                self._send_many(query, rows)
+            else:
+                cur = self.conn.cursor()
+                for params in rows:
+                    cur.execute(self.q[query], params, prepare=True)
+
+    def _send_many(self, query: str, rows: list[dict[str, Any]]) -> None:
+        """Every row of ``rows`` through ``query``, in one statement when the query has a set-based
+        form, else one by one (in a pipeline either way: no round trip of its own)."""
+        many = self.q.get(query + "__many")
+        if many is None:
+            self.conn.cursor().executemany(self.q[query], rows)
+        else:
+            self.conn.cursor().execute(many, {"rows": Jsonb(rows)}, prepare=True)
 
     def _sync(self) -> None:
         if self.pipeline is not None:
@@ -98,11 +140,19 @@ class PgTx:
         return int(cur.rowcount)
 
     def put(self, query: str, /, **params: Any) -> None:
-        self._exec(query, params)
+        if query in DEFERRED:
+            channel = NOTIFY_ON.get(query)
+            if channel:
+                self.notify.add(channel)
+            self.deferred.setdefault(query, []).append(params)
+        else:
+            self._exec(query, params)
 
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
         if isinstance(params, tuple) and params:
             text = text.replace("?", "%s")
+        if self.deferred:
+            self._send_deferred()
         cur = self.conn.cursor(row_factory=dict_row).execute(text, params or None)
         self._sync()
         return list(cur.fetchall()) if cur.description else []
@@ -114,12 +164,13 @@ class PgTx:
         self.kept.setdefault(query, []).append(params)
 
     def flush(self) -> None:
+        self._send_deferred()
         kept, self.kept = self.kept, {}
         for query, rows in kept.items():
             channel = NOTIFY_ON.get(query)
             if channel:
                 self.notify.add(channel)
-            self.conn.cursor().executemany(self.q[query], rows)
+            self._send_many(query, rows)
 
     def send_notifications(self) -> None:
         channels = sorted(self.notify - self.quieted)

@@ -1,0 +1,130 @@
+"""Many tasks moving in one transaction end exactly as if each had moved alone.
+
+On PostgreSQL a round's writes of one kind go out as one set-based statement (``batches.sql``);
+these tests drive rounds and reply batches of several tasks, mixing the common path with stale
+replies, failures and finished tasks, and check every row a user would look at."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from test_store import ME, Factory, alerts, event_kinds, q, run, states, steps, submit, take
+
+from stepwarden.clock import FakeClock
+from stepwarden.store import Store
+
+
+def test_a_round_of_many_tasks_dispatches_each_its_own_request(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    wf = make_workflow()
+    ids = [submit(store, wf, {"order": n}) for n in range(7)]
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 4}))
+    assert claimed == 7 and len(taken) == 4
+    reqs = q(store, "SELECT * FROM requests ORDER BY id")
+    # One request per task, in claim order (ids follow it), each with its own task's input.
+    assert [r["task_id"] for r in reqs] == ids
+    for n, r in enumerate(reqs):
+        assert (r["step_idx"], r["attempt"], r["kind"], r["operation"]) == (0, 1, "do", "do_a")
+        assert json.loads(r["payload"]) == {"input": {"order": n}, "results": {}}
+        assert r["idempotency_key"] == f"{r['task_id']}:a"
+        assert r["complete_by"] == pytest.approx(clock.wall() + 10.0, abs=1e-6)
+    assert [r["state"] for r in reqs] == ["taken"] * 4 + ["queued"] * 3
+    for task_id in ids:
+        assert states(store, task_id) == ("processing", ["running", "pending", "pending"])
+        t = q(store, "SELECT locked_by, complete_by FROM tasks WHERE id = ?", task_id)[0]
+        assert t["locked_by"] == ME and t["complete_by"] == pytest.approx(clock.wall() + 10.0, abs=1e-6)
+        assert event_kinds(store, task_id) == ["received", "claimed", "dispatched"]
+
+
+def test_a_reply_batch_of_many_tasks_moves_each_one_alone(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    wf = make_workflow(steps={"a": {"on_error": "compensate"}})
+    one = make_workflow("a", name="one")
+    ids = [submit(store, wf, {"order": n}) for n in range(5)]
+    last = submit(store, one, {"order": 5})
+    run(store.schedule_and_take(ME, 50, {}))
+    msgs = {m.task_id: m for m in take(store, limit=10)}
+    assert sorted(msgs) == sorted([*ids, last])
+    clock.advance(1.0)
+    replies: list[tuple[int, str, Any, str | None]] = [
+        (msgs[ids[0]].id, "ok", {"r": 0}, None),
+        (msgs[ids[1]].id, "ok", {"r": 1}, None),
+        (msgs[ids[2]].id, "error", None, "card declined"),  # permanent: compensate (nothing to undo)
+        (msgs[ids[3]].id, "ok", {"r": 3}, None),
+        (msgs[ids[3]].id, "ok", {"r": "again"}, None),  # a duplicate of a reply already applied
+        (msgs[last].id, "ok", {"r": 5}, None),  # its only step: the task ends
+        # ids[4] gets no reply in this batch
+    ]
+    applied, taken = run(store.send_replies_and_take(ME, replies, {"svc": 10}))
+    assert applied is not None
+    assert (applied.accepted, applied.stale) == (5, 1)
+    assert applied.finished == [(last, "processed")]
+    for n in (0, 1, 3):
+        a, b, c = steps(store, ids[n])
+        assert (a["state"], json.loads(a["result"])) == ("completed", {"r": n})
+        assert (b["state"], b["attempt"], c["state"]) == ("running", 1, "pending")
+        req_b = q(store, "SELECT * FROM requests WHERE task_id = ? AND step_idx = 1", ids[n])[0]
+        assert json.loads(req_b["payload"]) == {"input": {"order": n}, "results": {"a": {"r": n}}}
+        tail = ["dispatched", "step_completed", "dispatched"] + (["stale_reply"] if n == 3 else [])
+        assert event_kinds(store, ids[n])[-len(tail) :] == tail
+    # The next steps (and the undo) were dispatched and taken in that same transaction.
+    got = sorted((m.task_id, m.step_idx, m.kind) for m in taken)
+    assert got == sorted([(ids[0], 1, "do"), (ids[1], 1, "do"), (ids[2], 0, "undo"), (ids[3], 1, "do")])
+    # The permanent error begins compensation: step a (started) is being undone.
+    assert states(store, ids[2]) == ("compensating", ["compensating", "skipped", "skipped"])
+    undo = q(store, "SELECT kind, operation FROM requests WHERE task_id = ? ORDER BY id", ids[2])
+    assert [(r["kind"], r["operation"]) for r in undo] == [("do", "do_a"), ("undo", "undo_a")]
+    assert states(store, ids[4]) == ("processing", ["running", "pending", "pending"])
+    assert states(store, last) == ("processed", ["completed"])
+    assert event_kinds(store, last)[-2:] == ["step_completed", "processed"]
+    rows = q(store, "SELECT request_id, status FROM replies ORDER BY id")
+    assert [r["status"] for r in rows] == ["accepted"] * 4 + ["stale", "accepted"]
+    outcomes = q(
+        store,
+        "SELECT task_id, outcome, state FROM requests WHERE step_idx = 0 AND kind = 'do' ORDER BY task_id",
+    )
+    assert [(r["outcome"], r["state"]) for r in outcomes] == [
+        ("ok", "replied"),
+        ("ok", "replied"),
+        ("error", "replied"),
+        ("ok", "replied"),
+        (None, "taken"),
+        ("ok", "replied"),
+    ]
+    assert alerts(store) == []
+
+
+def test_two_writes_of_one_row_in_one_transaction_keep_their_order(
+    store: Store, make_workflow: Factory
+) -> None:
+    """Deferred writes of one query go out together; two of them naming the same row must still
+    apply in the order they were made (the last one wins), as they do one by one."""
+    wf = make_workflow()
+    a, b = submit(store, wf), submit(store, wf)
+
+    def writes(tx: Any) -> None:
+        for task_id, first in ((a, "processing"), (b, "compensating")):
+            tx.put("task_in_flight", task_id=task_id, state=first, me="x", complete_by=1.0)
+        tx.put("task_in_flight", task_id=a, state="compensating", me="y", complete_by=2.0)
+        tx.put("task_in_flight", task_id=b, state="processing", me="y", complete_by=3.0)
+
+    store.transact_sync(writes)
+    got = {r["id"]: r for r in q(store, "SELECT id, state, locked_by, complete_by FROM tasks")}
+    assert (got[a]["state"], got[a]["locked_by"], got[a]["complete_by"]) == ("compensating", "y", 2.0)
+    assert (got[b]["state"], got[b]["locked_by"], got[b]["complete_by"]) == ("processing", "y", 3.0)
+
+
+def test_a_read_sees_the_deferred_writes_before_it(store: Store, make_workflow: Factory) -> None:
+    wf = make_workflow()
+    task_id = submit(store, wf)
+
+    def write_then_read(tx: Any) -> Any:
+        tx.put("task_in_flight", task_id=task_id, state="processing", me="x", complete_by=5.0)
+        return tx.one("task_for_update", task_id=task_id)
+
+    row = store.transact_sync(write_then_read)
+    assert row is not None and (row["state"], row["locked_by"]) == ("processing", "x")
