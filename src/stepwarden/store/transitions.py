@@ -11,10 +11,10 @@ import json
 import random
 from typing import Any
 
-from ..errors import InputError, LostOwnership, NotFound
+from ..errors import LostOwnership
 from ..policies import Decision, Retry
 from ..workflow import Step, Workflow
-from .base import FINAL_TASK_STATES, ApplyResult, Row, SweepResult, Tx
+from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx
 
 
 def event(
@@ -507,185 +507,44 @@ def fail_attempt(
     return "error"
 
 
-def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: random.Random) -> SweepResult:
-    """The supervisor's sweep (SUP1-3), fenced by the leader's term (LEAD4) and bounded (SUP6)."""
-    _fence(tx, me, lease, term)
-    out = SweepResult()
-    # Lock tasks in id order (no deadlocks between concurrent transitions), skipping any another
-    # transaction holds, then re-check each candidate under the lock: a reply may have been
-    # applied since the scan.
-    for x in sorted(tx.all("expired_steps", limit=limit), key=lambda r: (r["task_id"], r["idx"])):
-        _rescue(tx, x, me, term, rng, out, "still_expired", {}, f"attempt {x['attempt']} passed complete-by")
-    return out
-
-
-def rescue_orphans(
-    tx: Tx, me: str, lease: str, term: int, worker: str, reason: str, limit: int, rng: random.Random
-) -> SweepResult:
-    """Rescue the in-flight attempts of a worker presumed dead (see ``liveness``) without waiting
-    for their complete-by: the same fenced transition as an expiry, counted as a failure (a step
-    that kills its worker must not loop forever), but retried without back-off: the remote
-    service did nothing wrong, so there is nothing to spare it from."""
-    _fence(tx, me, lease, term)
-    out = SweepResult()
-    for x in tx.all("orphaned_steps", worker=worker, limit=limit):
-        why = f"attempt {x['attempt']} was taken by worker {worker}, presumed dead: {reason}"
-        _rescue(tx, x, me, term, rng, out, "still_orphaned", {"worker": worker}, why, immediate=True)
-    return out
-
-
-def _fence(tx: Tx, me: str, lease: str, term: int) -> None:
-    if tx.one("lease_holds", name=lease, holder=me, term=term) is None:
-        raise LostOwnership(f"lease {lease!r} term {term} is no longer held by {me}")
-
-
-def _rescue(
-    tx: Tx,
-    x: Row,
-    me: str,
-    term: int,
-    rng: random.Random,
-    out: SweepResult,
-    recheck: str,
-    params: dict[str, Any],
-    why: str,
-    *,
-    immediate: bool = False,
-) -> None:
-    task = tx.one("task_for_sweep", task_id=x["task_id"])
-    if task is None:
-        return  # held by another transaction: next sweep
-    steps = tx.all("steps_of_task", task_id=x["task_id"])
-    step = next(s for s in steps if s["idx"] == x["idx"])
-    if tx.one(recheck, task_id=x["task_id"], idx=x["idx"], attempt=x["attempt"], **params) is None:
-        return
-    tx.put("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
-    now = tx.one("now")
-    event(
-        tx,
-        "rescued",
-        task["id"],
-        me,
-        step["idx"],
-        step["attempt"],
-        step=step["name"],
-        term=term,
-        complete_by=x["complete_by"],
-        late_by=(now or {}).get("now", 0) - x["complete_by"],
-        reason=why[:300],
-    )
-    what = fail_attempt(
-        tx, task, step, why, me, rng, permanent=False, out_alerts=out.alerts, immediate=immediate
-    )
-    out.rescued += 1
-    out.escalated += what != "retry"
-
-
-def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) -> int:
-    """Delete up to ``limit`` tasks finished more than ``retention`` seconds ago, with every row
-    they own, so the hot tables stay the size of the live work. Leader-only and term-fenced, so
-    two supervisors never prune at once; bounded, so a large backlog is many small transactions."""
-    _fence(tx, me, lease, term)
-    ids = [int(r["id"]) for r in tx.all("prunable_tasks", retention=retention, limit=limit)]
-    if ids:
-        text = json.dumps(ids)
-        for table in ("steps", "requests", "replies", "events", "messages", "tasks"):
-            tx.put("prune_" + table, ids=text)
-    if len(ids) < limit:  # the backlog is done: old worker rows go too
-        tx.put("prune_workers", retention=retention)
-    return len(ids)
-
-
-def owners_in_flight(tx: Tx) -> list[Row]:
-    """The workers holding taken requests, each row with the database's ``now``."""
-    return tx.all("owners_in_flight")
-
-
-def lease_holder(tx: Tx, name: str) -> Row | None:
-    """The worker holding lease ``name`` (unexpired), with its liveness columns and ``now``."""
-    return tx.one("lease_holder", name=name)
-
-
-def take_lease(tx: Tx, name: str, holder: str, dead: str, term: int, ttl: float) -> tuple[int, float] | None:
-    """Take lease ``name`` from ``dead`` (presumed dead) if it still holds ``term``; see ``lease_take``."""
-    row = tx.one("lease_take", name=name, holder=holder, dead=dead, term=term, ttl=ttl)
-    if row is None:
-        return None
-    new = int(row["term"])
-    tx.run("term_end", name=name, term=new - 1)
-    tx.run("term_begin", name=name, term=new, holder=holder)
-    event(tx, "lease_acquired", None, holder, lease=name, term=new, taken_from=dead)
-    return new, float(row["expires_at"])
-
-
-for _fn in (lease_holder, take_lease):
-    setattr(_fn, "stepwarden_lane", "lease")  # noqa: B010 - read by Store.transact: never queue behind work
-
-
-def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
-    """Resubmit an errored task from its failed step, or from ``step_name`` (OPS2)."""
-    task = tx.one("task_for_update", task_id=task_id)
-    if task is None:
-        raise NotFound(f"no task {task_id}")
-    if task["state"] not in ("error", "compensated", "cancelled"):
-        raise InputError(
-            f"task {task_id} is {task['state']}; only error, compensated or cancelled tasks can be retried"
-        )
-    steps = tx.all("steps_of_task", task_id=task_id)
-    names = [s["name"] for s in steps]
-    if step_name is not None and step_name not in names:
-        raise InputError(f"task {task_id} has no step {step_name!r}; its steps are {', '.join(names)}")
-    first_open = next((i for i, s in enumerate(steps) if s["state"] != "completed"), len(steps) - 1)
-    if task["state"] != "error":
-        if step_name not in (None, names[0]):
-            raise InputError(
-                f"task {task_id} is {task['state']}: its effects were undone, "
-                "so it restarts from its first step"
-            )
-        first_open = 0
-    start = names.index(step_name) if step_name else first_open
-    if start > first_open:
-        raise InputError(
-            f"step {step_name!r} comes after step {names[first_open]!r}, which has not completed"
-        )
-    if task["state"] != "error":
-        # Its effects were undone: a step counts as started again only once it runs again, so a
-        # cancel before then does not undo it a second time.
-        tx.sql("UPDATE steps SET started_at = NULL WHERE task_id = ? AND state = 'compensated'", (task_id,))
-    tx.sql(
-        "UPDATE steps SET state = 'pending', failure_offset = failure_count, comp_failures = 0, "
-        "locked_by = NULL, complete_by = NULL, finished_at = NULL WHERE task_id = ? AND idx >= ?",
-        (task_id, start),
-    )
-    tx.sql(
-        "UPDATE tasks SET state = 'pending', locked_by = NULL, complete_by = NULL, cancel_requested = 0, "
-        "finished_at = NULL, last_error = NULL, run_at = 0, updated_at = ? WHERE id = ?",
-        (_now(tx), task_id),
-    )
-    event(tx, "retried", task_id, actor, start, step=names[start])
-    message(tx, task, "retried", step=names[start])
-
-
-def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
-    """Ask a task to stop after its running step and undo what it did (CMP4); returns its state now."""
-    task = tx.one("task_for_update", task_id=task_id)
-    if task is None:
-        raise NotFound(f"no task {task_id}")
-    if task["state"] in ("processed", "compensated", "cancelled"):
-        raise InputError(f"task {task_id} is already {task['state']}; nothing to cancel")
-    tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
-    event(tx, "cancel_requested", task_id, actor)
-    if task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
-        tx.put("skip_unstarted", task_id=task_id)
-        tx.sql(
-            "UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0 WHERE id = ?", (task_id,)
-        )
-        message(tx, task, "compensating", reason="cancel requested")
-        return "compensating"
-    return str(task["state"])
-
-
 def _now(tx: Tx) -> float:
     row = tx.one("now")
     assert row is not None
     return float(row["now"])
+
+
+# The supervisor's and the operator's transitions live in their own modules; they are reached
+# through this one too (``transitions.sweep_expired``), the single entry point for every change.
+from .actions import cancel_task, retry_task  # noqa: E402
+from .supervision import (  # noqa: E402
+    lease_holder,
+    owners_in_flight,
+    prune,
+    rescue_orphans,
+    sweep_expired,
+    take_lease,
+)
+
+__all__ = [
+    "advance",
+    "alert",
+    "apply_replies",
+    "begin_compensation",
+    "cancel_task",
+    "claim_and_dispatch",
+    "dispatch",
+    "event",
+    "fail_attempt",
+    "lease_holder",
+    "message",
+    "owners_in_flight",
+    "prune",
+    "release_attempt",
+    "rescue_orphans",
+    "retry_task",
+    "schedule",
+    "steps_of",
+    "submit",
+    "sweep_expired",
+    "take_lease",
+]

@@ -1,0 +1,70 @@
+"""Operator actions on one task (OPS2, OPS3): retry it from a step, or cancel it."""
+
+from __future__ import annotations
+
+from ..errors import InputError, NotFound
+from .base import Tx
+from .transitions import _now, event, message
+
+
+def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
+    """Resubmit an errored task from its failed step, or from ``step_name`` (OPS2)."""
+    task = tx.one("task_for_update", task_id=task_id)
+    if task is None:
+        raise NotFound(f"no task {task_id}")
+    if task["state"] not in ("error", "compensated", "cancelled"):
+        raise InputError(
+            f"task {task_id} is {task['state']}; only error, compensated or cancelled tasks can be retried"
+        )
+    steps = tx.all("steps_of_task", task_id=task_id)
+    names = [s["name"] for s in steps]
+    if step_name is not None and step_name not in names:
+        raise InputError(f"task {task_id} has no step {step_name!r}; its steps are {', '.join(names)}")
+    first_open = next((i for i, s in enumerate(steps) if s["state"] != "completed"), len(steps) - 1)
+    if task["state"] != "error":
+        if step_name not in (None, names[0]):
+            raise InputError(
+                f"task {task_id} is {task['state']}: its effects were undone, "
+                "so it restarts from its first step"
+            )
+        first_open = 0
+    start = names.index(step_name) if step_name else first_open
+    if start > first_open:
+        raise InputError(
+            f"step {step_name!r} comes after step {names[first_open]!r}, which has not completed"
+        )
+    if task["state"] != "error":
+        # Its effects were undone: a step counts as started again only once it runs again, so a
+        # cancel before then does not undo it a second time.
+        tx.sql("UPDATE steps SET started_at = NULL WHERE task_id = ? AND state = 'compensated'", (task_id,))
+    tx.sql(
+        "UPDATE steps SET state = 'pending', failure_offset = failure_count, comp_failures = 0, "
+        "locked_by = NULL, complete_by = NULL, finished_at = NULL WHERE task_id = ? AND idx >= ?",
+        (task_id, start),
+    )
+    tx.sql(
+        "UPDATE tasks SET state = 'pending', locked_by = NULL, complete_by = NULL, cancel_requested = 0, "
+        "finished_at = NULL, last_error = NULL, run_at = 0, updated_at = ? WHERE id = ?",
+        (_now(tx), task_id),
+    )
+    event(tx, "retried", task_id, actor, start, step=names[start])
+    message(tx, task, "retried", step=names[start])
+
+
+def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
+    """Ask a task to stop after its running step and undo what it did (CMP4); returns its state now."""
+    task = tx.one("task_for_update", task_id=task_id)
+    if task is None:
+        raise NotFound(f"no task {task_id}")
+    if task["state"] in ("processed", "compensated", "cancelled"):
+        raise InputError(f"task {task_id} is already {task['state']}; nothing to cancel")
+    tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
+    event(tx, "cancel_requested", task_id, actor)
+    if task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
+        tx.put("skip_unstarted", task_id=task_id)
+        tx.sql(
+            "UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0 WHERE id = ?", (task_id,)
+        )
+        message(tx, task, "compensating", reason="cancel requested")
+        return "compensating"
+    return str(task["state"])

@@ -1,0 +1,128 @@
+"""The supervisor's transitions: rescue expired and orphaned attempts, prune, take a dead leader's
+lease. Each is fenced by the leader's term (LEAD4) and bounded (SUP6); the failure itself is
+counted and escalated by the same :func:`~.transitions.fail_attempt` the schedulers use."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from ..errors import LostOwnership
+from .base import Row, SweepResult, Tx
+from .transitions import event, fail_attempt
+
+
+def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: random.Random) -> SweepResult:
+    """The supervisor's sweep (SUP1-3), fenced by the leader's term (LEAD4) and bounded (SUP6)."""
+    _fence(tx, me, lease, term)
+    out = SweepResult()
+    # Lock tasks in id order (no deadlocks between concurrent transitions), skipping any another
+    # transaction holds, then re-check each candidate under the lock: a reply may have been
+    # applied since the scan.
+    for x in sorted(tx.all("expired_steps", limit=limit), key=lambda r: (r["task_id"], r["idx"])):
+        _rescue(tx, x, me, term, rng, out, "still_expired", {}, f"attempt {x['attempt']} passed complete-by")
+    return out
+
+
+def rescue_orphans(
+    tx: Tx, me: str, lease: str, term: int, worker: str, reason: str, limit: int, rng: random.Random
+) -> SweepResult:
+    """Rescue the in-flight attempts of a worker presumed dead (see ``liveness``) without waiting
+    for their complete-by: the same fenced transition as an expiry, counted as a failure (a step
+    that kills its worker must not loop forever), but retried without back-off: the remote
+    service did nothing wrong, so there is nothing to spare it from."""
+    _fence(tx, me, lease, term)
+    out = SweepResult()
+    for x in tx.all("orphaned_steps", worker=worker, limit=limit):
+        why = f"attempt {x['attempt']} was taken by worker {worker}, presumed dead: {reason}"
+        _rescue(tx, x, me, term, rng, out, "still_orphaned", {"worker": worker}, why, immediate=True)
+    return out
+
+
+def _fence(tx: Tx, me: str, lease: str, term: int) -> None:
+    if tx.one("lease_holds", name=lease, holder=me, term=term) is None:
+        raise LostOwnership(f"lease {lease!r} term {term} is no longer held by {me}")
+
+
+def _rescue(
+    tx: Tx,
+    x: Row,
+    me: str,
+    term: int,
+    rng: random.Random,
+    out: SweepResult,
+    recheck: str,
+    params: dict[str, Any],
+    why: str,
+    *,
+    immediate: bool = False,
+) -> None:
+    task = tx.one("task_for_sweep", task_id=x["task_id"])
+    if task is None:
+        return  # held by another transaction: next sweep
+    steps = tx.all("steps_of_task", task_id=x["task_id"])
+    step = next(s for s in steps if s["idx"] == x["idx"])
+    if tx.one(recheck, task_id=x["task_id"], idx=x["idx"], attempt=x["attempt"], **params) is None:
+        return
+    tx.put("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
+    now = tx.one("now")
+    event(
+        tx,
+        "rescued",
+        task["id"],
+        me,
+        step["idx"],
+        step["attempt"],
+        step=step["name"],
+        term=term,
+        complete_by=x["complete_by"],
+        late_by=(now or {}).get("now", 0) - x["complete_by"],
+        reason=why[:300],
+    )
+    what = fail_attempt(
+        tx, task, step, why, me, rng, permanent=False, out_alerts=out.alerts, immediate=immediate
+    )
+    out.rescued += 1
+    out.escalated += what != "retry"
+
+
+def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) -> int:
+    """Delete up to ``limit`` tasks finished more than ``retention`` seconds ago, with every row
+    they own, so the hot tables stay the size of the live work. Leader-only and term-fenced, so
+    two supervisors never prune at once; bounded, so a large backlog is many small transactions."""
+    _fence(tx, me, lease, term)
+    ids = [int(r["id"]) for r in tx.all("prunable_tasks", retention=retention, limit=limit)]
+    if ids:
+        text = json.dumps(ids)
+        for table in ("steps", "requests", "replies", "events", "messages", "tasks"):
+            tx.put("prune_" + table, ids=text)
+    if len(ids) < limit:  # the backlog is done: old worker rows go too
+        tx.put("prune_workers", retention=retention)
+    return len(ids)
+
+
+def owners_in_flight(tx: Tx) -> list[Row]:
+    """The workers holding taken requests, each row with the database's ``now``."""
+    return tx.all("owners_in_flight")
+
+
+def lease_holder(tx: Tx, name: str) -> Row | None:
+    """The worker holding lease ``name`` (unexpired), with its liveness columns and ``now``."""
+    return tx.one("lease_holder", name=name)
+
+
+def take_lease(tx: Tx, name: str, holder: str, dead: str, term: int, ttl: float) -> tuple[int, float] | None:
+    """Take lease ``name`` from ``dead`` (presumed dead) if it still holds ``term``; see ``lease_take``."""
+    row = tx.one("lease_take", name=name, holder=holder, dead=dead, term=term, ttl=ttl)
+    if row is None:
+        return None
+    new = int(row["term"])
+    tx.run("term_end", name=name, term=new - 1)
+    tx.run("term_begin", name=name, term=new, holder=holder)
+    event(tx, "lease_acquired", None, holder, lease=name, term=new, taken_from=dead)
+    return new, float(row["expires_at"])
+
+
+for _fn in (lease_holder, take_lease):
+    setattr(_fn, "stepwarden_lane", "lease")  # noqa: B010 - read by Store.transact: never queue behind work
