@@ -11,6 +11,11 @@ Transitions are the same Python functions as on SQLite (``transitions.py``), run
 thread on a pooled connection; only the SQL text differs. LISTEN/NOTIFY is a wake-up hint
 carried by an async psycopg connection; polling remains the fallback, so a lost notification
 only costs latency.
+
+Behind a transaction-mode pooler (PgBouncer ``pool_mode = transaction``) each transaction may run
+on a different server session, so nothing may live in a session: ``?pooler=transaction`` turns off
+LISTEN and server-side prepared statements and sets the session limits per transaction instead of
+per connection (see :func:`pg_options`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -71,6 +77,12 @@ DEFERRED: dict[str, tuple[str, ...]] = {
 }
 SYSTEM_NOW = "extract(epoch from statement_timestamp())::float8"
 FAKE_NOW = "COALESCE(NULLIF(current_setting('stepwarden.now', true), '')::float8, " + SYSTEM_NOW + ")"
+# Our transactions never wait on the network, so a session idle inside one belongs to a paused or
+# partitioned process: the server ends it, releasing its row locks (a paused ex-leader's FOR SHARE
+# on its lease must not block the successor's acquire). Set once per connection when it is ours
+# alone, else at the start of every transaction (SET LOCAL), so it never outlives it on a session
+# that a pooler hands to someone else.
+SESSION_LIMITS = (("idle_in_transaction_session_timeout", "5s"), ("lock_timeout", "10s"))
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
@@ -81,11 +93,23 @@ def _to_psycopg(sql: str) -> str:
 class PgTx:
     dialect = "postgres"
 
-    def __init__(self, conn: Any, queries: dict[str, str], notify: set[str], pipeline: Any = None) -> None:
+    def __init__(
+        self,
+        conn: Any,
+        queries: dict[str, str],
+        notify: set[str],
+        pipeline: Any = None,
+        *,
+        prepare: bool = True,
+    ) -> None:
         self.conn = conn
         self.q = queries
         self.notify = notify
         self.pipeline = pipeline
+        # Server-side prepared statements, each prepared on its first use; off (``prepare=off``)
+        # they are never prepared, not even after psycopg's threshold: behind a pooler that does
+        # not track them, a statement prepared on one server session is missing on the next.
+        self.prepare = prepare
         self.kept: dict[str, list[dict[str, Any]]] = {}  # events, messages: sent at commit
         self.deferred: dict[str, list[dict[str, Any]]] = {}  # hot writes: sent at the next read
         self.dispatched: list[str] = []
@@ -97,7 +121,7 @@ class PgTx:
         channel = NOTIFY_ON.get(query)
         if channel:
             self.notify.add(channel)
-        return self.conn.cursor(row_factory=dict_row).execute(self.q[query], params, prepare=True)
+        return self.conn.cursor(row_factory=dict_row).execute(self.q[query], params, prepare=self.prepare)
 
     def _send_deferred(self) -> None:
         deferred, self.deferred = self.deferred, {}
@@ -108,7 +132,7 @@ class PgTx:
             else:
                 cur = self.conn.cursor()
                 for params in rows:
-                    cur.execute(self.q[query], params, prepare=True)
+                    cur.execute(self.q[query], params, prepare=self.prepare)
 
     def _send_many(self, query: str, rows: list[dict[str, Any]]) -> None:
         """Every row of ``rows`` through ``query``, in one statement when the query has a set-based
@@ -117,7 +141,7 @@ class PgTx:
         if many is None:
             self.conn.cursor().executemany(self.q[query], rows)
         else:
-            self.conn.cursor().execute(many, {"rows": Jsonb(rows)}, prepare=True)
+            self.conn.cursor().execute(many, {"rows": Jsonb(rows)}, prepare=self.prepare)
 
     def _sync(self) -> None:
         if self.pipeline is not None:
@@ -153,7 +177,9 @@ class PgTx:
             text = text.replace("?", "%s")
         if self.deferred:
             self._send_deferred()
-        cur = self.conn.cursor(row_factory=dict_row).execute(text, params or None)
+        cur = self.conn.cursor(row_factory=dict_row).execute(
+            text, params or None, prepare=None if self.prepare else False
+        )
         self._sync()
         return list(cur.fetchall()) if cur.description else []
 
@@ -176,21 +202,92 @@ class PgTx:
         channels = sorted(self.notify - self.quieted)
         if channels:  # one statement for all channels: each statement costs a message exchange
             calls = ", ".join("pg_notify(%s, '')" for _ in channels)
-            self.conn.execute(f"SELECT {calls}", channels)
+            self.conn.execute(f"SELECT {calls}", channels, prepare=None if self.prepare else False)
         self.notify.clear()
 
 
+URL_OPTIONS = ("listen", "pool_size", "prepare", "pooler")
+_ON = ("on", "1", "true", "yes")
+_OFF = ("off", "0", "false", "no")
+
+
 def parse_url(url: str) -> tuple[str, dict[str, str]]:
-    """Split our own options (``?listen=off&pool_size=N``) off a libpq URL."""
+    """Split our own options (``?listen=off&pool_size=N&prepare=off&pooler=transaction``) off a
+    libpq URL; the rest of the query string is libpq's and goes to the server as given."""
     parts = urlsplit(url)
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
     for k, v in parse_qsl(parts.query, keep_blank_values=True):
-        if k in ("listen", "pool_size"):
+        if k in URL_OPTIONS:
             ours[k] = v
         else:
             theirs.append((k, v))
     return urlunsplit(parts._replace(query=urlencode(theirs))), ours
+
+
+@dataclass(frozen=True)
+class PgOptions:
+    """How the store uses its connections, from the URL's options (and constructor overrides)."""
+
+    conninfo: str
+    listen: bool  # a LISTEN connection for wake-ups (else polling alone)
+    prepare: bool  # server-side prepared statements
+    pool_size: int
+    pooled: bool  # behind a transaction-mode pooler: no session state at all
+
+
+def _switch(opts: dict[str, str], key: str, default: bool) -> bool:
+    value = opts.get(key)
+    if value is None:
+        return default
+    if value.lower() in _ON:
+        return True
+    if value.lower() in _OFF:
+        return False
+    raise InputError(f"URL option {key}={value!r}: expected on or off")
+
+
+def pg_options(
+    url: str, *, listen: bool | None = None, prepare: bool | None = None, pool_size: int | None = None
+) -> PgOptions:
+    """Our URL options, checked, with their defaults.
+
+    ``pooler=transaction``: the URL names a transaction-mode pooler (PgBouncer), which gives each
+    transaction whatever server session is free. Nothing may then rely on a session: LISTEN is
+    off, server-side prepared statements are off (``prepare=on`` keeps them, for a pooler that
+    tracks them: PgBouncer >= 1.22 with ``max_prepared_statements`` > 0), and the session limits
+    are set per transaction. ``pooler=session`` (or ``none``) changes nothing. ``listen`` and
+    ``prepare`` also work alone; ``pool_size`` is this process's own pool (default 4).
+    """
+    conninfo, opts = parse_url(url)
+    pooler = opts.get("pooler", "none").lower()
+    if pooler == "statement":
+        raise InputError(
+            "URL option pooler=statement: a statement-mode pooler refuses multi-statement "
+            "transactions, which every transition needs; use pool_mode = transaction"
+        )
+    if pooler not in ("transaction", "session", "none"):
+        raise InputError(f"URL option pooler={opts['pooler']!r}: expected transaction, session or none")
+    pooled = pooler == "transaction"
+    listen_on = listen if listen is not None else _switch(opts, "listen", not pooled)
+    if pooled and listen_on:
+        raise InputError(
+            "URL options pooler=transaction and listen=on: LISTEN needs a session of its own, "
+            "which a transaction-mode pooler does not give; leave listen off (workers poll)"
+        )
+    try:
+        size = pool_size or int(opts.get("pool_size", "4"))
+    except ValueError:
+        raise InputError(f"URL option pool_size={opts['pool_size']!r}: expected a whole number") from None
+    if size < 1:
+        raise InputError(f"URL option pool_size={size}: expected at least 1")
+    return PgOptions(
+        conninfo=conninfo,
+        listen=listen_on,
+        prepare=prepare if prepare is not None else _switch(opts, "prepare", not pooled),
+        pool_size=size,
+        pooled=pooled,
+    )
 
 
 class PostgresStore(Store):
@@ -204,23 +301,24 @@ class PostgresStore(Store):
         migrate: bool = True,
         pool_size: int | None = None,
         listen: bool | None = None,
+        prepare: bool | None = None,
     ) -> None:
         super().__init__()
         if psycopg is None:
             raise InputError("PostgreSQL needs the postgres extra: pip install 'stepwarden[postgres]'")
-        conninfo, opts = parse_url(url)
+        self.options = opts = pg_options(url, listen=listen, prepare=prepare, pool_size=pool_size)
+        conninfo = opts.conninfo
         self.url = url
         self.conninfo = conninfo
         self.clock = clock
-        self.listen_enabled = (
-            listen if listen is not None else opts.get("listen", "on") not in ("off", "0", "false")
-        )
+        self.listen_enabled = opts.listen
+        self.prepare = opts.prepare
         self.fake_time = not isinstance(clock, SystemClock)
         self.queries = {
             k: _to_psycopg(v)
             for k, v in load_queries("postgres", FAKE_NOW if self.fake_time else SYSTEM_NOW).items()
         }
-        size = pool_size or int(opts.get("pool_size", "4"))
+        size = opts.pool_size
         self.threads = size
         self.pool = ConnectionPool(
             conninfo,
@@ -228,8 +326,8 @@ class PostgresStore(Store):
             max_size=size,
             open=False,
             name="stepwarden",
-            kwargs={"row_factory": dict_row, "autocommit": False},
-            configure=_configure,
+            kwargs=self._connect_kwargs(row_factory=dict_row),
+            configure=None if opts.pooled else _configure,
             timeout=5.0,
         )
         try:
@@ -239,6 +337,22 @@ class PostgresStore(Store):
             raise StoreError(f"cannot connect to PostgreSQL at {_redact(conninfo)}: {e}") from None
         if migrate:
             self.migrate()
+
+    def _connect_kwargs(self, **kw: Any) -> dict[str, Any]:
+        kw["autocommit"] = False
+        if not self.prepare:
+            kw["prepare_threshold"] = None  # never prepare, not even psycopg's automatic ones
+        return kw
+
+    def _begin(self, conn: Any, *, clock: bool = True) -> None:
+        """What a transaction sets for itself (``SET LOCAL``), in one statement: the session limits
+        when a pooler owns the sessions, and the fake clock's time in tests."""
+        settings = list(SESSION_LIMITS) if self.options.pooled else []
+        if clock and self.fake_time:
+            settings.append(("stepwarden.now", repr(self.clock.wall())))
+        if settings:
+            calls = ", ".join("set_config(%s, %s, true)" for _ in settings)
+            conn.execute(f"SELECT {calls}", [v for kv in settings for v in kv], prepare=self.prepare)
 
     def transact_sync(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """One transaction; if the connection turns out dead before COMMIT was sent (a restarted
@@ -267,9 +381,8 @@ class PostgresStore(Store):
             conn.pipeline() if piped else contextlib.nullcontext() as pipeline,
         ):
             with conn.transaction():
-                if self.fake_time:
-                    conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
-                tx = PgTx(conn, self.queries, notify, pipeline)
+                self._begin(conn)
+                tx = PgTx(conn, self.queries, notify, pipeline, prepare=self.prepare)
                 out = fn(tx, *args, **kwargs)
                 tx.flush()
                 tx.send_notifications()  # delivered when this transaction commits
@@ -280,21 +393,24 @@ class PostgresStore(Store):
 
     def connect(self) -> Any:
         """A new connection for a caller's own transaction (``app.transaction()``)."""
-        conn = psycopg.connect(self.conninfo, autocommit=False)
-        _configure(conn)
+        conn = psycopg.connect(self.conninfo, **self._connect_kwargs())
+        if not self.options.pooled:
+            _configure(conn)
         return conn
 
     def tx_on(self, conn: Any) -> PgTx:
         """A :class:`Tx` over the caller's psycopg connection, inside the caller's transaction (SUB2)."""
         if psycopg is None or not isinstance(conn, psycopg.Connection):
             raise TypeError("the PostgreSQL store needs a psycopg (3) connection to the same database")
-        tx = PgTx(conn, self.queries, set())
+        tx = PgTx(conn, self.queries, set(), prepare=self.prepare)
         if self.fake_time:
             conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
         return tx
 
     def begin(self, conn: Any) -> None:
-        pass  # psycopg opens a transaction with the first statement
+        """psycopg opens a transaction with the first statement; behind a transaction-mode pooler
+        the session limits are that statement (a caller's own connection is left as it is)."""
+        self._begin(conn, clock=False)  # tx_on sets the clock
 
     def commit(self, conn: Any, tx: Any) -> None:
         tx.flush()
@@ -321,6 +437,7 @@ class PostgresStore(Store):
 
     def _migrate_once(self, target: int | None) -> int:
         with self.pool.connection() as conn, conn.transaction():
+            self._begin(conn, clock=False)
             conn.execute("SELECT pg_advisory_xact_lock(7413000001)")
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
@@ -378,11 +495,9 @@ class PostgresStore(Store):
 
 
 def _configure(conn: Any) -> None:
-    """Session limits: our transactions never wait on the network, so a session idle inside one
-    belongs to a paused or partitioned process; the server ends it, releasing its row locks (a
-    paused ex-leader's FOR SHARE on its lease must not block the successor's acquire)."""
-    conn.execute("SET idle_in_transaction_session_timeout = '5s'")
-    conn.execute("SET lock_timeout = '10s'")
+    """The session limits (``SESSION_LIMITS``), once per connection that is ours alone."""
+    for name, value in SESSION_LIMITS:
+        conn.execute(f"SET {name} = '{value}'")
     conn.commit()
 
 

@@ -1,0 +1,80 @@
+"""The PostgreSQL URL's own options (``listen``, ``pool_size``, ``prepare``, ``pooler``): parsed off
+the libpq URL, defaulted and checked, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepwarden.errors import InputError
+from stepwarden.store.postgres import PgOptions, parse_url, pg_options
+
+BASE = "postgresql://sw:secret@db.internal:5432/stepwarden"
+
+
+def test_our_options_come_off_the_url_and_libpq_keeps_the_rest() -> None:
+    conninfo, ours = parse_url(
+        BASE + "?sslmode=require&listen=off&pool_size=8&prepare=off&pooler=transaction&application_name=w"
+    )
+    assert conninfo == BASE + "?sslmode=require&application_name=w"
+    assert ours == {"listen": "off", "pool_size": "8", "prepare": "off", "pooler": "transaction"}
+
+
+def test_a_direct_connection_keeps_the_fast_path_by_default() -> None:
+    assert pg_options(BASE) == PgOptions(conninfo=BASE, listen=True, prepare=True, pool_size=4, pooled=False)
+
+
+@pytest.mark.parametrize(
+    ("query", "listen", "prepare", "pooled"),
+    [
+        ("listen=off", False, True, False),
+        ("prepare=off", True, False, False),
+        ("listen=off&prepare=off", False, False, False),
+        ("listen=0&prepare=false", False, False, False),
+        ("prepare=ON", True, True, False),
+        # behind a transaction-mode pooler: nothing that lives in a session
+        ("pooler=transaction", False, False, True),
+        ("pooler=Transaction&listen=off", False, False, True),
+        # a pooler that tracks prepared statements (PgBouncer >= 1.22, max_prepared_statements > 0)
+        ("pooler=transaction&prepare=on", False, True, True),
+        # session mode keeps a session per client: every feature works
+        ("pooler=session", True, True, False),
+        ("pooler=none&listen=off", False, True, False),
+    ],
+)
+def test_options_and_their_defaults(query: str, listen: bool, prepare: bool, pooled: bool) -> None:
+    opts = pg_options(f"{BASE}?{query}")
+    assert (opts.listen, opts.prepare, opts.pooled) == (listen, prepare, pooled)
+    assert opts.conninfo == BASE
+
+
+def test_pool_size_from_the_url_or_the_constructor() -> None:
+    assert pg_options(BASE + "?pool_size=9").pool_size == 9
+    assert pg_options(BASE + "?pool_size=9", pool_size=2).pool_size == 2
+
+
+def test_constructor_arguments_override_the_url() -> None:
+    opts = pg_options(BASE + "?listen=on&prepare=on", listen=False, prepare=False)
+    assert (opts.listen, opts.prepare) == (False, False)
+    assert pg_options(BASE + "?pooler=transaction", prepare=True).prepare is True
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("pooler=transaction&listen=on", "LISTEN needs a session of its own"),
+        ("pooler=statement", "refuses multi-statement transactions"),
+        ("pooler=pgbouncer", "expected transaction, session or none"),
+        ("prepare=maybe", "prepare='maybe': expected on or off"),
+        ("listen=sometimes", "listen='sometimes': expected on or off"),
+        ("pool_size=many", "expected a whole number"),
+        ("pool_size=0", "expected at least 1"),
+    ],
+)
+def test_bad_options_are_refused_with_a_reason(query: str, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        pg_options(f"{BASE}?{query}")
+
+
+def test_listen_on_cannot_be_forced_through_a_transaction_pooler() -> None:
+    with pytest.raises(InputError, match="pooler=transaction and listen=on"):
+        pg_options(BASE + "?pooler=transaction", listen=True)
