@@ -1,0 +1,261 @@
+"""PostgreSQL behind a real PgBouncer in transaction pool mode (issue #3).
+
+Each test starts its own ``pgbouncer`` (the distribution's binary) on 127.0.0.1 in front of the
+suite's PostgreSQL server, with a tiny server pool so that clients really do share server
+sessions, and ends it by pid when the test ends. Without pgbouncer installed the tests skip, which
+fails the run in CI (STEPWARDEN_NO_SKIPS=1; .ci/run installs pgbouncer).
+
+What a transaction-mode pooler breaks, and what ``?pooler=transaction`` does about it:
+
+- LISTEN: a notification goes to whichever server session the pooler picked; workers poll.
+- server-side prepared statements (psycopg's ``prepare=True``): psycopg names them per client
+  connection (``_pg3_0``, ...), so two clients sharing a server session collide; PgBouncer older
+  than 1.21 does not track them at all. The store then prepares nothing.
+- session settings (``SET lock_timeout``...): they would stay on whichever server session ran
+  them and never reach the others; the store sets its limits per transaction instead.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+
+from stepwarden.store import open_store
+from stepwarden.store.postgres import PostgresStore
+from stepwarden.testing.pgbouncer import LocalPgBouncer, find_pgbouncer
+
+if TYPE_CHECKING:
+    from conftest import Cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+SERVER_POOL = 2  # server sessions per database behind the bouncer, shared by every client
+
+
+def _db_name(url: str) -> str:
+    return urlsplit(url).path.lstrip("/")
+
+
+@pytest.fixture
+def start_bouncer(tmp_path: Path, pg_admin_url: str) -> Iterator[Callable[..., LocalPgBouncer]]:
+    """Start a PgBouncer in front of the test server (transaction mode unless told); every one
+    started is ended by pid when the test ends."""
+    if find_pgbouncer() is None:
+        pytest.skip("pgbouncer is not installed (Debian: apt-get install pgbouncer; .ci/run installs it)")
+    started: list[LocalPgBouncer] = []
+
+    def start(pool_size: int = SERVER_POOL, **settings: Any) -> LocalPgBouncer:
+        b = LocalPgBouncer(
+            tmp_path / f"pgbouncer-{len(started)}", pg_admin_url, pool_size=pool_size, settings=settings
+        )
+        started.append(b)
+        return b.start()
+
+    try:
+        yield start
+    finally:
+        for b in started:
+            b.stop()
+
+
+def _cluster_class(request: pytest.FixtureRequest) -> type[Cluster]:
+    """``Cluster`` from this directory's conftest, as pytest loaded it: ``import conftest`` at run
+    time would find whichever conftest module pytest imported last."""
+    here = Path(__file__).with_name("conftest.py")
+    for plugin in request.config.pluginmanager.get_plugins():
+        if getattr(plugin, "__file__", None) and Path(plugin.__file__) == here:
+            return plugin.Cluster  # type: ignore[no-any-return]
+    raise LookupError(f"{here} is not loaded")
+
+
+@pytest.fixture
+def cluster(
+    request: pytest.FixtureRequest, tmp_path: Path, pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
+) -> Iterator[Cluster]:
+    """Worker processes, the test's submissions and its reads, all through one PgBouncer in
+    transaction mode (named ``cluster`` so that a failure's report carries the workers' logs)."""
+    bouncer = start_bouncer()
+    c = _cluster_class(request)(tmp_path, bouncer.url(_db_name(pg_url), "pooler=transaction"))
+    c.bouncer = bouncer  # type: ignore[attr-defined]
+    c.direct_url = pg_url  # type: ignore[attr-defined]
+    workers_and_store = c.report
+
+    def report() -> str:  # a failure's report: the bouncer's log too
+        tail = bouncer.log_text().splitlines()[-60:]
+        return "\n".join([workers_and_store(), "===== pgbouncer log, last 60 lines =====", *tail])
+
+    c.report = report  # type: ignore[method-assign]
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _direct(url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return list(conn.execute(sql, params or None).fetchall())
+
+
+def test_workers_through_pgbouncer_transaction_mode_process_every_task(cluster: Cluster) -> None:
+    bouncer: LocalPgBouncer = cluster.bouncer  # type: ignore[attr-defined]
+    direct: str = cluster.direct_url  # type: ignore[attr-defined]
+    db = _db_name(direct)
+    assert bouncer.settings["pool_mode"] == "transaction"
+    workers = [cluster.start("pb1"), cluster.start("pb2")]
+    ids = [cluster.submit("one", {"n": i}) for i in range(20)]
+    with cluster.app.transaction() as tx:  # a caller's transaction, through the bouncer as well
+        ids += [tx.submit("one", {"n": 100 + i}) for i in range(40)]
+    ids.append(cluster.cli("submit", "one", "--input", '{"n": 999}'))
+
+    # Every client (two workers, each with its pool, the test's store and app, the CLI) shares at
+    # most SERVER_POOL server sessions; sample while the work runs.
+    most_servers = 0
+    most_clients = 0
+
+    def all_processed() -> bool:
+        nonlocal most_servers, most_clients
+        pools = [p for p in bouncer.admin("SHOW POOLS") if p["database"] == db]
+        assert len(pools) == 1, pools
+        servers = sum(pools[0][k] for k in ("sv_active", "sv_idle", "sv_used", "sv_tested", "sv_login"))
+        most_servers = max(most_servers, servers)
+        most_clients = max(most_clients, pools[0]["cl_active"] + pools[0]["cl_waiting"])
+        rows = _direct(direct, "SELECT state, COUNT(*) FROM tasks GROUP BY state")
+        return dict(rows) == {"processed": len(ids)}
+
+    cluster.wait(all_processed, 90, f"{len(ids)} tasks to be processed through PgBouncer")
+    backends = _direct(
+        direct, "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()", db
+    )[0][0]
+    assert backends <= SERVER_POOL, "the server saw no more sessions than the bouncer's pool"
+    assert most_servers <= SERVER_POOL
+    assert most_clients > SERVER_POOL, f"clients really shared the pool ({most_clients} for {SERVER_POOL})"
+    assert _direct(direct, "SELECT COUNT(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'") == [(0,)]
+
+    # The store's own records, read through the bouncer: one claim and one attempt per task.
+    claims = Counter(r["task_id"] for r in cluster.sql("SELECT task_id FROM events WHERE kind = 'claimed'"))
+    assert claims == Counter({t: 1 for t in ids})
+    runs = Counter(e["task_id"] for e in cluster.executions("kind = 'do'"))
+    assert runs == Counter({t: 1 for t in ids}), "each task's operation ran exactly once"
+    reqs = cluster.sql("SELECT taken_by, outcome FROM requests")
+    assert len(reqs) == len(ids) and {r["outcome"] for r in reqs} == {"ok"}
+    assert {r["taken_by"] for r in reqs} <= {w.identity for w in workers}
+
+    # The CLI through the bouncer.
+    listed = cluster.cli("tasks", "--json")
+    assert sorted(t["id"] for t in listed) == sorted(ids)
+    assert {t["state"] for t in listed} == {"processed"}
+    shown = cluster.cli("task", "show", str(ids[-1]), "--json")
+    assert shown["id"] == ids[-1] and shown["state"] == "processed"
+    for w in workers:  # nothing failed and was retried quietly either
+        log = w.log_text()
+        assert not any(word in log for word in (" WARNING ", " ERROR ", "Traceback")), log
+
+
+def test_pooled_store_leaves_nothing_in_the_server_session(
+    pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
+) -> None:
+    """With ONE server session behind the bouncer, whatever our store left in a session would be
+    seen by the next client: its limits hold inside our transactions and nowhere else, it
+    prepared no statement, and a failed transaction does not keep the session."""
+    bouncer = start_bouncer(pool_size=1)
+    url = bouncer.url(_db_name(pg_url))
+    store = open_store(url + "?pooler=transaction")
+    try:
+        assert isinstance(store, PostgresStore)
+        assert (store.listen_enabled, store.prepare) == (False, False)
+
+        def inside(tx: Any) -> dict[str, Any]:
+            tx.one("task_by_key", key="k")  # a query of the store's own, as the hot path runs them
+            return tx.sql(
+                "SELECT pg_backend_pid() AS pid, current_setting('lock_timeout') AS lock,"
+                " current_setting('idle_in_transaction_session_timeout') AS idle,"
+                " (SELECT COUNT(*) FROM pg_prepared_statements) AS prepared"
+            )[0]
+
+        # A statement that fails inside a (pipelined) transaction: rolled back, and the one
+        # server session goes back to the pool rather than staying "idle in transaction (aborted)".
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            store.transact_sync(lambda tx: tx.sql("SELECT 1 / 0"))
+        for _ in range(6):  # more than psycopg's threshold (5 runs) for preparing on its own
+            seen = store.transact_sync(inside)
+        assert (seen["lock"], seen["idle"], seen["prepared"]) == ("10s", "5s", 0)
+        with psycopg.connect(url, autocommit=True, prepare_threshold=None) as other:
+            after = other.execute(
+                "SELECT pg_backend_pid(), current_setting('lock_timeout'),"
+                " current_setting('idle_in_transaction_session_timeout'),"
+                " (SELECT COUNT(*) FROM pg_prepared_statements)"
+            ).fetchone()
+        assert after == (seen["pid"], "0", "0", 0), "the same server session, left as it was found"
+    finally:
+        store.close()
+
+
+def test_server_side_prepared_statements_collide_behind_pgbouncer_without_tracking(
+    pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
+) -> None:
+    """Why ``pooler=transaction`` turns prepared statements off: two stores that prepare (the
+    default, fine on a direct connection) sharing one server session through PgBouncer in
+    transaction mode without prepared-statement tracking (as on PgBouncer < 1.21, or
+    ``max_prepared_statements = 0``)."""
+    bouncer = start_bouncer(pool_size=1)
+    if bouncer.version >= (1, 21, 0):  # tracking exists there: turn it off to show the failure
+        bouncer.stop()
+        bouncer = start_bouncer(pool_size=1, max_prepared_statements=0)
+    url = bouncer.url(_db_name(pg_url), "listen=off")
+    a, b = open_store(url, migrate=False), open_store(url, migrate=False)
+    try:
+        a.transact_sync(lambda tx: tx.one("task_by_key", key="k"))
+        with pytest.raises(psycopg.errors.DuplicatePreparedStatement, match='"_pg3_0" already exists'):
+            b.transact_sync(lambda tx: tx.one("task_by_key", key="k"))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_prepare_off_on_a_direct_connection_prepares_nothing(pg_url: str) -> None:
+    """``?prepare=off`` alone, without a pooler: the store's session holds no prepared statement;
+    by default (the fast path for direct connections) its queries are prepared on first use."""
+
+    def prepared(tx: Any) -> int:
+        tx.one("task_by_key", key="k")
+        return int(tx.sql("SELECT COUNT(*) AS n FROM pg_prepared_statements")[0]["n"])
+
+    for query, expect_prepared in (("prepare=off&pool_size=1", False), ("pool_size=1", True)):
+        store = open_store(f"{pg_url}?{query}")
+        try:
+            counts = [store.transact_sync(prepared) for _ in range(6)]
+        finally:
+            store.close()
+        assert (counts[-1] > 0) is expect_prepared, (query, counts)
+
+
+def test_cli_reaches_the_store_through_pgbouncer(
+    tmp_path: Path, pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
+) -> None:
+    """``stepwarden init`` and the read commands through the bouncer, the URL's options included."""
+    bouncer = start_bouncer()
+    url = bouncer.url(_db_name(pg_url), "pooler=transaction")
+
+    def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "stepwarden", "--db", url, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+
+    init = cli(url, "init")
+    assert init.returncode == 0, init.stderr
+    listed = cli(url, "tasks", "--json")
+    assert listed.returncode == 0 and listed.stdout.strip() == "[]", listed.stderr
+    bad = cli(url.replace("pooler=transaction", "pooler=statement"), "tasks")
+    assert bad.returncode == 2 and "pooler=statement" in bad.stderr, bad.stderr
