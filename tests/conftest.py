@@ -82,13 +82,15 @@ def pg_template(pg_admin_url: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def make_pg_db(pg_admin_url: str, pg_template: str) -> Iterator[Callable[[], str]]:
-    """A factory of fresh, migrated databases for fixtures wider than one test; dropped at the end."""
+def make_pg_db(pg_admin_url: str, pg_template: str) -> Iterator[Callable[..., str]]:
+    """A factory of fresh, migrated databases for fixtures wider than one test (``make(empty=True)``: a
+    database without any table, never migrated); all dropped at the end of the session."""
     made: list[str] = []
 
-    def make() -> str:
+    def make(*, empty: bool = False) -> str:
         name = f"sw_test_{uuid.uuid4().hex[:10]}"
-        _admin_execute(pg_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+        template = "template0" if empty else pg_template
+        _admin_execute(pg_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
         made.append(name)
         return _with_db(pg_admin_url, name)
 

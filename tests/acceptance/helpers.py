@@ -40,7 +40,7 @@ TASK_KEYS = {
 }
 STEP_KEYS = {"name", "state", "attempt", "failure_count", "locked_by", "complete_by"}
 LEASE_KEYS = {"name", "holder", "term", "expires_at"}
-# Every table a CLI command could write to; "writes nothing" compares all of them.
+# Tables every store has (a snapshot compares every table the store has, these and any other).
 TABLES = (
     "tasks",
     "steps",
@@ -174,7 +174,8 @@ def submit_in_process(url: str, data: Any = None, **kw: Any) -> int:
 
 @dataclass
 class Db:
-    """One SQLite store file and the commands run against it (always with ``--db``)."""
+    """One store -- a SQLite file, or with ``pg`` a PostgreSQL database -- and the commands run against
+    it (always with ``--db``, from the folder of ``path``)."""
 
     path: Path
     cwd: Path
@@ -220,35 +221,40 @@ class Db:
 
         return wait_until(reached, timeout, f"task {task_id} to reach one of {sorted(states)}", 0.2)
 
-    def snapshot(self) -> dict[str, Any]:
-        """What a write would change: every row of tasks and steps, and the row count of every table."""
+    def snapshot(self, *, require_schema: bool = True) -> dict[str, Any]:
+        """Everything a write could change, read straight from the database (not through stepwarden):
+        the names of the tables, the row count of each, and every row of every table, sorted so that
+        the comparison does not depend on the order a backend returns rows in. On PostgreSQL also the
+        identity sequences' positions: a refused command must not even start an INSERT."""
+        sequences: dict[str, Any] = {}
         if self.pg:
             import psycopg
 
-            with psycopg.connect(self.pg) as pc:
+            with psycopg.connect(self.pg, autocommit=True) as pc:
                 tables = sorted(
                     r[0]
-                    for r in pc.execute(
-                        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
-                    )
+                    for r in pc.execute("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
                 )
-                return {
-                    "tables": tables,
-                    "counts": {t: pc.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in TABLES},  # type: ignore[index]
-                    "tasks": pc.execute("SELECT * FROM tasks ORDER BY id").fetchall(),
-                    "steps": pc.execute("SELECT * FROM steps ORDER BY task_id, idx").fetchall(),
-                }
-        conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
-        try:
-            tables = sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
-            return {
-                "tables": tables,
-                "counts": {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in TABLES},
-                "tasks": conn.execute("SELECT * FROM tasks ORDER BY id").fetchall(),
-                "steps": conn.execute("SELECT * FROM steps ORDER BY task_id, idx").fetchall(),
-            }
-        finally:
-            conn.close()
+                rows = {t: pc.execute(f'SELECT * FROM "{t}"').fetchall() for t in tables}
+                seqs = "SELECT sequencename, last_value FROM pg_sequences WHERE schemaname = current_schema()"
+                sequences = {name: value for name, value in pc.execute(seqs)}
+        else:
+            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+            try:
+                tables = sorted(
+                    r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                )
+                rows = {t: conn.execute(f'SELECT * FROM "{t}"').fetchall() for t in tables}
+            finally:
+                conn.close()
+        if require_schema:
+            assert set(TABLES) <= set(tables), f"tables missing from the store: {set(TABLES) - set(tables)}"
+        return {
+            "tables": tables,
+            "counts": {t: len(r) for t, r in rows.items()},
+            "rows": {t: sorted(r, key=repr) for t, r in rows.items()},
+            "sequences": sequences,
+        }
 
 
 def make_db(folder: Path, name: str = "store.db", *, demo: bool = True, pg: str | None = None) -> Db:

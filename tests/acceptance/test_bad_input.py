@@ -1,7 +1,7 @@
 """Bad command-line input: exit 2, one ``error:`` line on stderr, nothing written (SPEC 3, SUB4, REL4).
 
-Each case runs against a store holding one task; the store's tables (row counts of all of them, every
-row of tasks and steps) must be identical before and after.
+Every case runs on both stores, SQLite and PostgreSQL, against a store holding one task; the store
+(every row of every table, read straight from the database) must be identical before and after.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,7 @@ CASES: dict[str, tuple[str, ...]] = {
     "watch-timeout-word": ("watch", "{tid}", "--timeout", "soon"),
     "watch-timeout-negative": ("watch", "{tid}", "--timeout", "-1"),
     "watch-timeout-zero": ("watch", "{tid}", "--timeout", "0"),
+    "watch-timeout-nan": ("watch", "{tid}", "--timeout", "nan"),
     # click usage errors are one line too
     "unknown-command": ("frobnicate",),
     "unknown-option": ("tasks", "--frobnicate"),
@@ -122,17 +124,26 @@ CASES: dict[str, tuple[str, ...]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def seeded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Db, int]:
-    """One store per module with one pending task (correlation id, idempotency key and reply queue set).
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Db, int]:
+    """One store of each kind per module with one pending task (correlation id, idempotency key and
+    reply queue set).
 
     Shared by every case that must write nothing: each compares the store before and after itself.
     """
-    db = make_db(tmp_path_factory.mktemp("bad-input"))
+    pg = request.getfixturevalue("make_pg_db")() if request.param == "postgres" else None
+    db = make_db(tmp_path_factory.mktemp("bad-input"), pg=pg)
     tid = submit_in_process(
         db.url, order("seed-1"), correlation_id="seed-1", idempotency_key="seed-key", reply_to="q1"
     )
     return db, tid
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
+    """A fresh store of each kind knowing the demo workflow, for the cases that write (REL4)."""
+    pg = request.getfixturevalue("pg_url") if request.param == "postgres" else None
+    return make_db(tmp_path, pg=pg)
 
 
 def refused_and_unchanged(db: Db, *args: str | bytes, **kw: object) -> str:
@@ -285,6 +296,19 @@ def test_relative_app_module_is_bad_input(seeded: tuple[Db, int], args: tuple[st
     refused_and_unchanged(seeded[0], *args)
 
 
+def test_watch_timeout_that_ends_before_the_first_look_is_one_line(seeded: tuple[Db, int]) -> None:
+    """A positive timeout shorter than the first look at the task is not bad input: the task is not
+    final in time, so its events so far, then exit 1 with the one line that says so (not
+    ``error: UnboundLocalError: ...``)."""
+    db, tid = seeded
+    before = db.snapshot()
+    r = db.sw("watch", str(tid), "--timeout", "1e-9", timeout=30)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, str(r)
+    assert len(r.stderr_lines) == 1, str(r)
+    assert r.stderr_lines[0].startswith(f"error: task {tid} is still pending"), str(r)
+    assert db.snapshot() == before
+
+
 def test_superscript_task_id_is_bad_input(seeded: tuple[Db, int]) -> None:
     refused_and_unchanged(seeded[0], "task", "show", "²")
 
@@ -302,25 +326,39 @@ def test_missing_command_is_help_or_one_line(tmp_path: Path, args: tuple[str, ..
         assert_one_error_line(r)
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("submit", WORKFLOW, "--input", "{not json"),
-        ("submit", "bad name", "--input", GOOD),
-        (*SUBMIT, "--priority", "99999999999999999999"),
-        (*SUBMIT, "--correlation-id", "c" * 256),
-        ("tasks", "--state", "bogus"),
-        ("watch",),
-        ("worker", "--roles", "bogus"),
-        ("worker", "--app", "os:path"),
-    ],
-    ids=lambda a: "-".join(x[:12] for x in a[:3]),
-)
+# Bad input that is refused before the store is opened, whatever the store holds.
+NO_STORE_NEEDED = [
+    ("submit", WORKFLOW, "--input", "{not json"),
+    ("submit", "bad name", "--input", GOOD),
+    (*SUBMIT, "--priority", "99999999999999999999"),
+    (*SUBMIT, "--correlation-id", "c" * 256),
+    ("tasks", "--state", "bogus"),
+    ("watch",),
+    ("worker", "--roles", "bogus"),
+    ("worker", "--app", "os:path"),
+]
+NO_STORE_IDS = ["-".join(x[:12] for x in a[:3]) for a in NO_STORE_NEEDED]
+
+
+@pytest.mark.parametrize("args", NO_STORE_NEEDED, ids=NO_STORE_IDS)
 def test_bad_input_creates_no_store_file(tmp_path: Path, args: tuple[str, ...]) -> None:
     missing = tmp_path / "never.db"
     r = sw("--db", f"sqlite:///{missing}", *args, cwd=tmp_path)
     assert_one_error_line(r)
     assert not missing.exists(), f"a refused command created the store file\n{r}"
+
+
+@pytest.mark.parametrize("args", NO_STORE_NEEDED, ids=NO_STORE_IDS)
+def test_bad_input_creates_no_table_in_an_empty_postgres_database(
+    make_pg_db: Callable[..., str], tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    """PostgreSQL's counterpart of the test above: the database exists, but a refused command must
+    not migrate it (nor write anything else)."""
+    db = Db(tmp_path / "unused.db", tmp_path, make_pg_db(empty=True))
+    before = db.snapshot(require_schema=False)
+    assert before["tables"] == [], before
+    assert_one_error_line(db.sw(*args))
+    assert db.snapshot(require_schema=False) == before, "a refused command wrote to an empty database"
 
 
 def test_unsupported_store_url_is_bad_input(tmp_path: Path) -> None:

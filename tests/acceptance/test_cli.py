@@ -282,7 +282,7 @@ class World:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
-    """The CLI's happy paths on both stores (bad input is checked on SQLite in test_bad_input)."""
+    """The CLI's happy paths on both stores (bad input is in test_bad_input, on both stores too)."""
     if request.param == "sqlite":
         return make_db(tmp_path)
     return make_db(tmp_path, pg=request.getfixturevalue("pg_url"))

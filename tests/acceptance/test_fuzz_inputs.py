@@ -8,7 +8,11 @@ success or one clear error:
   another exception, and a refused call leaves every table of the store exactly as many rows as it
   had; an accepted one stores every value literally (REL4: SQL meta-characters are data);
 * from the CLI, exit 0, or exit 2 (1 for operational failures) with exactly one ``error:`` line on
-  stderr, nothing on stdout and no traceback, and the store unchanged.
+  stderr, nothing on stdout and no traceback, and the store unchanged: every row of every table (and
+  on PostgreSQL the identity sequences) exactly as before.
+
+Everything that touches a store runs on both, SQLite and PostgreSQL (the ``store_url`` and
+``cli_db`` fixtures); the name fuzz below builds objects only and opens no store.
 
 An oracle written from SPEC (names: 1-128 of ``[A-Za-z0-9_.:-]`` starting with a letter or digit;
 keys: 1-255 printable characters; priorities: 32-bit integers; inputs: JSON of at most the size
@@ -300,17 +304,53 @@ near_the_limit = st.one_of(
 # -- helpers ---------------------------------------------------------------------------------------------
 
 
+def _tables(tx: Any, dialect: str) -> list[str]:
+    if dialect == "sqlite":
+        rows = tx.sql("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")
+    else:
+        rows = tx.sql("SELECT tablename AS name FROM pg_tables WHERE schemaname = current_schema()")
+    return sorted(str(r["name"]) for r in rows)
+
+
 def table_counts(store: Store) -> dict[str, int]:
     """The row count of every table of the store (whatever migrations added)."""
 
     def run(tx: Any) -> dict[str, int]:
-        if store.dialect == "sqlite":
-            rows = tx.sql("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")
-        else:
-            rows = tx.sql("SELECT tablename AS name FROM pg_tables WHERE schemaname = current_schema()")
-        return {r["name"]: int(tx.sql(f"SELECT COUNT(*) AS n FROM {r['name']}")[0]["n"]) for r in rows}
+        return {
+            name: int(tx.sql(f"SELECT COUNT(*) AS n FROM {name}")[0]["n"])
+            for name in _tables(tx, store.dialect)
+        }
 
     return store.transact_sync(run)
+
+
+SEQUENCES = "(sequences)"
+
+
+def store_snapshot(store: Store) -> dict[str, Any]:
+    """Everything a write could change: every row of every table (sorted), and where the counters of
+    new ids stand (PostgreSQL's identity sequences, SQLite's sqlite_sequence): a refused call must not
+    even have started an INSERT."""
+
+    def run(tx: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            name: sorted(repr(tuple(dict(r).items())) for r in tx.sql(f"SELECT * FROM {name}"))
+            for name in _tables(tx, store.dialect)
+        }
+        if store.dialect == "sqlite":
+            seqs = "SELECT name, seq FROM sqlite_sequence"
+        else:
+            seqs = "SELECT sequencename, last_value FROM pg_sequences WHERE schemaname = current_schema()"
+        out[SEQUENCES] = sorted(repr(tuple(dict(r).items())) for r in tx.sql(seqs))
+        return out
+
+    return store.transact_sync(run)
+
+
+def rows_of(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot without the id counters: an idempotent submission that returns the existing task
+    (SUB3) writes no row, but PostgreSQL's INSERT ... ON CONFLICT may still have drawn an id."""
+    return {k: v for k, v in snapshot.items() if k != SEQUENCES}
 
 
 def task_row(store: Store, task_id: int) -> dict[str, Any]:
@@ -401,7 +441,7 @@ def test_api_submission_succeeds_or_refuses_clearly_and_writes_nothing_when_refu
         )
         ok = valid and workflow in steps_of
         existing = task_with_key(app.store, idempotency_key) if ok and idempotency_key is not None else None
-        before = table_counts(app.store)
+        before, snap = table_counts(app.store), store_snapshot(app.store)
         kw = {
             "correlation_id": correlation_id,
             "idempotency_key": idempotency_key,
@@ -415,13 +455,13 @@ def test_api_submission_succeeds_or_refuses_clearly_and_writes_nothing_when_refu
             event(f"refused: {type(e).__name__}")
             assert not ok, f"{surface} refused a valid submission: {e}"
             assert str(e) and "\n" not in str(e)
-            assert table_counts(app.store) == before, "a refused submission wrote to the store"
+            assert store_snapshot(app.store) == snap, "a refused submission wrote to the store"
             return
         assert ok, f"{surface} accepted what SUB4 refuses: task {task_id}"
         event(f"accepted by {surface}")
         after = table_counts(app.store)
         if existing is not None:  # SUB3: the existing task, nothing written
-            assert task_id == existing and after == before
+            assert task_id == existing and rows_of(store_snapshot(app.store)) == rows_of(snap)
             return
         assert (after["tasks"], after["steps"]) == (before["tasks"] + 1, before["steps"] + steps_of[workflow])
         row = task_row(app.store, task_id)
@@ -540,6 +580,18 @@ def refused(r: Result, codes: tuple[int, ...] = (2,)) -> str:
     return line
 
 
+@contextlib.contextmanager
+def unchanged(db: Db) -> Iterator[None]:
+    """The block (refused commands) leaves every row of the store as it was."""
+    store = open_store(db.url)
+    try:
+        before = store_snapshot(store)
+        yield
+        assert store_snapshot(store) == before, "a refused command wrote to the store"
+    finally:
+        store.close()
+
+
 def _drive(store: Store, outcome: str) -> None:
     """Claim, take and answer every pending step once, as a worker would (for seeding)."""
     store.transact_sync(t.claim_and_dispatch, "seed-scheduler", 10)
@@ -549,10 +601,13 @@ def _drive(store: Store, outcome: str) -> None:
     store.transact_sync(t.apply_replies, "seed-scheduler", 10, random.Random(0))
 
 
-@pytest.fixture(scope="module")
-def cli_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Db, dict[str, int]]:
-    """One store file for the CLI fuzz, knowing the demo workflow, with tasks in several states."""
-    db = make_db(tmp_path_factory.mktemp("fuzz-cli"))
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def cli_db(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Db, dict[str, int]]:
+    """One store of each kind for the CLI fuzz, knowing the demo workflow, with tasks in several states."""
+    pg = request.getfixturevalue("make_pg_db")() if request.param == "postgres" else None
+    db = make_db(tmp_path_factory.mktemp("fuzz-cli"), pg=pg)
     app = App(db.url)
     store = open_store(db.url, clock=FakeClock())  # no deadline can pass while seeding
     app.use_store(store)
@@ -686,19 +741,19 @@ def test_cli_submit_succeeds_or_exits_2_with_one_line_and_writes_nothing(
     store = open_store(db.url)
     try:
         existing = task_with_key(store, idempotency_key) if ok and idempotency_key is not None else None
-        before = table_counts(store)
+        before = store_snapshot(store)
         r = run_cli(db.cwd, "--db", db.url, *args, stdin=stdin)
         event(f"submit from {kind}: exit {r.returncode}")
         if not ok:
             refused(r)
-            assert table_counts(store) == before, f"a refused submit wrote to the store\n{r}"
+            assert store_snapshot(store) == before, f"a refused submit wrote to the store\n{r}"
             return
         assert r.returncode == 0 and r.stderr == "", str(r)
         out = r.stdout.strip()
         assert out.isdigit(), str(r)
         task_id = int(out)
         if existing is not None:
-            assert task_id == existing and table_counts(store) == before
+            assert task_id == existing and rows_of(store_snapshot(store)) == rows_of(before)
             return
         row = task_row(store, task_id)
         assert row == {
@@ -745,27 +800,27 @@ def test_cli_task_commands_succeed_or_fail_with_one_line_and_write_nothing_when_
     good_id = tid.isascii() and tid.isdigit() and len(tid) <= 18 and int(tid) >= 1
     store = open_store(db.url)
     try:
-        before = table_counts(store)
+        before = store_snapshot(store)
         r = run_cli(db.cwd, "--db", db.url, *args)
         event(f"{command}: exit {r.returncode}")
         if command == "watch" and r.returncode == 1 and good_id and " is still " in r.stderr:
             # Not a refusal: the task was not final in time. Its events so far are printed, and
             # the one error line says so.
             assert r.stderr_lines == [r.stderr_lines[0]] and r.stderr.startswith("error: task "), str(r)
-            assert table_counts(store) == before, f"a read-only command wrote to the store\n{r}"
+            assert store_snapshot(store) == before, f"a read-only command wrote to the store\n{r}"
             return
         if r.returncode != 0:
             refused(r, (1, 2))
             if not good_id:
                 assert r.returncode == 2, str(r)
-            assert table_counts(store) == before, f"a refused command wrote to the store\n{r}"
+            assert store_snapshot(store) == before, f"a refused command wrote to the store\n{r}"
             return
         assert good_id, f"an invalid id was accepted\n{r}"
         assert r.stderr == "", str(r)
         if command == "show --json":
             assert json.loads(r.stdout)["id"] == int(tid)
         if command in ("show", "show --json", "watch"):
-            assert table_counts(store) == before, f"a read-only command wrote to the store\n{r}"
+            assert store_snapshot(store) == before, f"a read-only command wrote to the store\n{r}"
     finally:
         store.close()
 
@@ -799,9 +854,9 @@ def test_cli_listings_print_or_exit_2_and_never_write(
         args.append("--json")
     store = open_store(db.url)
     try:
-        before = table_counts(store)
+        before = store_snapshot(store)
         r = run_cli(db.cwd, *args)
-        assert table_counts(store) == before, f"a listing wrote to the store\n{r}"
+        assert store_snapshot(store) == before, f"a listing wrote to the store\n{r}"
     finally:
         store.close()
     good = (
@@ -869,9 +924,10 @@ def test_cli_worker_arguments_are_refused_before_anything_runs(
             args += [opt, v]
     store = open_store(db.url)
     try:
-        before = table_counts(store)
-        refused(run_cli(db.cwd, *args))
-        assert table_counts(store) == before
+        before = store_snapshot(store)
+        r = run_cli(db.cwd, *args)
+        refused(r)
+        assert store_snapshot(store) == before, f"a refused worker wrote to the store\n{r}"
     finally:
         store.close()
 
@@ -950,10 +1006,12 @@ def test_sql_metacharacters_are_stored_and_echoed_literally(
         )
         listed = json.loads(run_cli(db.cwd, "--db", db.url, "tasks", "--json").stdout)
         assert [x["correlation_id"] for x in listed if x["id"] == task_id] == [correlation_id]
-        # a step name full of SQL is refused by name, matching no step
+        assert table_counts(store) == after
+        # a step name full of SQL is refused by name, matching no step, and changes nothing
+        before_retry = store_snapshot(store)
         line = refused(run_cli(db.cwd, "--db", db.url, "task", "retry", "--step", step, str(ids["error"])))
         assert "has no step" not in line or repr(step) in line, line
-        assert table_counts(store) == after
+        assert store_snapshot(store) == before_retry, "a refused retry wrote to the store"
     finally:
         store.close()
 
@@ -967,8 +1025,11 @@ def test_cli_submit_of_an_overlong_json_number_is_bad_input(
     digits, which parse_input let through, so `submit --input 999...` exited 1 with
     ``error: ValueError: ...`` instead of 2."""
     db, _ = cli_db
-    r = run_cli(db.cwd, "--db", db.url, "submit", "--input", wrap.format("9" * digits), WORKFLOW, debug=False)
-    refused(r)
+    with unchanged(db):
+        r = run_cli(
+            db.cwd, "--db", db.url, "submit", "--input", wrap.format("9" * digits), WORKFLOW, debug=False
+        )
+        refused(r)
 
 
 @settings(FUZZ, max_examples=12)
@@ -987,11 +1048,14 @@ def test_cli_errors_echo_user_text_on_one_line(
         cwd = tmp_path_factory.mktemp("fuzz-db-line")
         path = "k" * 300 if where == "--db (long)" else "x" + text
         r = run_cli(cwd, "--db", "sqlite:///" + path, "tasks", debug=False)
-    elif where == "--app":
-        r = run_cli(db.cwd, "--db", db.url, "worker", "--app", "os:x" + text)
-    else:
-        r = run_cli(db.cwd, "--db", db.url, "worker", "--roles", "x" + text, "--app", "os:path")
-    refused(r, (1, 2))
+        refused(r, (1, 2))
+        return
+    with unchanged(db):
+        if where == "--app":
+            r = run_cli(db.cwd, "--db", db.url, "worker", "--app", "os:x" + text)
+        else:
+            r = run_cli(db.cwd, "--db", db.url, "worker", "--roles", "x" + text, "--app", "os:path")
+        refused(r)
 
 
 @settings(FUZZ, max_examples=5)
@@ -1002,7 +1066,8 @@ def test_cli_error_for_a_long_app_module_name_is_short(
     """Found by this fuzz: 'cannot import NAME for --app: ModuleNotFoundError: No module named NAME'
     echoed a long module name twice, untruncated (a line of ~600 characters)."""
     db, _ = cli_db
-    refused(run_cli(db.cwd, "--db", db.url, "worker", "--app", "sw_fuzz_" + "m" * length + ":app"))
+    with unchanged(db):
+        refused(run_cli(db.cwd, "--db", db.url, "worker", "--app", "sw_fuzz_" + "m" * length + ":app"))
 
 
 @pytest.mark.parametrize(
@@ -1020,8 +1085,9 @@ def test_in_process_cli_matches_the_console_script(
 ) -> None:
     """The in-process runner above gives the exit code and error line of the real ``stepwarden``."""
     db, _ = cli_db
-    real = sw("--db", db.url, *args, cwd=db.cwd)
-    mine = run_cli(db.cwd, "--db", db.url, *args)
+    with unchanged(db):
+        real = sw("--db", db.url, *args, cwd=db.cwd)
+        mine = run_cli(db.cwd, "--db", db.url, *args)
     assert (mine.returncode, mine.stdout, mine.stderr_lines) == (
         real.returncode,
         real.stdout,
