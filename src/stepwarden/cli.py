@@ -21,6 +21,7 @@ import click
 from . import __version__
 from .alerts import ack_alert
 from .app import App
+from .cli_params import FiniteRange
 from .errors import InputError, NotFound, StepwardenError
 from .replies import Replies
 from .store import FINAL_TASK_STATES, TASK_STATES, Store, open_store, resolve_url, views
@@ -139,14 +140,14 @@ def init(ctx: click.Context) -> None:
 )
 @click.option(
     "--dead-after",
-    type=click.FloatRange(2.0, 3600.0),
+    type=FiniteRange(2.0, 3600.0),
     default=SupervisorSettings.dead_after,
     show_default=True,
     help="Seconds without a heartbeat after which a worker is presumed dead and its steps rescued.",
 )
 @click.option(
     "--retention",
-    type=click.FloatRange(0.0, 36500.0, min_open=True),
+    type=FiniteRange(0.0, 36500.0, min_open=True),
     default=None,
     help="Days to keep finished tasks before the leader prunes them (default 7).",
 )
@@ -464,7 +465,7 @@ def agents(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(0.0, min_open=True),
+    type=FiniteRange(0.0, min_open=True),
     default=None,
     help="Stop after this many seconds (exit 1 if the task is not final by then).",
 )
@@ -491,7 +492,7 @@ def watch(
     store = _open(ctx)
     end = None if timeout is None else time.monotonic() + timeout
     after = 0
-    while end is None or time.monotonic() < end:
+    while True:  # look at least once, however short the timeout
         for e in store.transact_sync(views.events_after, tid, after):
             after = e["id"]
             detail = json.loads(e["detail"]) if e["detail"] else {}
@@ -504,8 +505,9 @@ def watch(
         if state in FINAL_TASK_STATES:
             click.echo(f"task {tid} is {state}")
             return
+        if end is not None and time.monotonic() >= end:
+            raise StepwardenError(f"task {tid} is still {state} after {timeout:g}s")  # exit 1, one line
         time.sleep(0.2 if end is None else max(0.0, min(0.2, end - time.monotonic())))
-    raise StepwardenError(f"task {tid} is still {state} after {timeout:g}s")  # exit 1, one line
 
 
 def _watch_queue(store: Store, queue: str, consumer: str | None, timeout: float | None) -> None:

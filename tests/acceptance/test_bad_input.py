@@ -119,6 +119,10 @@ CASES: dict[str, tuple[str, ...]] = {
     "worker-retention-and-keep": ("worker", "--app", DEMO_APP, "--retention", "3", "--keep-finished"),
     "worker-dead-after-too-short": ("worker", "--app", DEMO_APP, "--dead-after", "1"),
     "worker-dead-after-not-a-number": ("worker", "--app", DEMO_APP, "--dead-after", "soon"),
+    # nan compares false with every bound: a plain range would let it through
+    "worker-dead-after-nan": ("worker", "--app", DEMO_APP, "--dead-after", "nan"),
+    "worker-retention-nan": ("worker", "--app", DEMO_APP, "--retention", "nan"),
+    "worker-retention-inf": ("worker", "--app", DEMO_APP, "--retention", "inf"),
     "worker-concurrency-word": ("worker", "--app", DEMO_APP, "--concurrency", "many"),
     "worker-agents-unknown": ("worker", "--app", DEMO_APP, "--agents", "bogus"),
 }
