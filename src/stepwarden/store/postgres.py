@@ -214,7 +214,10 @@ _OFF = ("off", "0", "false", "no")
 def parse_url(url: str) -> tuple[str, dict[str, str]]:
     """Split our own options (``?listen=off&pool_size=N&prepare=off&pooler=transaction``) off a
     libpq URL; the rest of the query string is libpq's and goes to the server as given."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # e.g. an unclosed IPv6 bracket
+        raise InputError(f"bad PostgreSQL URL: {e}") from None
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
     for k, v in parse_qsl(parts.query, keep_blank_values=True):
@@ -330,11 +333,18 @@ class PostgresStore(Store):
             configure=None if opts.pooled else _configure,
             timeout=5.0,
         )
+        _first_connection(conninfo)
+        # The pool retries with a warning per try; our one-line error says it all, so its own
+        # log lines are held back while it opens (a server still starting is waited for).
+        quiet = _Quiet()
+        logging.getLogger("psycopg.pool").addFilter(quiet)
         try:
             self.pool.open(wait=True, timeout=10)
         except Exception as e:
             self.pool.close()
             raise StoreError(f"cannot connect to PostgreSQL at {_redact(conninfo)}: {e}") from None
+        finally:
+            logging.getLogger("psycopg.pool").removeFilter(quiet)
         if migrate:
             self.migrate()
 
@@ -492,6 +502,40 @@ class PostgresStore(Store):
     def close(self) -> None:
         super().close()
         self.pool.close()
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def _first_connection(conninfo: str) -> None:
+    """Fail at once, in one line, on a URL that cannot work: a malformed one is bad input (exit 2);
+    a server that answers with an error (no such database, authentication failed) or a client
+    setting libpq rejects will not get better by waiting. Only a server that cannot be reached
+    (refused, timed out: perhaps restarting) is left to the pool's patient open."""
+    try:
+        psycopg.conninfo.conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as e:
+        raise InputError(f"bad PostgreSQL URL: {_first_line(e)}") from None
+    try:
+        psycopg.connect(conninfo, connect_timeout=5).close()
+    except psycopg.OperationalError as e:
+        text = _first_line(e)
+        if e.sqlstate is None and "invalid" in text and "value" in text:  # e.g. invalid sslmode value
+            raise InputError(f"bad PostgreSQL URL {_redact(conninfo)}: {text}") from None
+        if "FATAL:" in text and not any(t in text for t in _TRANSIENT_FATAL):  # e.g. no such database
+            raise StoreError(f"cannot connect to PostgreSQL at {_redact(conninfo)}: {text}") from None
+
+
+# A server's refusals that pass: it is starting, stopping or full. Any other FATAL at connect time
+# (no such database or role, authentication failed) stays until someone changes something.
+_TRANSIENT_FATAL = ("starting up", "shutting down", "recovery mode", "too many", "connection slots")
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+    return text[:400] or type(e).__name__
 
 
 def _configure(conn: Any) -> None:
