@@ -13,7 +13,7 @@ import pytest
 from test_store import ME, Factory, alerts, event_kinds, q, run, states, steps, submit, take
 
 from stepwarden.clock import FakeClock
-from stepwarden.store import Store
+from stepwarden.store import Store, open_store
 
 
 def test_a_round_of_many_tasks_dispatches_each_its_own_request(
@@ -128,3 +128,55 @@ def test_a_read_sees_the_deferred_writes_before_it(store: Store, make_workflow: 
 
     row = store.transact_sync(write_then_read)
     assert row is not None and (row["state"], row["locked_by"]) == ("processing", "x")
+
+
+def test_the_set_based_forms_reach_their_rows_by_index_not_by_a_scan(
+    pg_url: str, make_workflow: Factory
+) -> None:
+    """The planner guesses 100 rows for a JSON array: without naming the keys, an update of a few
+    rows scanned the whole table, and every round grew slower as the store filled."""
+    store = open_store(pg_url)
+    try:
+        wf = make_workflow()
+        for n in range(20):
+            submit(store, wf, {"order": n})
+        run(store.schedule_and_take(ME, 20, {}))
+        run(store.send_replies(ME, [(m.id, "ok", None, None) for m in take(store, limit=10)], apply=False))
+        # ... among 20,000 finished tasks, as a store holds after a while
+        for sql in (
+            "INSERT INTO tasks (workflow, workflow_version, state, input, priority, run_at, created_at,"
+            " updated_at, finished_at) SELECT 'wf', 1, 'processed', '{}', 0, 0, 0, 0, 0"
+            " FROM generate_series(1, 20000)",
+            "INSERT INTO steps (task_id, idx, name, agent, operation, budget, policy, on_error, state)"
+            " SELECT id, 0, 'a', 'svc', 'svc.do_a', 10, '{}', 'error', 'completed' FROM tasks"
+            " WHERE state = 'processed'",
+            "INSERT INTO requests (task_id, step_idx, attempt, kind, agent, operation, payload, policy,"
+            " idempotency_key, priority, complete_by, state, dispatched_by, dispatched_at)"
+            " SELECT id, 0, 1, 'do', 'svc', 'do_a', '{}', '{}', id || ':a', 0, 0, 'replied', 'x', 0"
+            " FROM tasks WHERE state = 'processed'",
+            "INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, sent_by,"
+            " received_at, status) SELECT id, task_id, 0, 1, 'do', 'ok', 'x', 0, 'accepted'"
+            " FROM requests WHERE state = 'replied'",
+            "ANALYZE",
+        ):
+            q(store, sql)
+        one = {
+            "task_id": 7, "idx": 1, "attempt": 1, "state": "completed", "expect": "running", "me": "x",
+            "complete_by": 1.0, "now": 1.0, "result": None, "error": None, "id": 7, "status": "accepted",
+            "outcome": "ok", "request_id": 7, "kind": "do", "agent": "svc", "operation": "do_a",
+            "payload": "{}", "policy": "{}", "key": "7:a", "priority": 0, "actor": "x", "detail": None,
+            "queue": "q", "correlation_id": None, "body": "{}",
+        }  # fmt: skip
+        queries = {k: v for k, v in store.queries.items() if k.endswith("__many")}  # type: ignore[attr-defined]
+        assert len(queries) >= 9
+        rows = json.dumps([dict(one, task_id=7 + i, id=7 + i, request_id=7 + i) for i in range(8)])
+        for name, sql in queries.items():
+
+            def explain(tx: Any, sql: str = sql) -> list[Any]:
+                return list(tx.conn.execute("EXPLAIN " + sql, {"rows": rows}).fetchall())
+
+            plan = "\n".join(str(r["QUERY PLAN"]) for r in store.transact_sync(explain))
+            for table in ("tasks", "steps", "requests", "replies"):
+                assert f"Seq Scan on {table}" not in plan, f"{name}:\n{plan}"
+    finally:
+        store.close()
