@@ -118,10 +118,14 @@ class PgTx:
     def _exec(self, query: str, params: dict[str, Any]) -> Any:
         if self.deferred:
             self._send_deferred()
+        self._hint(query)
+        return self.conn.cursor(row_factory=dict_row).execute(self.q[query], params, prepare=self.prepare)
+
+    def _hint(self, query: str) -> None:
+        """Note the wake-up channel of work ``query`` creates; sent once, at commit."""
         channel = NOTIFY_ON.get(query)
         if channel:
             self.notify.add(channel)
-        return self.conn.cursor(row_factory=dict_row).execute(self.q[query], params, prepare=self.prepare)
 
     def _send_deferred(self) -> None:
         deferred, self.deferred = self.deferred, {}
@@ -165,9 +169,7 @@ class PgTx:
 
     def put(self, query: str, /, **params: Any) -> None:
         if query in DEFERRED:
-            channel = NOTIFY_ON.get(query)
-            if channel:
-                self.notify.add(channel)
+            self._hint(query)
             self.deferred.setdefault(query, []).append(params)
         else:
             self._exec(query, params)
@@ -193,9 +195,7 @@ class PgTx:
         self._send_deferred()
         kept, self.kept = self.kept, {}
         for query, rows in kept.items():
-            channel = NOTIFY_ON.get(query)
-            if channel:
-                self.notify.add(channel)
+            self._hint(query)
             self._send_many(query, rows)
 
     def send_notifications(self) -> None:
@@ -354,10 +354,10 @@ class PostgresStore(Store):
             kw["prepare_threshold"] = None  # never prepare, not even psycopg's automatic ones
         return kw
 
-    def _begin(self, conn: Any, *, clock: bool = True) -> None:
+    def _begin(self, conn: Any, *, clock: bool = True, limits: bool = True) -> None:
         """What a transaction sets for itself (``SET LOCAL``), in one statement: the session limits
         when a pooler owns the sessions, and the fake clock's time in tests."""
-        settings = list(SESSION_LIMITS) if self.options.pooled else []
+        settings = list(SESSION_LIMITS) if limits and self.options.pooled else []
         if clock and self.fake_time:
             settings.append(("stepwarden.now", repr(self.clock.wall())))
         if settings:
@@ -412,10 +412,8 @@ class PostgresStore(Store):
         """A :class:`Tx` over the caller's psycopg connection, inside the caller's transaction (SUB2)."""
         if psycopg is None or not isinstance(conn, psycopg.Connection):
             raise TypeError("the PostgreSQL store needs a psycopg (3) connection to the same database")
-        tx = PgTx(conn, self.queries, set(), prepare=self.prepare)
-        if self.fake_time:
-            conn.execute("SELECT set_config('stepwarden.now', %s, true)", (repr(self.clock.wall()),))
-        return tx
+        self._begin(conn, limits=False)  # the fake clock's time; a caller's session is its own
+        return PgTx(conn, self.queries, set(), prepare=self.prepare)
 
     def begin(self, conn: Any) -> None:
         """psycopg opens a transaction with the first statement; behind a transaction-mode pooler
