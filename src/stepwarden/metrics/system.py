@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from ..store import TASK_STATES, Store, Tx, views
 from ..store import agents as store_agents
-from .common import BREAKER_VALUE, LATENCY_BUCKETS, breaker_state, counter
+from .common import BREAKER_VALUE, FINAL_STATES, LATENCY_BUCKETS, breaker_state, counter, labelled
 from .tally import EventTally, db_now
 
 
@@ -124,16 +124,15 @@ class StoreMetrics(Collector):
 
 
 def _store_families(s: StoreSnapshot) -> Iterator[Metric]:
-    tasks = GaugeMetricFamily("stepwarden_tasks", "Tasks in the store by state.", labels=["state"])
-    for state in TASK_STATES:
-        tasks.add_metric([state], s.states.get(state, 0))
-    yield tasks
-    queue = GaugeMetricFamily(
-        "stepwarden_queue_depth", "Requests waiting for an agent instance, by agent.", labels=["agent"]
+    states = ((state, s.states.get(state, 0)) for state in TASK_STATES)
+    yield labelled(GaugeMetricFamily, "stepwarden_tasks", "Tasks in the store by state.", "state", states)
+    yield labelled(
+        GaugeMetricFamily,
+        "stepwarden_queue_depth",
+        "Requests waiting for an agent instance, by agent.",
+        "agent",
+        sorted(s.queues.items()),
     )
-    for agent, n in sorted(s.queues.items()):
-        queue.add_metric([agent], n)
-    yield queue
     yield GaugeMetricFamily(
         "stepwarden_replies_unapplied",
         "Agent replies not yet applied by a scheduler.",
@@ -153,24 +152,27 @@ def _store_families(s: StoreSnapshot) -> Iterator[Metric]:
     )
     yield counter(
         "stepwarden_steps_rescued",
-        "Attempts rescued by the supervisor after complete-by.",
+        "Attempts rescued by the supervisor (complete-by passed, or their worker presumed dead).",
         t.get("rescued", 0),
     )
     yield counter("stepwarden_steps_compensated", "Compensations completed.", t.get("step_compensated", 0))
     yield counter("stepwarden_replies_stale", "Replies ignored as stale (SCH4).", t.get("stale_reply", 0))
     yield counter("stepwarden_tasks_submitted", "Tasks submitted.", t.get("received", 0))
-    finished = CounterMetricFamily(
-        "stepwarden_tasks_finished", "Tasks that reached a final state.", labels=["state"]
+    finished = ((state, t.get(state, 0)) for state in FINAL_STATES)
+    yield labelled(
+        CounterMetricFamily,
+        "stepwarden_tasks_finished",
+        "Tasks that reached a final state.",
+        "state",
+        finished,
     )
-    for state in ("processed", "error", "compensated", "cancelled"):
-        finished.add_metric([state], t.get(state, 0))
-    yield finished
-    events = CounterMetricFamily(
-        "stepwarden_events", "Events recorded in the store, by kind.", labels=["kind"]
+    yield labelled(
+        CounterMetricFamily,
+        "stepwarden_events",
+        "Events recorded in the store, by kind.",
+        "kind",
+        sorted(t.items()),
     )
-    for kind, n in sorted(t.items()):
-        events.add_metric([kind], n)
-    yield events
     term = GaugeMetricFamily("stepwarden_leader_term", "Current term of each lease.", labels=["lease"])
     changes = CounterMetricFamily(
         "stepwarden_leader_changes",
@@ -224,12 +226,13 @@ def _store_families(s: StoreSnapshot) -> Iterator[Metric]:
         open_.add_metric([agent], n)
     yield from (breaker, open_, workers, age)
     yield from _agent_families(s)
-    alerts = GaugeMetricFamily(
-        "stepwarden_alerts_unacked", "Alerts not yet acknowledged, by kind.", labels=["kind"]
+    yield labelled(
+        GaugeMetricFamily,
+        "stepwarden_alerts_unacked",
+        "Alerts not yet acknowledged, by kind.",
+        "kind",
+        sorted(s.alerts.items()),
     )
-    for kind, n in sorted(s.alerts.items()):
-        alerts.add_metric([kind], n)
-    yield alerts
     yield GaugeMetricFamily(
         "stepwarden_metrics_refresh_seconds",
         "How long the last read of the store took.",

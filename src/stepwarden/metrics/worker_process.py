@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .common import BREAKER_VALUE, LATENCY_BUCKETS, counter
+from .common import BREAKER_VALUE, FINAL_STATES, LATENCY_BUCKETS, counter, labelled
 
 if TYPE_CHECKING:
     from ..store import ApplyResult, SweepResult
@@ -146,26 +146,27 @@ class WorkerMetrics(Collector):
         with self._lock:
             finished, alerts, applied = dict(self._finished), dict(self._alerts), dict(self._applied)
             sweeps, rescued, changes = self._sweeps, self._sweep_rescued, dict(self._lease_changes)
-        fam = CounterMetricFamily(
-            "stepwarden_worker_replies_applied", "Replies judged by this process.", labels=["status"]
+        yield labelled(
+            CounterMetricFamily,
+            "stepwarden_worker_replies_applied",
+            "Replies judged by this process.",
+            "status",
+            ((status, applied.get(status, 0)) for status in ("accepted", "stale")),
         )
-        for status in ("accepted", "stale"):
-            fam.add_metric([status], applied.get(status, 0))
-        yield fam
-        fam = CounterMetricFamily(
+        yield labelled(
+            CounterMetricFamily,
             "stepwarden_worker_tasks_finished",
             "Tasks this scheduler brought to a final state.",
-            labels=["state"],
+            "state",
+            ((state, finished.get(state, 0)) for state in FINAL_STATES),
         )
-        for state in ("processed", "error", "compensated", "cancelled"):
-            fam.add_metric([state], finished.get(state, 0))
-        yield fam
-        fam = CounterMetricFamily(
-            "stepwarden_worker_alerts", "Alerts raised by this process.", labels=["kind"]
+        yield labelled(
+            CounterMetricFamily,
+            "stepwarden_worker_alerts",
+            "Alerts raised by this process.",
+            "kind",
+            sorted(alerts.items()),
         )
-        for kind, n in sorted(alerts.items()):
-            fam.add_metric([kind], n)
-        yield fam
         yield counter("stepwarden_worker_sweeps", "Supervisor sweeps led by this process.", sweeps)
         yield counter("stepwarden_worker_sweep_rescued", "Attempts rescued by those sweeps.", rescued)
         fam = CounterMetricFamily(
