@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -234,3 +235,33 @@ def test_workers_recover_from_a_postgres_restart_mid_run(tmp_path: Path, own_pos
         run.check(len(ids))
     finally:
         run.close()
+
+
+def test_a_store_opened_while_the_server_is_down_waits_for_it(own_postgres: LocalPostgres) -> None:
+    """A worker started during a restart must not give up: a refused connection is waited for
+    (the fail-fast check answers only to errors that waiting cannot cure), without the pool's
+    retry warnings, and the store works once the server is back."""
+    url = own_postgres.url()
+    own_postgres.stop("fast")
+    got: dict[str, Any] = {}
+
+    def open_it() -> None:
+        try:
+            got["store"] = open_store(url)
+        except Exception as e:
+            got["error"] = e
+
+    opener = threading.Thread(target=open_it)
+    started = time.monotonic()
+    opener.start()
+    time.sleep(1.0)  # the server is down for this long while the store waits
+    own_postgres.start()
+    opener.join(timeout=20)
+    assert not opener.is_alive(), "open_store did not return"
+    assert "error" not in got, got.get("error")
+    store = got["store"]
+    try:
+        assert time.monotonic() - started >= 1.0
+        assert store.transact_sync(lambda tx: tx.sql("SELECT COUNT(*) AS n FROM tasks"))[0]["n"] == 0
+    finally:
+        store.close()
