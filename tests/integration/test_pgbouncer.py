@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -187,6 +188,24 @@ def test_pooled_store_leaves_nothing_in_the_server_session(
         for _ in range(6):  # more than psycopg's threshold (5 runs) for preparing on its own
             seen = store.transact_sync(inside)
         assert (seen["lock"], seen["idle"], seen["prepared"]) == ("10s", "5s", 0)
+        # The store has returned every connection: the bouncer must hold its one server session
+        # for no client now. Read from the bouncer's own console (a failure says who holds it)
+        # before a second client asks for the session.
+        db = _db_name(pg_url)
+        deadline = time.monotonic() + 20
+        while True:
+            servers = [s for s in bouncer.admin("SHOW SERVERS") if s["database"] == db]
+            if all(s["state"] in ("idle", "used") for s in servers):
+                break
+            if time.monotonic() > deadline:
+                clients = [c for c in bouncer.admin("SHOW CLIENTS") if c["database"] == db]
+                pytest.fail(
+                    f"a server session is still held after the store's transactions ended:\n"
+                    f"servers={servers}\nclients={clients}\n"
+                    f"pool={[c.info.backend_pid for c in store.pool._pool]}\n"
+                    + "\n".join(bouncer.log_text().splitlines()[-40:])
+                )
+            time.sleep(0.05)
         with psycopg.connect(url, autocommit=True, prepare_threshold=None) as other:
             after = other.execute(
                 "SELECT pg_backend_pid(), current_setting('lock_timeout'),"
