@@ -169,11 +169,21 @@ def test_the_set_based_forms_reach_their_rows_by_index_not_by_a_scan(
         }  # fmt: skip
         queries = {k: v for k, v in store.queries.items() if k.endswith("__many")}  # type: ignore[attr-defined]
         assert len(queries) >= 9
+        # ... and the reads and deletes that take a list of task ids (a round's steps, a reply
+        # batch's tasks, a prune batch): the same guess made them scan too.
+        by_ids = {
+            k: v
+            for k, v in store.queries.items()  # type: ignore[attr-defined]
+            if k in ("steps_of_tasks", "tasks_for_update") or k.startswith("prune_") and k != "prune_workers"
+        }
+        assert len(by_ids) == 8
+        queries.update(by_ids)
         rows = json.dumps([dict(one, task_id=7 + i, id=7 + i, request_id=7 + i) for i in range(8)])
+        ids = json.dumps([7 + i for i in range(8)])
         for name, sql in queries.items():
 
             def explain(tx: Any, sql: str = sql) -> list[Any]:
-                return list(tx.conn.execute("EXPLAIN " + sql, {"rows": rows}).fetchall())
+                return list(tx.conn.execute("EXPLAIN " + sql, {"rows": rows, "ids": ids}).fetchall())
 
             plan = "\n".join(str(r["QUERY PLAN"]) for r in store.transact_sync(explain))
             for table in ("tasks", "steps", "requests", "replies"):

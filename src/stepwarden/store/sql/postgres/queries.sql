@@ -51,22 +51,22 @@ SELECT 1 AS ok FROM leases
 WHERE name = :name AND holder = :holder AND term = :term AND expires_at > {now} FOR SHARE;
 
 -- name: prune_steps
-DELETE FROM steps WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+DELETE FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 
 -- name: prune_requests
-DELETE FROM requests WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+DELETE FROM requests WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 
 -- name: prune_replies
-DELETE FROM replies WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+DELETE FROM replies WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 
 -- name: prune_events
-DELETE FROM events WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+DELETE FROM events WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 
 -- name: prune_messages
-DELETE FROM messages WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+DELETE FROM messages WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 
 -- name: prune_tasks
-DELETE FROM tasks WHERE id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb));
+DELETE FROM tasks WHERE id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 
 -- name: prunable_tasks
 -- FOR UPDATE re-checks each row as committed: a task an operator retried meanwhile no longer
@@ -78,15 +78,17 @@ ORDER BY finished_at LIMIT :limit
 FOR UPDATE SKIP LOCKED;
 
 -- name: steps_of_tasks
+-- Every list of ids is written `= ANY (ARRAY(...))`: for `IN (SELECT ... jsonb_array_elements)`
+-- the planner guesses 100 ids and hash-joins over a scan of the whole table.
 SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
        failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
        started_at, finished_at
-FROM steps WHERE task_id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)) ORDER BY task_id, idx;
+FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb))) ORDER BY task_id, idx;
 
 -- name: tasks_for_update
 -- Locked in id order, like every transition that holds several tasks: no deadlocks.
 SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
-FROM tasks WHERE id IN (SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)) ORDER BY id
+FROM tasks WHERE id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb))) ORDER BY id
 FOR UPDATE;
 
 -- name: submit_task
