@@ -1000,7 +1000,8 @@ def main() -> int:
     ap.add_argument(
         "--sqlite-normal",
         action="store_true",
-        help="also W1/W2 on SQLite with synchronous=NORMAL (no fsync per commit; Huey's default is OFF)",
+        help="also W1/W2 on SQLite with synchronous=NORMAL (no fsync per commit; Huey, like "
+        "stepwarden, runs SQLite's default FULL)",
     )
     a = ap.parse_args()
     # End cleanly (workers, peers, the PostgreSQL server we started) on SIGTERM and SIGINT, even
