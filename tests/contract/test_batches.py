@@ -174,7 +174,8 @@ def test_the_set_based_forms_reach_their_rows_by_index_not_by_a_scan(
         by_ids = {
             k: v
             for k, v in store.queries.items()  # type: ignore[attr-defined]
-            if k in ("steps_of_tasks", "tasks_for_update") or k.startswith("prune_") and k != "prune_workers"
+            if k in ("steps_of_tasks", "tasks_for_update")
+            or (k.startswith("prune_") and k != "prune_workers")
         }
         assert len(by_ids) == 8
         queries.update(by_ids)

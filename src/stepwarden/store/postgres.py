@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -368,6 +369,8 @@ class PostgresStore(Store):
         """One transaction; if the connection turns out dead before COMMIT was sent (a restarted
         server, a killed backend, a pooled connection gone stale), retry once on a fresh one.
         A failure during COMMIT is not retried: whether it committed is unknown."""
+        if getattr(fn, "stepwarden_autocommit", False) and not (self.fake_time or self.options.pooled):
+            return self._autocommit(fn, *args, **kwargs)
         stage = ["begin"]
         try:
             return self._transact_once(stage, fn, *args, **kwargs)
@@ -377,6 +380,43 @@ class PostgresStore(Store):
             log.info("connection lost before commit; retrying the transaction on a fresh connection")
             self.pool.check()  # the other idle connections likely died with it: replace them now
             return self._transact_once(stage, fn, *args, **kwargs)
+
+    def _autocommit(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """A transition that is ONE statement (a submission), sent on its own: the statement is its
+        own transaction, so it costs one round trip instead of three (BEGIN, statement, COMMIT).
+
+        What this gives up, and how little: a connection that fails while the statement is in
+        flight leaves it unknown whether it committed, exactly as a failure during COMMIT does on
+        the transactional path, so it is raised, never retried. The usual way to meet a dead
+        connection, a pooled one gone stale while idle (a restarted server, a killed backend), is
+        caught before anything is sent: its socket has something to read (the server's goodbye,
+        or end of file) when an idle session has nothing to say, and it is replaced first. Only
+        where the transactional path must set something for the transaction (a fake clock in
+        tests, the session limits behind a pooler) is that path taken instead."""
+        for _ in range(3):
+            with self.pool.connection() as conn:
+                if _stale(conn):
+                    conn.close()  # the pool discards it and opens a replacement
+                    continue
+                conn.autocommit = True
+                try:
+                    tx = PgTx(conn, self.queries, set(), prepare=self.prepare)
+                    out = fn(tx, *args, **kwargs)
+                    tx.flush()
+                    tx.send_notifications()
+                except psycopg.OperationalError as e:
+                    raise StoreError(
+                        "lost the connection to PostgreSQL while a submission was in flight: it may "
+                        "or may not have been written (look for it by correlation id; with an "
+                        f"idempotency key a retry is safe): {_first_line(e)}"
+                    ) from e
+                finally:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.autocommit = False
+                return out
+        log.info("pooled connections found dead; taking the transactional path on a fresh one")
+        self.pool.check()
+        return self._transact_once(["begin"], fn, *args, **kwargs)
 
     def _transact_once(
         self, stage: list[str], fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
@@ -500,6 +540,21 @@ class PostgresStore(Store):
     def close(self) -> None:
         super().close()
         self.pool.close()
+
+
+def _stale(conn: Any) -> bool:
+    """Whether an idle pooled connection is dead, without a round trip. An idle session is sent
+    nothing by the server (our pooled connections do not LISTEN), so a readable socket means the
+    server is saying goodbye (a terminated backend's error, then end of file): the connection is
+    replaced rather than trusted. ``select`` with no timeout costs one system call."""
+    pgconn = conn.pgconn
+    if conn.closed or pgconn.status != psycopg.pq.ConnStatus.OK:
+        return True
+    try:
+        readable, _, _ = select.select([pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.OperationalError):
+        return True
+    return bool(readable)
 
 
 class _Quiet(logging.Filter):

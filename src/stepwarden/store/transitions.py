@@ -106,6 +106,8 @@ def submit(
 
 
 submit.stepwarden_pipeline = False  # type: ignore[attr-defined]  # one statement on PostgreSQL
+# ... which is its own transaction there: no BEGIN and COMMIT round trips (PostgresStore._autocommit).
+submit.stepwarden_autocommit = True  # type: ignore[attr-defined]
 
 
 def _step_row(idx: int, s: Step) -> dict[str, Any]:
