@@ -78,7 +78,9 @@ def test_a_pooled_connection_killed_while_idle_is_replaced_before_the_submission
     app.submit(wf, {"n": 0})
     with psycopg.connect(pg_url, autocommit=True) as admin:
         killed = admin.execute(
-            "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            # the timeout makes it wait until each backend has exited, as after a restart (a
+            # backend ended while the submission is in flight is the next test's case)
+            "SELECT COUNT(pg_terminate_backend(pid, 10000)) FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
         ).fetchone()
     assert killed is not None and killed[0] >= 1, "the store's idle connections were ended"

@@ -546,15 +546,16 @@ def _stale(conn: Any) -> bool:
     """Whether an idle pooled connection is dead, without a round trip. An idle session is sent
     nothing by the server (our pooled connections do not LISTEN), so a readable socket means the
     server is saying goodbye (a terminated backend's error, then end of file): the connection is
-    replaced rather than trusted. ``select`` with no timeout costs one system call."""
+    replaced rather than trusted. A ``poll`` with no timeout costs one system call."""
     pgconn = conn.pgconn
     if conn.closed or pgconn.status != psycopg.pq.ConnStatus.OK:
         return True
     try:
-        readable, _, _ = select.select([pgconn.socket], [], [], 0)
-    except (OSError, ValueError, psycopg.OperationalError):
+        waiting = select.poll()  # not select(): that refuses descriptors above 1023
+        waiting.register(pgconn.socket, select.POLLIN)
+        return bool(waiting.poll(0))
+    except (OSError, psycopg.OperationalError):
         return True
-    return bool(readable)
 
 
 class _Quiet(logging.Filter):
