@@ -132,3 +132,34 @@ def test_racing_submissions_of_one_key_make_one_task_each(app: App, pg_url: str)
     assert not errors, errors
     assert all(len(ids) == 1 for ids in got.values()), got
     assert _whole(pg_url)[0] == len(keys)
+
+
+def test_when_every_pooled_connection_looks_dead_the_submission_takes_the_transactional_path(
+    app: App, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wf = next(iter(app.workflows))
+    looked: list[int] = []
+
+    def dead(conn: Any) -> bool:
+        looked.append(1)
+        return True
+
+    monkeypatch.setattr("stepwarden.store.postgres._stale", dead)
+    task_id = app.submit(wf, {"n": 1})
+    assert len(looked) == 3, "three connections tried, then the other path"
+    assert app.task(task_id)["state"] == "pending"
+    assert _whole(pg_url) == (1, len(app.workflows[wf].steps), 1)
+
+
+def test_a_transition_marked_autocommit_that_writes_more_than_one_statement_is_refused(
+    app: App, pg_url: str
+) -> None:
+    """Writes kept for commit would go out as transactions of their own: refused, not sent."""
+
+    def two_writes(tx: Any) -> None:
+        tx.later("insert_event", task_id=None, idx=None, attempt=None, kind="x", actor="t", detail=None)
+
+    two_writes.stepwarden_autocommit = True  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="marked autocommit"):
+        app.store.transact_sync(two_writes)
+    assert _count(pg_url, "SELECT COUNT(*) FROM events") == 0

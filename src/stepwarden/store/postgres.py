@@ -368,9 +368,14 @@ class PostgresStore(Store):
     def transact_sync(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """One transaction; if the connection turns out dead before COMMIT was sent (a restarted
         server, a killed backend, a pooled connection gone stale), retry once on a fresh one.
-        A failure during COMMIT is not retried: whether it committed is unknown."""
+        A failure during COMMIT is not retried: whether it committed is unknown. A transition
+        marked ``stepwarden_autocommit`` (one statement) is sent on its own (:meth:`_autocommit`)."""
         if getattr(fn, "stepwarden_autocommit", False) and not (self.fake_time or self.options.pooled):
-            return self._autocommit(fn, *args, **kwargs)
+            try:
+                return self._autocommit(fn, *args, **kwargs)
+            except _NoLiveConnection:
+                log.info("pooled connections found dead; taking the transactional path")
+                self.pool.check()
         stage = ["begin"]
         try:
             return self._transact_once(stage, fn, *args, **kwargs)
@@ -384,6 +389,8 @@ class PostgresStore(Store):
     def _autocommit(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """A transition that is ONE statement (a submission), sent on its own: the statement is its
         own transaction, so it costs one round trip instead of three (BEGIN, statement, COMMIT).
+        Raises :class:`_NoLiveConnection` if no live pooled connection turned up (nothing was
+        sent): the caller then takes the transactional path, with its retry.
 
         What this gives up, and how little: a connection that fails while the statement is in
         flight leaves it unknown whether it committed, exactly as a failure during COMMIT does on
@@ -402,8 +409,6 @@ class PostgresStore(Store):
                 try:
                     tx = PgTx(conn, self.queries, set(), prepare=self.prepare)
                     out = fn(tx, *args, **kwargs)
-                    tx.flush()
-                    tx.send_notifications()
                 except psycopg.OperationalError as e:
                     raise StoreError(
                         "lost the connection to PostgreSQL while a submission was in flight: it may "
@@ -413,10 +418,12 @@ class PostgresStore(Store):
                 finally:
                     with contextlib.suppress(psycopg.Error):
                         conn.autocommit = False
+                # Anything kept for commit would now go out as statements of their own, not
+                # atomically with the first: such a transition must not carry the marker.
+                if tx.deferred or tx.kept or tx.notify:
+                    raise AssertionError(f"{fn.__name__} is marked autocommit but wrote more than one")
                 return out
-        log.info("pooled connections found dead; taking the transactional path on a fresh one")
-        self.pool.check()
-        return self._transact_once(["begin"], fn, *args, **kwargs)
+        raise _NoLiveConnection
 
     def _transact_once(
         self, stage: list[str], fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
@@ -540,6 +547,10 @@ class PostgresStore(Store):
     def close(self) -> None:
         super().close()
         self.pool.close()
+
+
+class _NoLiveConnection(Exception):
+    """Three pooled connections in a row were found dead before anything was sent."""
 
 
 def _stale(conn: Any) -> bool:
