@@ -16,11 +16,47 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import run as harness
+
+
+class StatementDatabases(harness.Databases):
+    """The harness's fresh databases, with ``pg_stat_statements`` reset in each, and read just
+    before the harness drops it."""
+
+    def __init__(self, work: Path, admin: str, min_calls: int) -> None:
+        super().__init__(work, admin, need_pg=True)
+        self.min_calls = min_calls
+        self.rows: list[tuple[Any, ...]] = []
+
+    def fresh(self, store: str, label: str) -> str:
+        import psycopg
+
+        url = super().fresh(store, label)
+        with psycopg.connect(url, autocommit=True) as c:
+            try:
+                c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+                c.execute("SELECT pg_stat_statements_reset()")
+            except psycopg.Error as e:
+                sys.exit(f"error: {self.admin} has no pg_stat_statements ({str(e).strip()})")
+        return url
+
+    def drop(self, url: str) -> None:
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as c:
+            self.rows = c.execute(
+                "SELECT calls, total_exec_time, total_plan_time, rows, query FROM pg_stat_statements"
+                " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                " AND calls >= %s ORDER BY total_exec_time + total_plan_time DESC",
+                (self.min_calls,),
+            ).fetchall()
+        super().drop(url)
 
 
 def main() -> int:
@@ -36,39 +72,15 @@ def main() -> int:
     import psycopg
 
     work = Path(tempfile.mkdtemp(prefix="stepwarden-statements-"))
-    dbs = harness.Databases(work, a.postgres, need_pg=True)
-    seen: dict[str, object] = {}
-    fresh = dbs.fresh
-
-    def fresh_with_statements(store: str, label: str) -> str:
-        url = fresh(store, label)
-        with psycopg.connect(url, autocommit=True) as c:
-            try:
-                c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-                c.execute("SELECT pg_stat_statements_reset()")
-            except psycopg.Error as e:
-                sys.exit(f"error: {a.postgres} has no pg_stat_statements ({str(e).strip()})")
-        seen["url"] = url
-        return url
-
-    drop = dbs.drop
-
-    def drop_after_reading(url: str) -> None:
-        with psycopg.connect(url, autocommit=True) as c:
-            seen["rows"] = c.execute(
-                "SELECT calls, total_exec_time, total_plan_time, rows, query FROM pg_stat_statements"
-                " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                " AND calls >= %s ORDER BY total_exec_time + total_plan_time DESC",
-                (a.min_calls,),
-            ).fetchall()
-        drop(url)
-
-    dbs.fresh = fresh_with_statements  # type: ignore[method-assign]
-    dbs.drop = drop_after_reading  # type: ignore[method-assign]
+    dbs = StatementDatabases(work, a.postgres, a.min_calls)
     try:
         out = harness.stepwarden_throughput(dbs, "postgres", a.workload, a.tasks, 1, a.concurrency)
+    except psycopg.OperationalError as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), repr(e))
+        sys.exit(f"error: cannot use {a.postgres}: {first}")
     finally:
         dbs.close()
+        shutil.rmtree(work, ignore_errors=True)
     n = a.tasks
     rows = [
         {
@@ -78,7 +90,7 @@ def main() -> int:
             "rows": nrows,
             "query": re.sub(r"\s+", " ", re.sub(r"--[^\n]*", "", query)).strip(),
         }
-        for calls, exec_ms, plan_ms, nrows, query in seen.get("rows", [])  # type: ignore[union-attr]
+        for calls, exec_ms, plan_ms, nrows, query in dbs.rows
     ]
     print(f"{a.workload}: {out['rate']} tasks/s, {out['submit_rate']} submit calls/s (one run)")
     total = sum(r["exec_us_per_task"] + r["plan_us_per_task"] for r in rows)
