@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,14 +66,18 @@ def start_bouncer(tmp_path: Path, pg_admin_url: str) -> Iterator[Callable[..., L
             b.stop()
 
 
-def _cluster_class(request: pytest.FixtureRequest) -> type[Cluster]:
-    """``Cluster`` from this directory's conftest, as pytest loaded it: ``import conftest`` at run
-    time would find whichever conftest module pytest imported last."""
+def _conftest(request: pytest.FixtureRequest) -> Any:
+    """This directory's conftest module, as pytest loaded it: ``import conftest`` at run time
+    would find whichever conftest module pytest imported last."""
     here = Path(__file__).with_name("conftest.py")
     for plugin in request.config.pluginmanager.get_plugins():
         if getattr(plugin, "__file__", None) and Path(plugin.__file__) == here:
-            return plugin.Cluster  # type: ignore[no-any-return]
+            return plugin
     raise LookupError(f"{here} is not loaded")
+
+
+def _cluster_class(request: pytest.FixtureRequest) -> type[Cluster]:
+    return _conftest(request).Cluster  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -161,7 +164,7 @@ def test_workers_through_pgbouncer_transaction_mode_process_every_task(cluster: 
 
 
 def test_pooled_store_leaves_nothing_in_the_server_session(
-    pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
+    request: pytest.FixtureRequest, pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
 ) -> None:
     """With ONE server session behind the bouncer, whatever our store left in a session would be
     seen by the next client: its limits hold inside our transactions and nowhere else, it
@@ -192,20 +195,21 @@ def test_pooled_store_leaves_nothing_in_the_server_session(
         # for no client now. Read from the bouncer's own console (a failure says who holds it)
         # before a second client asks for the session.
         db = _db_name(pg_url)
-        deadline = time.monotonic() + 20
-        while True:
+
+        def held() -> list[dict[str, Any]]:
             servers = [s for s in bouncer.admin("SHOW SERVERS") if s["database"] == db]
-            if all(s["state"] in ("idle", "used") for s in servers):
-                break
-            if time.monotonic() > deadline:
-                clients = [c for c in bouncer.admin("SHOW CLIENTS") if c["database"] == db]
-                pytest.fail(
-                    f"a server session is still held after the store's transactions ended:\n"
-                    f"servers={servers}\nclients={clients}\n"
-                    f"pool={[c.info.backend_pid for c in store.pool._pool]}\n"
-                    + "\n".join(bouncer.log_text().splitlines()[-40:])
-                )
-            time.sleep(0.05)
+            return [s for s in servers if s["state"] not in ("idle", "used")]
+
+        try:
+            _conftest(request).wait_until(lambda: not held(), 20, "the one server session to be free")
+        except pytest.fail.Exception:
+            clients = [c for c in bouncer.admin("SHOW CLIENTS") if c["database"] == db]
+            pytest.fail(
+                f"a server session is still held after the store's transactions ended:\n"
+                f"servers={held()}\nclients={clients}\n"
+                f"pool={[c.info.backend_pid for c in store.pool._pool]}\n"
+                + "\n".join(bouncer.log_text().splitlines()[-40:])
+            )
         with psycopg.connect(url, autocommit=True, prepare_threshold=None) as other:
             after = other.execute(
                 "SELECT pg_backend_pid(), current_setting('lock_timeout'),"
