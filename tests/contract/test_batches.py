@@ -191,3 +191,28 @@ def test_the_set_based_forms_reach_their_rows_by_index_not_by_a_scan(
                 assert f"Seq Scan on {table}" not in plan, f"{name}:\n{plan}"
     finally:
         store.close()
+
+
+def test_a_write_that_fails_with_the_commit_leaves_nothing_and_the_store_goes_on(
+    store: Store, make_workflow: Factory
+) -> None:
+    """On PostgreSQL a transaction's kept writes (events, messages) and its COMMIT share one round
+    trip: a write failing there must still fail the whole transaction, and the pooled connection
+    must come back clean for the next one."""
+    wf = make_workflow()
+    task_id = submit(store, wf, {"n": 1})
+    before = event_kinds(store, task_id)
+
+    def doomed(tx: Any) -> None:
+        tx.put("finish_task", task_id=task_id, state="cancelled", error=None)
+        tx.later("insert_event", task_id=task_id, idx=None, attempt=None, kind="x", actor=ME, detail=None)
+        # queue is NOT NULL: this kept write fails, in the round trip that carries the COMMIT
+        tx.later("insert_message", queue=None, task_id=task_id, correlation_id=None, kind="x", body="{}")
+
+    for _ in range(3):  # more times than the pool has connections: none is left broken
+        with pytest.raises(Exception, match=r"(?i)null"):
+            store.transact_sync(doomed)
+    assert states(store, task_id)[0] == "pending"
+    assert event_kinds(store, task_id) == before
+    _, claimed, _ = run(store.schedule_and_take(ME, 50, {}))
+    assert claimed == 1 and states(store, task_id)[0] == "processing"

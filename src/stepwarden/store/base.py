@@ -31,6 +31,13 @@ class Tx(Protocol):
 
     def all(self, query: str, /, **params: Any) -> list[Row]: ...
 
+    def both(
+        self, first: tuple[str, dict[str, Any]], second: tuple[str, dict[str, Any]]
+    ) -> tuple[list[Row], list[Row]]:
+        """Two reads, the second executed after the first (it sees what the first locked), whose
+        parameters do not depend on each other: on PostgreSQL they share one round trip."""
+        ...
+
     def run(self, query: str, /, **params: Any) -> int:
         """Execute and return the number of rows changed."""
         ...

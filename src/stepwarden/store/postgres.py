@@ -163,6 +163,16 @@ class PgTx:
         self._sync()
         return list(cur.fetchall()) if cur.description else []
 
+    def both(
+        self, first: tuple[str, dict[str, Any]], second: tuple[str, dict[str, Any]]
+    ) -> tuple[list[Row], list[Row]]:
+        # Pipelined: the server runs them in order (the second sees the first's locks), and one
+        # sync fetches both results.
+        a = self._exec(*first)
+        b = self._exec(*second)
+        self._sync()
+        return (list(a.fetchall()) if a.description else [], list(b.fetchall()) if b.description else [])
+
     def run(self, query: str, /, **params: Any) -> int:
         cur = self._exec(query, params)
         self._sync()  # the row count is known only once the result is back
@@ -368,7 +378,8 @@ class PostgresStore(Store):
     def transact_sync(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """One transaction; if the connection turns out dead before COMMIT was sent (a restarted
         server, a killed backend, a pooled connection gone stale), retry once on a fresh one.
-        A failure during COMMIT is not retried: whether it committed is unknown. A transition
+        A failure in the round trip that carries COMMIT (with the writes kept for it) is not
+        retried: whether it committed is unknown. A transition
         marked ``stepwarden_autocommit`` (one statement) is sent on its own (:meth:`_autocommit`)."""
         if getattr(fn, "stepwarden_autocommit", False) and not (self.fake_time or self.options.pooled):
             try:
@@ -443,8 +454,8 @@ class PostgresStore(Store):
                 out = fn(tx, *args, **kwargs)
                 tx.flush()
                 tx.send_notifications()  # delivered when this transaction commits
-                if pipeline is not None:
-                    pipeline.sync()  # every statement has answered: what fails from here is the COMMIT
+                # The kept writes and COMMIT share one round trip: a connection lost in it leaves
+                # the outcome unknown, so from here nothing is retried.
                 stage[0] = "commit"
             return out
 

@@ -60,6 +60,11 @@ class SqliteTx:
     def all(self, query: str, /, **params: Any) -> list[Row]:
         return self._cur().execute(self.q[query], params).fetchall()
 
+    def both(
+        self, first: tuple[str, dict[str, Any]], second: tuple[str, dict[str, Any]]
+    ) -> tuple[list[Row], list[Row]]:
+        return self.all(first[0], **first[1]), self.all(second[0], **second[1])
+
     def run(self, query: str, /, **params: Any) -> int:
         return self._cur().execute(self.q[query], params).rowcount
 

@@ -141,8 +141,12 @@ def claim_and_dispatch(tx: Tx, me: str, limit: int) -> int:
 
 def steps_of(tx: Tx, task_ids: list[int]) -> dict[int, list[Row]]:
     """The steps of several tasks in one statement, by task, in step order."""
+    return _by_task(tx.all("steps_of_tasks", ids=json.dumps(task_ids)))
+
+
+def _by_task(step_rows: list[Row]) -> dict[int, list[Row]]:
     out: dict[int, list[Row]] = {}
-    for s in tx.all("steps_of_tasks", ids=json.dumps(task_ids)):
+    for s in step_rows:
         out.setdefault(s["task_id"], []).append(s)
     return out
 
@@ -274,9 +278,12 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
     replies = sorted(tx.all("new_replies", limit=limit), key=lambda r: (r["task_id"], r["id"]))
     if not replies:
         return out
-    ids = sorted({r["task_id"] for r in replies})
-    tasks = {t["id"]: t for t in tx.all("tasks_for_update", ids=json.dumps(ids))}
-    all_steps = steps_of(tx, ids)
+    ids = json.dumps(sorted({r["task_id"] for r in replies}))
+    # The steps are read after the tasks are locked (no transition changes a task's steps
+    # without holding it), in the same round trip.
+    locked, step_rows = tx.both(("tasks_for_update", {"ids": ids}), ("steps_of_tasks", {"ids": ids}))
+    tasks = {t["id"]: t for t in locked}
+    all_steps = _by_task(step_rows)
     now = float(replies[0]["now"])
     stale_tasks: set[int] = set()
     for r in replies:
