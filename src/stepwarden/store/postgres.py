@@ -152,26 +152,27 @@ class PgTx:
         if self.pipeline is not None:
             self.pipeline.sync()  # a read needs its result: flush the pipelined writes and wait
 
+    @staticmethod
+    def _rows(cur: Any) -> list[Row]:
+        return list(cur.fetchall()) if cur.description else []
+
     def one(self, query: str, /, **params: Any) -> Row | None:
-        cur = self._exec(query, params)
-        self._sync()
-        rows = cur.fetchall() if cur.description else []
+        rows = self.all(query, **params)
         return rows[0] if rows else None
 
     def all(self, query: str, /, **params: Any) -> list[Row]:
         cur = self._exec(query, params)
         self._sync()
-        return list(cur.fetchall()) if cur.description else []
+        return self._rows(cur)
 
     def both(
         self, first: tuple[str, dict[str, Any]], second: tuple[str, dict[str, Any]]
     ) -> tuple[list[Row], list[Row]]:
         # Pipelined: the server runs them in order (the second sees the first's locks), and one
         # sync fetches both results.
-        a = self._exec(*first)
-        b = self._exec(*second)
+        a, b = self._exec(*first), self._exec(*second)
         self._sync()
-        return (list(a.fetchall()) if a.description else [], list(b.fetchall()) if b.description else [])
+        return self._rows(a), self._rows(b)
 
     def run(self, query: str, /, **params: Any) -> int:
         cur = self._exec(query, params)
@@ -194,7 +195,7 @@ class PgTx:
             text, params or None, prepare=None if self.prepare else False
         )
         self._sync()
-        return list(cur.fetchall()) if cur.description else []
+        return self._rows(cur)
 
     def quiet(self, channel: str) -> None:
         self.quieted.add(channel)
@@ -454,8 +455,9 @@ class PostgresStore(Store):
                 out = fn(tx, *args, **kwargs)
                 tx.flush()
                 tx.send_notifications()  # delivered when this transaction commits
-                # The kept writes and COMMIT share one round trip: a connection lost in it leaves
-                # the outcome unknown, so from here nothing is retried.
+                # The kept writes and COMMIT share one round trip. A connection found dead while
+                # they were sent (above) never carried COMMIT, so that is retried; one lost from
+                # here on leaves the outcome unknown, and is raised.
                 stage[0] = "commit"
             return out
 
