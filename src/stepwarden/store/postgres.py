@@ -444,7 +444,12 @@ class PostgresStore(Store):
         # Pipeline mode: writes whose results are not read (Tx.put) go out without waiting for
         # a round trip each; reads sync the pipeline when they fetch. A transaction of one
         # statement (a submission) gains nothing from it and pays its bookkeeping: it goes plain.
-        piped = getattr(fn, "stepwarden_pipeline", True)
+        # Behind a transaction-mode pooler nothing is pipelined: psycopg ends a pipeline with a
+        # Sync and then, often in a packet of its own, a Flush. A pooler that has already handed
+        # the server session back on the Sync's ReadyForQuery takes one again for the lone Flush,
+        # which has no reply, and so keeps it linked to this idle client until its next
+        # transaction (PgBouncer does; other poolers do not support pipelining at all).
+        piped = getattr(fn, "stepwarden_pipeline", True) and not self.options.pooled
         with (
             self.pool.connection() as conn,
             conn.pipeline() if piped else contextlib.nullcontext() as pipeline,
