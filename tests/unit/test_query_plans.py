@@ -30,7 +30,8 @@ def plan(store: SQLiteStore, query: str) -> str:
         ("claim_tasks", "tasks_claimable"),
         ("claim_requests", "requests_queued"),
         ("expired_steps", "steps_inflight"),
-        ("new_replies", "replies_new"),
+        ("new_replies_with_tasks", "replies_new"),
+        ("steps_of_new_replies", "replies_new"),
     ],
 )
 def test_hot_queries_use_their_partial_index_without_sorting(

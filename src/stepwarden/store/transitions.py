@@ -268,24 +268,41 @@ def _results(steps: list[Row]) -> dict[str, Any]:
     return {s["name"]: json.loads(s["result"]) for s in steps if s["state"] == "completed" and s["result"]}
 
 
+_TASK_COLUMNS = (
+    "id",
+    "state",
+    "input",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "cancel_requested",
+    "locked_by",
+    "workflow",
+)
+
+
 def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResult:
     """Apply agents' replies: only the current attempt's, received before complete-by (SCH4).
 
-    The batch's tasks are locked, and their steps read, in one statement each; a task whose
-    replies take the common path (a step completes, the next is dispatched or the task ends) is
-    then kept up to date in memory. Any other path reads it again before its next reply."""
+    The batch's replies are read with their tasks, locked, in one statement, and the tasks'
+    steps in a second (on PostgreSQL in the same round trip); a task whose replies take the
+    common path (a step completes, the next is dispatched or the task ends) is then kept up to
+    date in memory. Any other path reads it again before its next reply."""
     out = ApplyResult()
-    replies = sorted(tx.all("new_replies", limit=limit), key=lambda r: (r["task_id"], r["id"]))
-    if not replies:
+    # The replies and their tasks, locked, then the steps, read after the locks are held (no
+    # transition changes a task's steps without holding it): one round trip on PostgreSQL.
+    rows, step_rows = tx.both(
+        ("new_replies_with_tasks", {"limit": limit}), ("steps_of_new_replies", {"limit": limit})
+    )
+    if not rows:
         return out
-    ids = json.dumps(sorted({r["task_id"] for r in replies}))
-    # The steps are read after the tasks are locked (no transition changes a task's steps
-    # without holding it), in the same round trip.
-    locked, step_rows = tx.both(("tasks_for_update", {"ids": ids}), ("steps_of_tasks", {"ids": ids}))
-    tasks = {t["id"]: t for t in locked}
+    replies = sorted(rows, key=lambda r: (r["task_id"], r["id"]))
+    tasks = {r["t_id"]: {k: r["t_" + k] for k in _TASK_COLUMNS} for r in rows if r["t_id"] is not None}
     all_steps = _by_task(step_rows)
     now = float(replies[0]["now"])
-    stale_tasks: set[int] = set()
+    # A task whose steps did not come (a reply committed between the two statements changed
+    # which replies the second chose) is read again on its own, as after a path below.
+    stale_tasks: set[int] = {t for t in tasks if t not in all_steps}
     for r in replies:
         if r["task_id"] in stale_tasks:  # changed by a path that does not keep memory up to date
             tasks.pop(r["task_id"], None)

@@ -39,10 +39,34 @@ FROM c WHERE requests.id = c.id
 RETURNING requests.id, task_id, step_idx, attempt, kind, agent, operation, payload, policy,
           idempotency_key, complete_by, complete_by - {now} AS remaining;
 
--- name: new_replies
-SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by,
-       {now} AS now
-FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED;
+-- name: new_replies_with_tasks
+-- The batch's new replies (SKIP LOCKED: another scheduler's batch is left to it), each with its
+-- task, the tasks locked in id order (no deadlocks). One statement, so that the steps
+-- (steps_of_new_replies) come in the same round trip, read after the locks are held.
+WITH r AS MATERIALIZED (
+    SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by
+    FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED),
+t AS MATERIALIZED (
+    SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
+    FROM tasks WHERE id IN (SELECT task_id FROM r) ORDER BY id FOR UPDATE)
+SELECT r.id, r.request_id, r.task_id, r.step_idx, r.attempt, r.kind, r.outcome, r.result, r.error,
+       r.received_at, r.sent_by, {now} AS now,
+       t.id AS t_id, t.state AS t_state, t.input AS t_input, t.priority AS t_priority,
+       t.correlation_id AS t_correlation_id, t.reply_to AS t_reply_to,
+       t.cancel_requested AS t_cancel_requested, t.locked_by AS t_locked_by, t.workflow AS t_workflow
+FROM r LEFT JOIN t ON t.id = r.task_id;
+
+-- name: steps_of_new_replies
+-- Sent with new_replies_with_tasks, after it: the steps of the tasks it locked. The new replies
+-- are chosen again the same way (our own locks do not make SKIP LOCKED skip them); a reply
+-- committed in between can change the choice, and a task whose steps are missing is then read
+-- on its own.
+SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
+       failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
+       started_at, finished_at
+FROM steps WHERE task_id IN (
+    SELECT task_id FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)
+ORDER BY task_id, idx;
 
 -- name: lease_holds
 -- FOR SHARE: a successor's acquire (an UPDATE of this row) waits until this fenced transaction
@@ -84,12 +108,6 @@ SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_erro
        failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
        started_at, finished_at
 FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb))) ORDER BY task_id, idx;
-
--- name: tasks_for_update
--- Locked in id order, like every transition that holds several tasks: no deadlocks.
-SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
-FROM tasks WHERE id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb))) ORDER BY id
-FOR UPDATE;
 
 -- name: submit_task
 -- A whole submission in one statement (SUB1): the task, its steps, its `received` event and

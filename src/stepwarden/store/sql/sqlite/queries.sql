@@ -28,10 +28,22 @@ WHERE id IN (SELECT id FROM requests INDEXED BY requests_queued
 RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,
           complete_by, complete_by - {now} AS remaining;
 
--- name: new_replies
-SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by,
-       {now} AS now
-FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit;
+-- name: new_replies_with_tasks
+-- The batch's new replies, each with its task (SQLite's single writer is the lock).
+SELECT r.id, r.request_id, r.task_id, r.step_idx, r.attempt, r.kind, r.outcome, r.result, r.error,
+       r.received_at, r.sent_by, {now} AS now,
+       t.id AS t_id, t.state AS t_state, t.input AS t_input, t.priority AS t_priority,
+       t.correlation_id AS t_correlation_id, t.reply_to AS t_reply_to,
+       t.cancel_requested AS t_cancel_requested, t.locked_by AS t_locked_by, t.workflow AS t_workflow
+FROM (SELECT * FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit) r
+LEFT JOIN tasks t ON t.id = r.task_id;
+
+-- name: steps_of_new_replies
+SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
+       failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
+       started_at, finished_at
+FROM steps WHERE task_id IN (SELECT task_id FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit)
+ORDER BY task_id, idx;
 
 -- name: lease_holds
 SELECT 1 AS ok FROM leases
@@ -60,8 +72,3 @@ SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_erro
        failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
        started_at, finished_at
 FROM steps WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, idx;
-
--- name: tasks_for_update
--- Locked in id order, like every transition that holds several tasks: no deadlocks.
-SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
-FROM tasks WHERE id IN (SELECT value FROM json_each(:ids)) ORDER BY id;
