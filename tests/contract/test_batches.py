@@ -136,6 +136,17 @@ def test_a_reply_whose_steps_did_not_come_with_the_batch_is_applied_after_readin
     assert [r["status"] for r in q(store, "SELECT status FROM replies ORDER BY id")] == ["accepted"] * 3
 
 
+def test_the_rows_of_a_statement_sent_with_the_commit_come_after_the_commit(store: Store) -> None:
+    def fn(tx: Any) -> Any:
+        later = tx.at_commit("now")
+        with pytest.raises(RuntimeError, match="before the commit"):
+            later()
+        return later
+
+    rows = store.transact_sync(fn)()
+    assert len(rows) == 1 and rows[0]["now"] > 0
+
+
 def test_two_writes_of_one_row_in_one_transaction_keep_their_order(
     store: Store, make_workflow: Factory
 ) -> None:

@@ -17,6 +17,22 @@ FINAL_TASK_STATES = frozenset({"processed", "error", "compensated", "cancelled"}
 STEP_STATES = ("pending", "running", "completed", "failed", "compensating", "compensated", "skipped")
 
 
+class AtCommit:
+    """The rows of a read sent with the COMMIT (:meth:`Tx.at_commit`), readable once the
+    transaction has committed."""
+
+    def __init__(self) -> None:
+        self._rows: list[Row] | None = None
+
+    def set(self, rows: list[Row]) -> None:
+        self._rows = rows
+
+    def __call__(self) -> list[Row]:
+        if self._rows is None:
+            raise RuntimeError("the rows of a read sent with the COMMIT, asked for before the commit")
+        return self._rows
+
+
 class Tx(Protocol):
     """Named queries inside one transaction."""
 
@@ -57,7 +73,19 @@ class Tx(Protocol):
         ...
 
     def flush(self) -> None:
-        """Send the writes kept by :meth:`later`; the store calls it before every commit."""
+        """Send the writes kept by :meth:`later`, then the :meth:`at_commit` statements; the store
+        calls it before every commit."""
+        ...
+
+    def at_commit(self, query: str, /, **params: Any) -> AtCommit:
+        """A statement whose rows are needed only once the transaction has committed (requests
+        taken for this worker's own slots): it runs after every other statement of the
+        transaction, on PostgreSQL in the COMMIT's round trip instead of one of its own."""
+        ...
+
+    def notify_if_queued(self, agents: list[str]) -> None:
+        """Send the new-requests hint only if requests for one of ``agents`` are still queued
+        after the :meth:`at_commit` statements took theirs (PostgreSQL; SQLite sends no hints)."""
         ...
 
 

@@ -143,7 +143,7 @@ class Store:
         requests for this worker's own agents: the slots these replies free are refilled (often
         with the very steps the replies just dispatched) without a transaction of their own."""
 
-        def send_all(tx: Tx) -> tuple[ApplyResult | None, list[RequestMsg]]:
+        def send_all(tx: Tx) -> tuple[ApplyResult | None, Callable[[], list[RequestMsg]]]:
             for request_id, outcome, result, error in replies:
                 _send_reply(tx, me, request_id, outcome, result, error)
             limit = 2 * len(replies)
@@ -152,7 +152,8 @@ class Store:
                 tx.quiet("stepwarden_replies")  # every new reply, ours included, is applied
             return applied, _take(tx, me, take)
 
-        return await self.transact(send_all)
+        applied, taken = await self.transact(send_all)
+        return applied, taken()
 
     async def schedule_and_take(
         self, me: str, limit: int, take: Mapping[str, int]
@@ -160,11 +161,12 @@ class Store:
         """A scheduler round whose worker also runs agents: the requests it dispatches are taken
         for those agents (up to ``take[agent]``) in the same transaction, no second round trip."""
 
-        def round_(tx: Tx) -> tuple[ApplyResult, int, list[RequestMsg]]:
+        def round_(tx: Tx) -> tuple[ApplyResult, int, Callable[[], list[RequestMsg]]]:
             applied, claimed = t.schedule(tx, me, limit, self.rng)
             return applied, claimed, _take(tx, me, take)
 
-        return await self.transact(round_)
+        applied, claimed, taken = await self.transact(round_)
+        return applied, claimed, taken()
 
     async def acquire_lease(self, name: str, holder: str, ttl: float) -> tuple[int, float] | None:
         return await self.transact(_acquire, name, holder, ttl)
@@ -223,6 +225,10 @@ def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[Requ
     for agent in agents:  # one indexed range per agent, already in claim order
         if len(rows) < limit:
             rows += tx.all("claim_requests", me=me, agent=agent, limit=limit - len(rows))
+    return _requests(rows)
+
+
+def _requests(rows: list[Row]) -> list[RequestMsg]:
     return [
         RequestMsg(
             id=r["id"],
@@ -242,20 +248,18 @@ def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[Requ
     ]
 
 
-def _take(tx: Tx, me: str, take: Mapping[str, int]) -> list[RequestMsg]:
-    out: list[RequestMsg] = []
-    exhausted: set[str] = set()
-    for agent, room in take.items():
-        if room > 0:
-            got = _claim_requests(tx, me, [agent], room)
-            out += got
-            if len(got) < room:
-                exhausted.add(agent)
-    if set(tx.dispatched) <= exhausted:
-        # Every request this transaction sent is taken by us, and no more wait for those agents:
-        # a wake-up hint would only send every worker (us included) polling for nothing.
-        tx.quiet("stepwarden_requests")
-    return out
+def _take(tx: Tx, me: str, take: Mapping[str, int]) -> Callable[[], list[RequestMsg]]:
+    """Take up to ``take[agent]`` queued requests for this worker's own slots, after everything
+    else the transaction does (the requests it dispatches included); the rows come with the
+    commit. Other workers get the new-requests hint only if some are left for them."""
+    reads = [
+        tx.at_commit("claim_requests", me=me, agent=agent, limit=room)
+        for agent, room in take.items()
+        if room > 0
+    ]
+    if reads and tx.dispatched:
+        tx.notify_if_queued(sorted(set(tx.dispatched)))
+    return lambda: _requests([row for read in reads for row in read()])
 
 
 def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:

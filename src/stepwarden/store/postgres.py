@@ -33,7 +33,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
 from ..errors import InputError, StoreError
-from .base import Row
+from .base import AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations
 
@@ -58,6 +58,7 @@ NOTIFY_ON = {
     "finish_task": "stepwarden_done",
 }
 CHANNELS = sorted(set(NOTIFY_ON.values()))
+REQUESTS = NOTIFY_ON["insert_request"]
 # The hot path's writes a transaction defers, by query, with the parameters that name the row
 # each one changes (none: an insert). A deferred write waits until the next read, commit or other
 # write, and goes out with the others of its query as ONE statement (``<query>__many`` in
@@ -115,6 +116,9 @@ class PgTx:
         self.deferred: dict[str, list[dict[str, Any]]] = {}  # hot writes: sent at the next read
         self.dispatched: list[str] = []
         self.quieted: set[str] = set()
+        self.tail: list[tuple[str, dict[str, Any], AtCommit]] = []  # at_commit, not yet sent
+        self.tail_sent: list[tuple[Any, AtCommit]] = []  # sent: their cursors, read after COMMIT
+        self.if_queued: list[str] | None = None  # notify_if_queued's agents
 
     def _exec(self, query: str, params: dict[str, Any]) -> Any:
         if self.deferred:
@@ -209,9 +213,38 @@ class PgTx:
         for query, rows in kept.items():
             self._hint(query)
             self._send_many(query, rows)
+        tail, self.tail = self.tail, []
+        for query, params, out in tail:
+            self.tail_sent.append((self._exec(query, params), out))
+        if self.pipeline is None:
+            self.read_tail()
+
+    def at_commit(self, query: str, /, **params: Any) -> AtCommit:
+        out = AtCommit()
+        self.tail.append((query, params, out))
+        return out
+
+    def read_tail(self) -> None:
+        """The rows of the statements sent with the COMMIT, once its round trip is back."""
+        sent, self.tail_sent = self.tail_sent, []
+        for cur, out in sent:
+            out.set(self._rows(cur))
+
+    def notify_if_queued(self, agents: list[str]) -> None:
+        self.if_queued = agents
 
     def send_notifications(self) -> None:
         channels = sorted(self.notify - self.quieted)
+        if self.if_queued is not None and REQUESTS in channels:
+            # Evaluated after the statements that took requests for our own slots: a hint only
+            # if some are left for other workers.
+            channels.remove(REQUESTS)
+            self.conn.execute(
+                f"SELECT pg_notify('{REQUESTS}', '') WHERE EXISTS (SELECT 1 FROM requests"
+                " WHERE state = 'queued' AND agent = ANY(%s))",
+                [self.if_queued],
+                prepare=None if self.prepare else False,
+            )
         if channels:  # one statement for all channels: each statement costs a message exchange
             calls = ", ".join("pg_notify(%s, '')" for _ in channels)
             self.conn.execute(f"SELECT {calls}", channels, prepare=None if self.prepare else False)
@@ -460,10 +493,11 @@ class PostgresStore(Store):
                 out = fn(tx, *args, **kwargs)
                 tx.flush()
                 tx.send_notifications()  # delivered when this transaction commits
-                # The kept writes and COMMIT share one round trip. A connection found dead while
-                # they were sent (above) never carried COMMIT, so that is retried; one lost from
-                # here on leaves the outcome unknown, and is raised.
+                # The kept writes, the at_commit statements and COMMIT share one round trip. A
+                # connection found dead while they were sent (above) never carried COMMIT, so
+                # that is retried; one lost from here on leaves the outcome unknown, and is raised.
                 stage[0] = "commit"
+            tx.read_tail()
             return out
 
     def connect(self) -> Any:

@@ -22,7 +22,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import MigrationError
-from .base import Row
+from .base import AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations
 
@@ -46,6 +46,7 @@ class SqliteTx:
         self.conn = conn
         self.q = queries
         self.kept: dict[str, list[dict[str, Any]]] = {}
+        self.tail: list[tuple[str, dict[str, Any], AtCommit]] = []
         self.dispatched: list[str] = []
 
     def _cur(self) -> sqlite3.Cursor:
@@ -84,6 +85,17 @@ class SqliteTx:
         kept, self.kept = self.kept, {}
         for query, rows in kept.items():
             self.conn.executemany(self.q[query], rows)
+        tail, self.tail = self.tail, []
+        for query, params, out in tail:
+            out.set(self.all(query, **params))
+
+    def at_commit(self, query: str, /, **params: Any) -> AtCommit:
+        out = AtCommit()
+        self.tail.append((query, params, out))
+        return out
+
+    def notify_if_queued(self, agents: list[str]) -> None:
+        pass  # as quiet()
 
 
 class SQLiteStore(Store):

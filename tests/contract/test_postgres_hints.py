@@ -1,0 +1,75 @@
+"""On PostgreSQL a worker transaction that dispatches requests and, with the same commit, takes
+requests for its own slots wakes the other workers (NOTIFY on ``stepwarden_requests``) only if
+some requests are left for them: the hint is decided after the take, in the COMMIT's round trip.
+
+Notifications arrive in commit order, so each check commits a marker notification of its own
+after the transaction under test and reads up to it: no waiting for a hint that may not come."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from test_store import ME, Factory, run, submit
+
+from stepwarden.store import Store
+
+CHANNEL = "stepwarden_requests"
+
+
+@pytest.fixture
+def store_url(pg_url: str) -> str:
+    return pg_url
+
+
+@pytest.fixture
+def listener(pg_url: str) -> Iterator[psycopg.Connection]:
+    conn = psycopg.connect(pg_url, autocommit=True)
+    conn.execute(f"LISTEN {CHANNEL}")
+    yield conn
+    conn.close()
+
+
+def hints(listener: psycopg.Connection, pg_url: str) -> int:
+    """How many hints were committed before now (a marker of our own ends the reading)."""
+    with psycopg.connect(pg_url, autocommit=True) as other:
+        other.execute("SELECT pg_notify(%s, 'marker')", (CHANNEL,))
+    for seen, n in enumerate(listener.notifies(timeout=10)):
+        if n.payload == "marker":
+            return seen
+    raise AssertionError("the marker notification did not arrive within 10 s")
+
+
+def test_no_hint_when_the_same_commit_takes_every_request_it_dispatched(
+    store: Store, make_workflow: Factory, listener: psycopg.Connection, pg_url: str
+) -> None:
+    wf = make_workflow()
+    submit(store, wf)
+    assert hints(listener, pg_url) == 0
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 1}))
+    assert claimed == 1 and len(taken) == 1
+    assert hints(listener, pg_url) == 0
+
+
+def test_a_hint_when_requests_are_left_for_other_workers(
+    store: Store, make_workflow: Factory, listener: psycopg.Connection, pg_url: str
+) -> None:
+    wf = make_workflow()
+    submit(store, wf, {"n": 1})
+    submit(store, wf, {"n": 2})
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 1}))  # room for one of two
+    assert claimed == 2 and len(taken) == 1
+    assert hints(listener, pg_url) == 1
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {}))  # nothing left to claim or take
+    assert (claimed, taken) == (0, [])
+    assert hints(listener, pg_url) == 0
+
+
+def test_a_hint_when_this_worker_takes_nothing(
+    store: Store, make_workflow: Factory, listener: psycopg.Connection, pg_url: str
+) -> None:
+    submit(store, make_workflow())
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {}))
+    assert claimed == 1 and taken == []
+    assert hints(listener, pg_url) == 1
