@@ -136,6 +136,26 @@ def test_a_reply_whose_steps_did_not_come_with_the_batch_is_applied_after_readin
     assert [r["status"] for r in q(store, "SELECT status FROM replies ORDER BY id")] == ["accepted"] * 3
 
 
+def test_a_worker_s_own_replies_mark_their_requests_replied_applied_or_not(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """Applied in the transaction that records it, a reply marks its request replied with its
+    outcome in one write; one that is not applied (too late: stale) still marks it replied, so
+    the request no longer counts as held by the worker."""
+    wf = make_workflow(budget=5.0)
+    ids = [submit(store, wf, {"order": n}) for n in range(2)]
+    run(store.schedule_and_take(ME, 50, {}))
+    msgs = {m.task_id: m for m in take(store, limit=10)}
+    clock.advance(1.0)
+    applied, _ = run(store.send_replies_and_take(ME, [(msgs[ids[0]].id, "ok", None, None)], {}))
+    assert applied is not None and (applied.accepted, applied.stale) == (1, 0)
+    clock.advance(10.0)  # past the second request's complete-by
+    applied, _ = run(store.send_replies_and_take(ME, [(msgs[ids[1]].id, "ok", None, None)], {}))
+    assert applied is not None and (applied.accepted, applied.stale) == (0, 1)
+    rows = q(store, "SELECT task_id, state, outcome FROM requests WHERE step_idx = 0 ORDER BY task_id")
+    assert [(r["state"], r["outcome"]) for r in rows] == [("replied", "ok"), ("replied", None)]
+
+
 def test_the_rows_of_a_statement_sent_with_the_commit_come_after_the_commit(store: Store) -> None:
     def fn(tx: Any) -> Any:
         later = tx.at_commit("now")

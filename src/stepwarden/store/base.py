@@ -113,6 +113,7 @@ class ApplyResult:
     stale: int = 0
     finished: list[tuple[int, str]] = field(default_factory=list)
     alerts: list[Row] = field(default_factory=list)
+    requests: set[int] = field(default_factory=set)  # requests whose reply was accepted
 
 
 @dataclass

@@ -124,8 +124,12 @@ class Store:
 
         def send_all(tx: Tx) -> ApplyResult | None:
             for request_id, outcome, result, error in replies:
-                _send_reply(tx, me, request_id, outcome, result, error)
-            return t.apply_replies(tx, me, 2 * len(replies), self.rng) if apply else None
+                _send_reply(tx, me, request_id, outcome, result, error, marked=not apply)
+            if not apply:
+                return None
+            applied = t.apply_replies(tx, me, 2 * len(replies), self.rng)
+            _mark_replied(tx, replies, applied)
+            return applied
 
         return await self.transact(send_all)
 
@@ -145,11 +149,13 @@ class Store:
 
         def send_all(tx: Tx) -> tuple[ApplyResult | None, Callable[[], list[RequestMsg]]]:
             for request_id, outcome, result, error in replies:
-                _send_reply(tx, me, request_id, outcome, result, error)
+                _send_reply(tx, me, request_id, outcome, result, error, marked=not apply)
             limit = 2 * len(replies)
             applied = t.apply_replies(tx, me, limit, self.rng) if apply else None
-            if applied is not None and applied.accepted + applied.stale < limit:
-                tx.quiet("stepwarden_replies")  # every new reply, ours included, is applied
+            if applied is not None:
+                _mark_replied(tx, replies, applied)
+                if applied.accepted + applied.stale < limit:
+                    tx.quiet("stepwarden_replies")  # every new reply, ours included, is applied
             return applied, _take(tx, me, take)
 
         applied, taken = await self.transact(send_all)
@@ -262,7 +268,11 @@ def _take(tx: Tx, me: str, take: Mapping[str, int]) -> Callable[[], list[Request
     return lambda: _requests([row for read in reads for row in read()])
 
 
-def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
+def _send_reply(
+    tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None, *, marked: bool = True
+) -> None:
+    """Record a reply; ``marked=False`` leaves marking its request replied to :func:`_mark_replied`
+    after the replies are applied (applying one marks its request itself)."""
     tx.put(  # not kept for later: apply_replies, in this same transaction, reads it
         "insert_reply",
         request_id=request_id,
@@ -271,7 +281,16 @@ def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, err
         error=error,
         me=me,
     )
-    tx.put("request_replied", request_id=request_id)
+    if marked:
+        tx.put("request_replied", request_id=request_id)
+
+
+def _mark_replied(tx: Tx, replies: Sequence[tuple[int, str, Any, str | None]], applied: ApplyResult) -> None:
+    """Mark replied the requests of replies that were recorded but not applied (stale, or left for
+    a later batch): an applied one's request was marked by ``finish_request``."""
+    for request_id, *_ in replies:
+        if request_id not in applied.requests:
+            tx.put("request_replied", request_id=request_id)
 
 
 def _acquire(tx: Tx, name: str, holder: str, ttl: float) -> tuple[int, float] | None:

@@ -344,6 +344,7 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             "finish_request", task_id=task["id"], idx=step["idx"], attempt=r["attempt"], outcome=r["outcome"]
         )
         out.accepted += 1
+        out.requests.add(r["request_id"])
         if r["outcome"] == "released":
             release_attempt(tx, task, step, me, r["error"] or "released")
             stale_tasks.add(task["id"])

@@ -82,7 +82,10 @@ UPDATE replies SET status = :status, applied_by = :me, applied_at = {now}
 WHERE id = :id AND status = 'new';
 
 -- name: finish_request
-UPDATE requests SET outcome = :outcome, finished_at = {now}
+-- A reply applied in the transaction that records it (a worker's own): the request is also
+-- marked replied here, one row version instead of two.
+UPDATE requests SET outcome = :outcome, finished_at = {now},
+                    state = CASE WHEN state = 'taken' THEN 'replied' ELSE state END
 WHERE task_id = :task_id AND step_idx = :idx AND attempt = :attempt AND outcome IS NULL;
 
 -- name: expire_request

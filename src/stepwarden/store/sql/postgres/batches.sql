@@ -45,7 +45,8 @@ FROM jsonb_to_recordset(:rows::jsonb) AS v(id bigint, status text, me text)
 WHERE r.id = ANY (ARRAY(SELECT (e->>'id')::bigint FROM jsonb_array_elements(:rows::jsonb) e)) AND r.id = v.id AND r.status = 'new';
 
 -- name: finish_request__many
-UPDATE requests r SET outcome = v.outcome, finished_at = {now}
+UPDATE requests r SET outcome = v.outcome, finished_at = {now},
+                      state = CASE WHEN r.state = 'taken' THEN 'replied' ELSE r.state END
 FROM jsonb_to_recordset(:rows::jsonb) AS v(task_id bigint, idx int, attempt int, outcome text)
 WHERE r.task_id = ANY (ARRAY(SELECT (e->>'task_id')::bigint FROM jsonb_array_elements(:rows::jsonb) e))
   AND r.task_id = v.task_id AND r.step_idx = v.idx AND r.attempt = v.attempt AND r.outcome IS NULL;
