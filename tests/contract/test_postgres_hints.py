@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from test_store import ME, Factory, run, submit
 
+from stepwarden.clock import FakeClock
 from stepwarden.store import Store
 
 CHANNEL = "stepwarden_requests"
@@ -73,3 +74,18 @@ def test_a_hint_when_this_worker_takes_nothing(
     _, claimed, taken = run(store.schedule_and_take(ME, 50, {}))
     assert claimed == 1 and taken == []
     assert hints(listener, pg_url) == 1
+
+
+def test_no_hint_for_requests_left_that_have_expired(
+    store: Store, clock: FakeClock, make_workflow: Factory, listener: psycopg.Connection, pg_url: str
+) -> None:
+    """A queued request past its complete-by waits for the supervisor, not for a worker."""
+    wf = make_workflow()
+    submit(store, wf, {"n": 1})
+    run(store.schedule_and_take(ME, 50, {}))  # dispatched, left queued: a hint
+    assert hints(listener, pg_url) == 1
+    clock.advance(11.0)  # past that request's complete-by (10 s)
+    second = submit(store, wf, {"n": 2})
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 1}))
+    assert claimed == 1 and [m.task_id for m in taken] == [second]
+    assert hints(listener, pg_url) == 0

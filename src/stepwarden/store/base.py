@@ -18,8 +18,9 @@ STEP_STATES = ("pending", "running", "completed", "failed", "compensating", "com
 
 
 class AtCommit:
-    """The rows of a read sent with the COMMIT (:meth:`Tx.at_commit`), readable once the
-    transaction has committed."""
+    """The rows of a statement run last in its transaction (:meth:`Tx.at_commit`), handed to the
+    caller once the transaction has committed (on PostgreSQL's pipelined path they arrive only
+    with the COMMIT's reply; elsewhere they are read just before the COMMIT)."""
 
     def __init__(self) -> None:
         self._rows: list[Row] | None = None

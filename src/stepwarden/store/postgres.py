@@ -239,12 +239,7 @@ class PgTx:
             # Evaluated after the statements that took requests for our own slots: a hint only
             # if some are left for other workers.
             channels.remove(REQUESTS)
-            self.conn.execute(
-                f"SELECT pg_notify('{REQUESTS}', '') WHERE EXISTS (SELECT 1 FROM requests"
-                " WHERE state = 'queued' AND agent = ANY(%s))",
-                [self.if_queued],
-                prepare=None if self.prepare else False,
-            )
+            self._exec("notify_requests_left", {"agents": self.if_queued})
         if channels:  # one statement for all channels: each statement costs a message exchange
             calls = ", ".join("pg_notify(%s, '')" for _ in channels)
             self.conn.execute(f"SELECT {calls}", channels, prepare=None if self.prepare else False)
@@ -465,7 +460,7 @@ class PostgresStore(Store):
                         conn.autocommit = False
                 # Anything kept for commit would now go out as statements of their own, not
                 # atomically with the first: such a transition must not carry the marker.
-                if tx.deferred or tx.kept or tx.notify:
+                if tx.deferred or tx.kept or tx.notify or tx.tail or tx.if_queued is not None:
                     raise AssertionError(f"{fn.__name__} is marked autocommit but wrote more than one")
                 return out
         raise _NoLiveConnection
@@ -483,22 +478,62 @@ class PostgresStore(Store):
         # which has no reply, and so keeps it linked to this idle client until its next
         # transaction (PgBouncer does; other poolers do not support pipelining at all).
         piped = getattr(fn, "stepwarden_pipeline", True) and not self.options.pooled
-        with (
-            self.pool.connection() as conn,
-            conn.pipeline() if piped else contextlib.nullcontext() as pipeline,
-        ):
+        with self.pool.connection() as conn:
+            if piped:
+                return self._piped(conn, stage, notify, fn, *args, **kwargs)
             with conn.transaction():
                 self._begin(conn)
-                tx = PgTx(conn, self.queries, notify, pipeline, prepare=self.prepare)
+                tx = PgTx(conn, self.queries, notify, prepare=self.prepare)
                 out = fn(tx, *args, **kwargs)
                 tx.flush()
-                tx.send_notifications()  # delivered when this transaction commits
-                # The kept writes, the at_commit statements and COMMIT share one round trip. A
-                # connection found dead while they were sent (above) never carried COMMIT, so
-                # that is retried; one lost from here on leaves the outcome unknown, and is raised.
+                tx.send_notifications()
                 stage[0] = "commit"
             tx.read_tail()
             return out
+
+    def _piped(
+        self,
+        conn: Any,
+        stage: list[str],
+        notify: set[str],
+        fn: Callable[Concatenate[Any, P], R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        """One transaction in pipeline mode, with BEGIN and COMMIT sent as statements of the
+        pipeline: BEGIN goes out with the first read, COMMIT with the last writes, in the single
+        Sync that ends the pipeline. (psycopg's ``conn.transaction()`` would sync on its own after
+        BEGIN and before COMMIT, and the pipeline's end would sync once more: three round trips
+        more per transaction.) The connection is in autocommit mode meanwhile, so that psycopg
+        sends no BEGIN of its own."""
+        conn.autocommit = True
+        try:
+            try:
+                with conn.pipeline() as pipeline:
+                    conn.execute("BEGIN", prepare=False)
+                    self._begin(conn)
+                    tx = PgTx(conn, self.queries, notify, pipeline, prepare=self.prepare)
+                    out = fn(tx, *args, **kwargs)
+                    tx.flush()
+                    tx.send_notifications()  # delivered when this transaction commits
+                    conn.execute("COMMIT", prepare=False)
+                    # The kept writes, the at_commit statements and COMMIT go out together when
+                    # the pipeline ends. A connection found dead while they were sent never
+                    # carried COMMIT, so that is retried; one lost from here on leaves the
+                    # outcome unknown, and is raised.
+                    stage[0] = "commit"
+            except BaseException:
+                # A statement failed (the server skipped the rest, COMMIT included) or the
+                # transaction's own code raised: end the transaction, if the session still lives.
+                with contextlib.suppress(psycopg.Error):
+                    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                        conn.execute("ROLLBACK")
+                raise
+            tx.read_tail()
+            return out
+        finally:
+            with contextlib.suppress(psycopg.Error):
+                conn.autocommit = False
 
     def connect(self) -> Any:
         """A new connection for a caller's own transaction (``app.transaction()``)."""

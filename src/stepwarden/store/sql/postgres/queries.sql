@@ -68,6 +68,13 @@ FROM steps WHERE task_id IN (
     SELECT task_id FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)
 ORDER BY task_id, idx;
 
+-- name: notify_requests_left
+-- The new-requests hint of a transaction that also took requests for its worker's own slots:
+-- sent after that take, and only if requests it could not take are still waiting (not expired).
+SELECT pg_notify('stepwarden_requests', '') WHERE EXISTS (
+    SELECT 1 FROM requests
+    WHERE state = 'queued' AND agent = ANY (:agents::text[]) AND complete_by > {now});
+
 -- name: lease_holds
 -- FOR SHARE: a successor's acquire (an UPDATE of this row) waits until this fenced transaction
 -- has committed, so two terms never write at the same time.
