@@ -1,0 +1,93 @@
+"""What a PostgreSQL worker transaction sends, read from libpq's own protocol trace: BEGIN goes
+out with the first read, COMMIT with the last writes, so a reply batch that records, applies and
+takes costs two round trips (a Sync each). And when something fails inside, nothing is written
+and the pooled connection comes back clean."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from test_store import ME, Factory, q, run, states, submit
+
+from stepwarden.store import Store
+from stepwarden.store.postgres import PostgresStore
+
+
+@pytest.fixture
+def store_url(pg_url: str) -> str:
+    return pg_url
+
+
+@contextlib.contextmanager
+def traced(store: Store, path: Path) -> Iterator[list[str]]:
+    """Trace the protocol of every connection the store takes meanwhile; yields the messages the
+    client sent (``Sync``, ``Parse``...), filled in when the block ends."""
+    assert isinstance(store, PostgresStore)
+    sent: list[str] = []
+    original = store.pool.connection
+
+    @contextlib.contextmanager
+    def connection(*a: Any, **kw: Any) -> Iterator[Any]:
+        with original(*a, **kw) as conn, path.open("a") as f:
+            conn.pgconn.trace(f.fileno())
+            conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+            try:
+                yield conn
+            finally:
+                conn.pgconn.untrace()
+
+    store.pool.connection = connection  # type: ignore[method-assign]
+    try:
+        yield sent
+    finally:
+        store.pool.connection = original  # type: ignore[method-assign]
+        for line in path.read_text().splitlines():
+            parts = line.split("\t")
+            if parts[0] == "F":
+                sent.append(parts[2])
+
+
+def test_a_reply_batch_records_applies_and_takes_in_two_round_trips(
+    store: Store, make_workflow: Factory, tmp_path: Path
+) -> None:
+    wf = make_workflow()
+    ids = [submit(store, wf, {"n": n}) for n in range(3)]
+    _, _, taken = run(store.schedule_and_take(ME, 50, {"svc": 3}))
+    assert len(taken) == 3
+    with traced(store, tmp_path / "trace") as sent:
+        applied, next_ = run(
+            store.send_replies_and_take(ME, [(m.id, "ok", None, None) for m in taken], {"svc": 3})
+        )
+    assert applied is not None and applied.accepted == 3
+    assert sorted(m.task_id for m in next_) == ids and {m.step_idx for m in next_} == {1}
+    assert sent.count("Sync") == 2, sent
+
+
+@pytest.mark.parametrize("failure", ["raised", "statement"])
+def test_a_transaction_that_fails_inside_writes_nothing_and_leaves_the_connection_clean(
+    store: Store, make_workflow: Factory, failure: str
+) -> None:
+    task_id = submit(store, make_workflow())
+
+    def doomed(tx: Any) -> None:
+        tx.put("finish_task", task_id=task_id, state="cancelled", error=None)  # pipelined, unread
+        tx.one("task_by_key", key="k")  # a read: the write above has gone out
+        if failure == "raised":
+            raise ValueError("the transition's own code failed")
+        tx.sql("SELECT 1 / 0")
+
+    assert isinstance(store, PostgresStore)
+    for _ in range(store.options.pool_size + 1):  # every pooled connection, and one more
+        with pytest.raises((ValueError, psycopg.errors.DivisionByZero)):
+            store.transact_sync(doomed)
+    assert states(store, task_id)[0] == "pending"
+    assert q(store, "SELECT COUNT(*) AS n FROM tasks WHERE state = 'cancelled'")[0]["n"] == 0
+    for conn in list(store.pool._pool):  # idle in the pool, none left inside a transaction
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    _, claimed, _ = run(store.schedule_and_take(ME, 50, {}))
+    assert claimed == 1
