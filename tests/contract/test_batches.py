@@ -103,10 +103,9 @@ def test_a_reply_batch_of_many_tasks_moves_each_one_alone(
 def test_a_reply_whose_steps_did_not_come_with_the_batch_is_applied_after_reading_them(
     store: Store, clock: FakeClock, make_workflow: Factory
 ) -> None:
-    """A reply batch's steps are read by a second statement that chooses the new replies again
-    (on PostgreSQL in the same round trip, after the first has locked their tasks); a reply
-    committed between the two can change that choice. A task whose steps did not come is read on
-    its own, and its reply is applied like the others, not taken for stale."""
+    """A reply batch's steps are read by a second statement (on PostgreSQL in the same round
+    trip, after the first has locked their tasks). Should a task's steps not come with it, the
+    task is read on its own, and its reply is applied like the others, not taken for stale."""
     wf = make_workflow()
     ids = [submit(store, wf, {"order": n}) for n in range(3)]
     run(store.schedule_and_take(ME, 50, {}))

@@ -65,13 +65,16 @@ def test_a_connection_lost_in_the_round_trip_that_carries_commit_is_raised_not_r
     store: PostgresStore, pg_url: str
 ) -> None:
     """The session ends while the last round trip is being processed: the server never reaches
-    COMMIT here, but the client cannot tell that from a COMMIT whose answer was lost."""
+    COMMIT here, but the client cannot tell that from a COMMIT whose answer was lost. (psycopg
+    may send the kept statements as soon as they are queued: the server waits a moment before
+    ending the session, so that COMMIT is on its way by then.)"""
     calls: list[int] = []
 
     def fn(tx: PgTx) -> None:
         calls.append(tx.conn.info.backend_pid)
         tx.one("now")
-        tx.q = {**tx.q, "end_session": "SELECT pg_terminate_backend(pg_backend_pid())"}
+        end = "SELECT pg_sleep(0.5), pg_terminate_backend(pg_backend_pid())"
+        tx.q = {**tx.q, "end_session": end}
         _later_event(tx, "at-commit")
         tx.later("end_session")  # kept, like the event: it runs in the round trip with COMMIT
 

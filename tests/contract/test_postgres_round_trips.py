@@ -91,3 +91,36 @@ def test_a_transaction_that_fails_inside_writes_nothing_and_leaves_the_connectio
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     _, claimed, _ = run(store.schedule_and_take(ME, 50, {}))
     assert claimed == 1
+
+
+def test_the_steps_statement_reads_exactly_the_tasks_the_first_locked(
+    store: Store, make_workflow: Factory, pg_url: str
+) -> None:
+    """The steps of a reply batch are read by a second statement, after the first has chosen the
+    replies and locked their tasks. A reply committed in between (here with a lower id, so that it
+    comes first) must neither change which tasks' steps come nor be locked by this batch."""
+    wf = make_workflow()
+    a, b, c = (submit(store, wf, {"n": n}) for n in range(3))
+    _, _, taken = run(store.schedule_and_take(ME, 50, {"svc": 3}))
+    by_task = {m.task_id: m for m in taken}
+    run(store.send_replies(ME, [(by_task[t].id, "ok", None, None) for t in (a, b)], apply=False))
+
+    def batch(tx: Any) -> tuple[set[int], set[int]]:
+        replies = tx.all("new_replies_with_tasks", limit=2)
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute(
+                "INSERT INTO replies (id, request_id, task_id, step_idx, attempt, kind, outcome, sent_by,"
+                " received_at) SELECT -1, id, task_id, step_idx, attempt, kind, 'ok', 'x', 0"
+                " FROM requests WHERE id = %s",
+                (by_task[c].id,),
+            )
+        steps = tx.all("steps_of_new_replies", limit=2)
+        with psycopg.connect(pg_url, autocommit=True) as other:  # not locked by this batch
+            assert other.execute("SELECT id FROM replies WHERE id = -1 FOR UPDATE NOWAIT").fetchall() == [
+                (-1,)
+            ]
+        return {r["task_id"] for r in replies}, {s["task_id"] for s in steps}
+
+    chosen, with_steps = store.transact_sync(batch)
+    assert chosen == {a, b}
+    assert with_steps == {a, b}

@@ -516,12 +516,12 @@ class PostgresStore(Store):
                     out = fn(tx, *args, **kwargs)
                     tx.flush()
                     tx.send_notifications()  # delivered when this transaction commits
-                    conn.execute("COMMIT", prepare=False)
-                    # The kept writes, the at_commit statements and COMMIT go out together when
-                    # the pipeline ends. A connection found dead while they were sent never
-                    # carried COMMIT, so that is retried; one lost from here on leaves the
-                    # outcome unknown, and is raised.
+                    # The kept writes, the at_commit statements and COMMIT go out together (psycopg
+                    # may send the first ones as they are queued). A connection found dead before
+                    # this point never carried COMMIT, so that is retried; one lost from here on
+                    # leaves the outcome unknown, and is raised.
                     stage[0] = "commit"
+                    conn.execute("COMMIT", prepare=False)
             except BaseException:
                 # A statement failed (the server skipped the rest, COMMIT included) or the
                 # transaction's own code raised: end the transaction, if the session still lives.

@@ -300,8 +300,9 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
     tasks = {r["t_id"]: {k: r["t_" + k] for k in _TASK_COLUMNS} for r in rows if r["t_id"] is not None}
     all_steps = _by_task(step_rows)
     now = float(replies[0]["now"])
-    # A task whose steps did not come (a reply committed between the two statements changed
-    # which replies the second chose) is read again on its own, as after a path below.
+    # The second statement reads the steps of exactly the tasks the first locked (on SQLite,
+    # whose single writer is the lock, it chooses the replies again). A task whose steps did not
+    # come all the same is read again on its own, as after a path below.
     stale_tasks: set[int] = {t for t in tasks if t not in all_steps}
     for r in replies:
         if r["task_id"] in stale_tasks:  # changed by a path that does not keep memory up to date

@@ -42,30 +42,33 @@ RETURNING requests.id, task_id, step_idx, attempt, kind, agent, operation, paylo
 -- name: new_replies_with_tasks
 -- The batch's new replies (SKIP LOCKED: another scheduler's batch is left to it), each with its
 -- task, the tasks locked in id order (no deadlocks). One statement, so that the steps
--- (steps_of_new_replies) come in the same round trip, read after the locks are held.
+-- (steps_of_new_replies) come in the same round trip, read after the locks are held. It leaves
+-- the ids of the tasks it locked in a transaction-local setting for that statement; the
+-- setting's CTE is a one-time filter, evaluated (with the locks) before any row is returned.
 WITH r AS MATERIALIZED (
     SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by
     FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED),
 t AS MATERIALIZED (
     SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
-    FROM tasks WHERE id IN (SELECT task_id FROM r) ORDER BY id FOR UPDATE)
+    FROM tasks WHERE id IN (SELECT task_id FROM r) ORDER BY id FOR UPDATE),
+b AS MATERIALIZED (
+    SELECT set_config('stepwarden.batch', COALESCE(json_agg(id)::text, '[]'), true) AS ids FROM t)
 SELECT r.id, r.request_id, r.task_id, r.step_idx, r.attempt, r.kind, r.outcome, r.result, r.error,
        r.received_at, r.sent_by, {now} AS now,
        t.id AS t_id, t.state AS t_state, t.input AS t_input, t.priority AS t_priority,
        t.correlation_id AS t_correlation_id, t.reply_to AS t_reply_to,
        t.cancel_requested AS t_cancel_requested, t.locked_by AS t_locked_by, t.workflow AS t_workflow
-FROM r LEFT JOIN t ON t.id = r.task_id;
+FROM r LEFT JOIN t ON t.id = r.task_id
+WHERE (SELECT ids FROM b) IS NOT NULL;
 
 -- name: steps_of_new_replies
--- Sent with new_replies_with_tasks, after it: the steps of the tasks it locked. The new replies
--- are chosen again the same way (our own locks do not make SKIP LOCKED skip them); a reply
--- committed in between can change the choice, and a task whose steps are missing is then read
--- on its own.
+-- Sent with new_replies_with_tasks, after it: the steps of exactly the tasks it locked (their
+-- ids from its transaction-local setting; none if it found no reply).
 SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
        failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
        started_at, finished_at
-FROM steps WHERE task_id IN (
-    SELECT task_id FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)
+FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(
+    COALESCE(NULLIF(current_setting('stepwarden.batch', true), ''), '[]')::jsonb)))
 ORDER BY task_id, idx;
 
 -- name: notify_requests_left
