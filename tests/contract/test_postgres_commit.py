@@ -104,3 +104,23 @@ def test_a_connection_found_dead_while_sending_the_last_writes_runs_again(
     store.transact_sync(fn)
     assert len(calls) == 2 and calls[0] != calls[1]
     assert _events(pg_url, "resent") == 1
+
+
+def test_a_lock_timeout_is_raised_once_not_taken_for_a_lost_connection(
+    store: PostgresStore, pg_url: str
+) -> None:
+    """A statement stopped by the server in a live session (here by lock_timeout) is the
+    transaction's failure to report, not a lost connection to retry on a fresh one."""
+    calls: list[int] = []
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(4242)")  # held until this connection's tx ends
+
+        def fn(tx: PgTx) -> None:
+            calls.append(tx.conn.info.backend_pid)
+            tx.sql("SELECT set_config('lock_timeout', '200ms', true)")
+            tx.sql("SELECT pg_advisory_xact_lock(4242)")
+
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            store.transact_sync(fn)
+    assert len(calls) == 1
+    assert store.transact_sync(lambda tx: tx.one("now")) is not None  # and the pool goes on

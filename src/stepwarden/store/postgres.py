@@ -419,8 +419,8 @@ class PostgresStore(Store):
         stage = ["begin"]
         try:
             return self._transact_once(stage, fn, *args, **kwargs)
-        except psycopg.OperationalError:
-            if stage[0] == "commit":
+        except psycopg.OperationalError as e:
+            if stage[0] == "commit" or not _connection_lost(e):
                 raise
             log.info("connection lost before commit; retrying the transaction on a fresh connection")
             self.pool.check()  # the other idle connections likely died with it: replace them now
@@ -638,6 +638,14 @@ class PostgresStore(Store):
 
 class _NoLiveConnection(Exception):
     """Three pooled connections in a row were found dead before anything was sent."""
+
+
+def _connection_lost(e: BaseException) -> bool:
+    """Whether an OperationalError means the session is gone (worth one retry on a fresh
+    connection) rather than a statement stopped by the server in a live one: a lock timeout
+    (55P03) or a cancelled statement (57014) would only wait, or fail, again."""
+    state = getattr(e, "sqlstate", None)
+    return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
 
 
 def _stale(conn: Any) -> bool:
