@@ -122,16 +122,7 @@ class Store:
         the same transaction: the step completes and the next one is dispatched without another
         commit or another process having to notice the reply."""
 
-        def send_all(tx: Tx) -> ApplyResult | None:
-            for request_id, outcome, result, error in replies:
-                _send_reply(tx, me, request_id, outcome, result, error, marked=not apply)
-            if not apply:
-                return None
-            applied = t.apply_replies(tx, me, 2 * len(replies), self.rng)
-            _mark_replied(tx, replies, applied)
-            return applied
-
-        return await self.transact(send_all)
+        return await self.transact(_record_replies, me, replies, apply, self.rng)
 
     async def schedule(self, me: str, limit: int) -> tuple[ApplyResult, int]:
         return await self.transact(t.schedule, me, limit, self.rng)
@@ -148,15 +139,7 @@ class Store:
         with the very steps the replies just dispatched) without a transaction of their own."""
 
         def send_all(tx: Tx) -> tuple[ApplyResult | None, Callable[[], list[RequestMsg]]]:
-            for request_id, outcome, result, error in replies:
-                _send_reply(tx, me, request_id, outcome, result, error, marked=not apply)
-            limit = 2 * len(replies)
-            applied = t.apply_replies(tx, me, limit, self.rng) if apply else None
-            if applied is not None:
-                _mark_replied(tx, replies, applied)
-                if applied.accepted + applied.stale < limit:
-                    tx.quiet("stepwarden_replies")  # every new reply, ours included, is applied
-            return applied, _take(tx, me, take)
+            return _record_replies(tx, me, replies, apply, self.rng), _take(tx, me, take)
 
         applied, taken = await self.transact(send_all)
         return applied, taken()
@@ -271,8 +254,8 @@ def _take(tx: Tx, me: str, take: Mapping[str, int]) -> Callable[[], list[Request
 def _send_reply(
     tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None, *, marked: bool = True
 ) -> None:
-    """Record a reply; ``marked=False`` leaves marking its request replied to :func:`_mark_replied`
-    after the replies are applied (applying one marks its request itself)."""
+    """Record a reply; ``marked=False`` leaves marking its request replied to
+    :func:`_record_replies`, after the replies are applied."""
     tx.put(  # not kept for later: apply_replies, in this same transaction, reads it
         "insert_reply",
         request_id=request_id,
@@ -285,12 +268,24 @@ def _send_reply(
         tx.put("request_replied", request_id=request_id)
 
 
-def _mark_replied(tx: Tx, replies: Sequence[tuple[int, str, Any, str | None]], applied: ApplyResult) -> None:
-    """Mark replied the requests of replies that were recorded but not applied (stale, or left for
-    a later batch): an applied one's request was marked by ``finish_request``."""
+def _record_replies(
+    tx: Tx, me: str, replies: Sequence[tuple[int, str, Any, str | None]], apply: bool, rng: random.Random
+) -> ApplyResult | None:
+    """Record replies; with ``apply``, apply them (and any other new ones, up to twice as many) in
+    the same transaction. An applied reply's request is marked replied by ``finish_request``, in
+    the write that records its outcome; the others' (stale, or left for a later batch) here."""
+    for request_id, outcome, result, error in replies:
+        _send_reply(tx, me, request_id, outcome, result, error, marked=not apply)
+    if not apply:
+        return None
+    limit = 2 * len(replies)
+    applied = t.apply_replies(tx, me, limit, rng)
     for request_id, *_ in replies:
         if request_id not in applied.requests:
             tx.put("request_replied", request_id=request_id)
+    if applied.accepted + applied.stale < limit:
+        tx.quiet("stepwarden_replies")  # every new reply, ours included, is applied
+    return applied
 
 
 def _acquire(tx: Tx, name: str, holder: str, ttl: float) -> tuple[int, float] | None:

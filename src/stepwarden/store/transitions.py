@@ -268,19 +268,6 @@ def _results(steps: list[Row]) -> dict[str, Any]:
     return {s["name"]: json.loads(s["result"]) for s in steps if s["state"] == "completed" and s["result"]}
 
 
-_TASK_COLUMNS = (
-    "id",
-    "state",
-    "input",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "cancel_requested",
-    "locked_by",
-    "workflow",
-)
-
-
 def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResult:
     """Apply agents' replies: only the current attempt's, received before complete-by (SCH4).
 
@@ -297,7 +284,12 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
     if not rows:
         return out
     replies = sorted(rows, key=lambda r: (r["task_id"], r["id"]))
-    tasks = {r["t_id"]: {k: r["t_" + k] for k in _TASK_COLUMNS} for r in rows if r["t_id"] is not None}
+    # Each row carries its task's columns as t_<column> (t_id None: the task is gone).
+    tasks = {
+        r["t_id"]: {k[2:]: v for k, v in r.items() if k.startswith("t_")}
+        for r in rows
+        if r["t_id"] is not None
+    }
     all_steps = _by_task(step_rows)
     now = float(replies[0]["now"])
     # The second statement reads the steps of exactly the tasks the first locked (on SQLite,
