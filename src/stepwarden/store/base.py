@@ -19,8 +19,8 @@ STEP_STATES = ("pending", "running", "completed", "failed", "compensating", "com
 
 class AtCommit:
     """The rows of a statement run last in its transaction (:meth:`Tx.at_commit`), handed to the
-    caller once the transaction has committed (on PostgreSQL's pipelined path they arrive only
-    with the COMMIT's reply; elsewhere they are read just before the COMMIT)."""
+    caller once the transaction has committed (PostgreSQL reads them once COMMIT has come back,
+    in pipeline mode the only time they are there; SQLite just before its COMMIT)."""
 
     def __init__(self) -> None:
         self._rows: list[Row] | None = None

@@ -216,8 +216,6 @@ class PgTx:
         tail, self.tail = self.tail, []
         for query, params, out in tail:
             self.tail_sent.append((self._exec(query, params), out))
-        if self.pipeline is None:
-            self.read_tail()
 
     def at_commit(self, query: str, /, **params: Any) -> AtCommit:
         out = AtCommit()
@@ -225,7 +223,8 @@ class PgTx:
         return out
 
     def read_tail(self) -> None:
-        """The rows of the statements sent with the COMMIT, once its round trip is back."""
+        """The rows of the at_commit statements, for their callers; every path calls it once
+        COMMIT has come back (in pipeline mode the rows arrive only with it)."""
         sent, self.tail_sent = self.tail_sent, []
         for cur, out in sent:
             out.set(self._rows(cur))
@@ -239,7 +238,7 @@ class PgTx:
             # Evaluated after the statements that took requests for our own slots: a hint only
             # if some are left for other workers.
             channels.remove(REQUESTS)
-            self._exec("notify_requests_left", {"agents": self.if_queued})
+            self._exec("notify_requests_left", {"channel": REQUESTS, "agents": self.if_queued})
         if channels:  # one statement for all channels: each statement costs a message exchange
             calls = ", ".join("pg_notify(%s, '')" for _ in channels)
             self.conn.execute(f"SELECT {calls}", channels, prepare=None if self.prepare else False)
@@ -484,10 +483,7 @@ class PostgresStore(Store):
             with conn.transaction():
                 self._begin(conn)
                 tx = PgTx(conn, self.queries, notify, prepare=self.prepare)
-                out = fn(tx, *args, **kwargs)
-                tx.flush()
-                tx.send_notifications()
-                stage[0] = "commit"
+                out = _run_to_commit(tx, stage, fn, *args, **kwargs)
             tx.read_tail()
             return out
 
@@ -508,29 +504,21 @@ class PostgresStore(Store):
         sends no BEGIN of its own."""
         conn.autocommit = True
         try:
-            try:
-                with conn.pipeline() as pipeline:
-                    conn.execute("BEGIN", prepare=False)
-                    self._begin(conn)
-                    tx = PgTx(conn, self.queries, notify, pipeline, prepare=self.prepare)
-                    out = fn(tx, *args, **kwargs)
-                    tx.flush()
-                    tx.send_notifications()  # delivered when this transaction commits
-                    # The kept writes, the at_commit statements and COMMIT go out together (psycopg
-                    # may send the first ones as they are queued). A connection found dead before
-                    # this point never carried COMMIT, so that is retried; one lost from here on
-                    # leaves the outcome unknown, and is raised.
-                    stage[0] = "commit"
-                    conn.execute("COMMIT", prepare=False)
-            except BaseException:
-                # A statement failed (the server skipped the rest, COMMIT included) or the
-                # transaction's own code raised: end the transaction, if the session still lives.
-                with contextlib.suppress(psycopg.Error):
-                    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                        conn.execute("ROLLBACK")
-                raise
+            with conn.pipeline() as pipeline:
+                conn.execute("BEGIN", prepare=False)
+                self._begin(conn)
+                tx = PgTx(conn, self.queries, notify, pipeline, prepare=self.prepare)
+                out = _run_to_commit(tx, stage, fn, *args, **kwargs)
+                conn.execute("COMMIT", prepare=False)
             tx.read_tail()
             return out
+        except BaseException:
+            # A statement failed (the server skipped the rest, COMMIT included) or the
+            # transaction's own code raised: end the transaction, if the session still lives.
+            with contextlib.suppress(psycopg.Error):
+                if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    conn.execute("ROLLBACK")
+            raise
         finally:
             with contextlib.suppress(psycopg.Error):
                 conn.autocommit = False
@@ -558,6 +546,7 @@ class PostgresStore(Store):
         tx.flush()
         tx.send_notifications()
         conn.commit()
+        tx.read_tail()
 
     def rollback(self, conn: Any) -> None:
         conn.rollback()
@@ -634,6 +623,20 @@ class PostgresStore(Store):
     def close(self) -> None:
         super().close()
         self.pool.close()
+
+
+def _run_to_commit(
+    tx: PgTx, stage: list[str], fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
+) -> R:
+    """A transaction's own work and what it sends last (the kept writes, the at_commit statements,
+    the wake-up hints, delivered when it commits); the caller then sends COMMIT. A connection found
+    dead before this returns never carried COMMIT, so that is retried (psycopg may send the last
+    statements as they are queued); one lost from here on leaves the outcome unknown, and is raised."""
+    out = fn(tx, *args, **kwargs)
+    tx.flush()
+    tx.send_notifications()
+    stage[0] = "commit"
+    return out
 
 
 class _NoLiveConnection(Exception):

@@ -74,7 +74,7 @@ ORDER BY task_id, idx;
 -- name: notify_requests_left
 -- The new-requests hint of a transaction that also took requests for its worker's own slots:
 -- sent after that take, and only if requests it could not take are still waiting (not expired).
-SELECT pg_notify('stepwarden_requests', '') WHERE EXISTS (
+SELECT pg_notify(:channel, '') WHERE EXISTS (
     SELECT 1 FROM requests
     WHERE state = 'queued' AND agent = ANY (:agents::text[]) AND complete_by > {now});
 
