@@ -19,9 +19,11 @@ from stepwarden.store import Store
 CHANNEL = "stepwarden_requests"
 
 
-@pytest.fixture
-def store_url(pg_url: str) -> str:
-    return pg_url
+@pytest.fixture(params=["pipelined", "pooled"])
+def store_url(request: pytest.FixtureRequest, pg_url: str) -> str:
+    """Directly (pipelined: the take and the hint travel with COMMIT) and as behind a
+    transaction-mode pooler (no pipeline: each statement its own round trip)."""
+    return pg_url if request.param == "pipelined" else pg_url + "?pooler=transaction"
 
 
 @pytest.fixture
