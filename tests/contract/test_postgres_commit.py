@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from test_store import q
 
 from stepwarden.store import open_store
 from stepwarden.store.postgres import PgTx, PostgresStore
@@ -31,11 +32,8 @@ def _end_backend(url: str, pid: int) -> None:
     assert row is not None and row[0] is True
 
 
-def _events(url: str, kind: str) -> int:
-    with psycopg.connect(url, autocommit=True) as c:
-        row = c.execute("SELECT COUNT(*) FROM events WHERE kind = %s", (kind,)).fetchone()
-    assert row is not None
-    return int(row[0])
+def _events(store: PostgresStore, kind: str) -> int:
+    return int(q(store, "SELECT COUNT(*) AS n FROM events WHERE kind = ?", kind)[0]["n"])
 
 
 def _later_event(tx: PgTx, kind: str) -> None:
@@ -58,7 +56,7 @@ def test_a_connection_lost_before_the_last_round_trip_runs_the_transaction_again
 
     assert store.transact_sync(fn) == 2
     assert calls[0] != calls[1], "the second run is on a fresh connection"
-    assert _events(pg_url, "before") == 1, "written once, by the run that committed"
+    assert _events(store, "before") == 1, "written once, by the run that committed"
 
 
 def test_a_connection_lost_in_the_round_trip_that_carries_commit_is_raised_not_run_again(
@@ -81,7 +79,7 @@ def test_a_connection_lost_in_the_round_trip_that_carries_commit_is_raised_not_r
     with pytest.raises(psycopg.OperationalError):
         store.transact_sync(fn)
     assert len(calls) == 1, "an unknown outcome is not retried"
-    assert _events(pg_url, "at-commit") == 0, "the session ended before COMMIT ran"
+    assert _events(store, "at-commit") == 0, "the session ended before COMMIT ran"
     # The broken connection is not handed out again: the next transactions go through.
     for _ in range(5):
         assert store.transact_sync(lambda tx: tx.one("now")) is not None
@@ -103,7 +101,7 @@ def test_a_connection_found_dead_while_sending_the_last_writes_runs_again(
 
     store.transact_sync(fn)
     assert len(calls) == 2 and calls[0] != calls[1]
-    assert _events(pg_url, "resent") == 1
+    assert _events(store, "resent") == 1
 
 
 def test_a_lock_timeout_is_raised_once_not_taken_for_a_lost_connection(
