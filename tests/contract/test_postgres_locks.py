@@ -114,3 +114,93 @@ def test_prune_skips_a_task_another_session_holds_and_does_not_wait(
         assert store.transact_sync(t.prune, "sup", "supervisor", term, 10.0, 100) == 1  # next round
     finally:
         store.close()
+
+
+def test_prune_neither_waits_for_nor_deadlocks_with_a_reply_batch_holding_a_late_reply(
+    pg_url: str, clock: FakeClock, make_workflow: Any
+) -> None:
+    """A late reply (here a duplicate of an applied one) for a finished task: a reply batch locks
+    the reply first, then waits for the task. A prune that has locked the task must not then
+    wait for the reply: that was a deadlock, broken by PostgreSQL after a second by failing one
+    of the two. The prune leaves that task for a later round and prunes the rest."""
+    from test_store import ME, run, send, take
+
+    store = open_store(pg_url, clock=clock)
+    try:
+        wf = make_workflow("a", budget=5)
+        ids = [
+            store.transact_sync(
+                t.submit, wf, "{}", correlation_id=None, idempotency_key=None, priority=0, reply_to=None
+            )[0]
+            for _ in range(2)
+        ]
+        assert store.transact_sync(t.claim_and_dispatch, ME, 10) == 2
+        msgs = take(store, 10, "svc")
+        for m in msgs:
+            send(store, m.id, "ok", None, None)
+        run(store.schedule(ME, 10))
+        late = next(m for m in msgs if m.task_id == ids[0])
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, sent_by,"
+                " received_at) VALUES (%s, %s, 0, %s, 'do', 'ok', 'a late duplicate', 0)",
+                (late.id, late.task_id, late.attempt),
+            )
+        term, _ = asyncio.run(store.acquire_lease("supervisor", "sup", 1e6)) or (0, 0.0)
+        clock.advance(100)
+
+        batch = psycopg.connect(pg_url)  # a reply batch: the late reply first, then its task
+        batch.execute("SELECT id FROM replies WHERE status = 'new' FOR UPDATE")
+        batch_pid = batch.info.backend_pid
+        waited: list[BaseException | None] = []
+
+        def lock_the_task() -> None:
+            try:
+                batch.execute("SELECT id FROM tasks WHERE id = %s FOR UPDATE", (ids[0],))
+                waited.append(None)
+            except BaseException as e:
+                waited.append(e)
+
+        waiter = threading.Thread(target=lock_the_task)
+
+        def prune_with_the_batch_waiting(tx: Any) -> int:
+            real_all = tx.all
+
+            def all_(query: str, /, **params: Any) -> Any:
+                rows = real_all(query, **params)
+                if query == "prunable_tasks":  # the prune holds the tasks: now the batch asks for one
+                    waiter.start()
+                    with psycopg.connect(pg_url, autocommit=True) as watch:
+                        deadline = time.monotonic() + 5
+                        while time.monotonic() < deadline:
+                            row = watch.execute(
+                                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (batch_pid,)
+                            ).fetchone()
+                            if row and row[0] == "Lock":
+                                break
+                            time.sleep(0.01)
+                        else:
+                            raise AssertionError("the reply batch never waited for the task")
+                return rows
+
+            tx.all = all_
+            return t.prune(tx, "sup", "supervisor", term, 10.0, 100)
+
+        started = time.monotonic()
+        pruned = store.transact_sync(prune_with_the_batch_waiting)
+        elapsed = time.monotonic() - started
+        waiter.join(timeout=10)
+        batch.rollback()
+        batch.close()
+        assert waited == [None], f"the reply batch failed: {waited}"
+        assert pruned == 1 and elapsed < 0.9, (pruned, elapsed)  # no deadlock detection (1 s) needed
+        left = store.transact_sync(lambda tx: tx.sql("SELECT id FROM tasks ORDER BY id"))
+        assert [r["id"] for r in left] == [ids[0]]
+        assert (
+            store.transact_sync(
+                lambda tx: tx.sql("SELECT count(*) AS n FROM replies WHERE task_id = ?", (ids[0],))
+            )[0]["n"]
+            == 2
+        ), "the held task's replies are kept with it"
+    finally:
+        store.close()

@@ -92,12 +92,16 @@ def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) 
     they own, so the hot tables stay the size of the live work. Leader-only and term-fenced, so
     two supervisors never prune at once; bounded, so a large backlog is many small transactions."""
     _fence(tx, me, lease, term)
-    ids = [int(r["id"]) for r in tx.all("prunable_tasks", retention=retention, limit=limit)]
+    found = [int(r["id"]) for r in tx.all("prunable_tasks", retention=retention, limit=limit)]
+    ids = found
+    if found and tx.dialect == "postgres":  # SQLite's single writer holds no row locks to wait on
+        held = {int(r["task_id"]) for r in tx.all("prune_held_tasks", ids=json.dumps(found))}
+        ids = [i for i in found if i not in held]
     if ids:
         text = json.dumps(ids)
         for table in ("steps", "requests", "replies", "events", "messages", "tasks"):
             tx.put("prune_" + table, ids=text)
-    if len(ids) < limit:  # the backlog is done: old worker rows go too
+    if len(found) < limit:  # the backlog is done: old worker rows go too
         tx.put("prune_workers", retention=retention)
     return len(ids)
 

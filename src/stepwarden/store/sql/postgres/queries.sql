@@ -91,7 +91,25 @@ DELETE FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_arr
 DELETE FROM requests WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 
 -- name: prune_replies
-DELETE FROM replies WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
+-- SKIP LOCKED: the prune holds its tasks, and a reply batch locks a reply before its task, so
+-- waiting here for a reply could be a deadlock. A reply committed since prune_held_tasks and
+-- already locked by a batch is left: that batch finds the task gone and marks the reply stale.
+DELETE FROM replies WHERE id = ANY (ARRAY(
+    SELECT id FROM replies
+    WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+    FOR UPDATE SKIP LOCKED));
+
+-- name: prune_held_tasks
+-- The tasks among :ids (locked by this prune) with a reply that another transaction holds: a
+-- reply batch that locked a late reply and now waits for its task. The prune leaves them for a
+-- later round instead of waiting for the reply, which would be a deadlock.
+WITH mine AS MATERIALIZED (
+    SELECT id FROM replies
+    WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+    FOR UPDATE SKIP LOCKED)
+SELECT DISTINCT task_id FROM replies
+WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+  AND id <> ALL (ARRAY(SELECT id FROM mine));
 
 -- name: prune_events
 DELETE FROM events WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
