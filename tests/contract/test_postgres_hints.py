@@ -1,6 +1,9 @@
 """On PostgreSQL a worker transaction that dispatches requests and, with the same commit, takes
 requests for its own slots wakes the other workers (NOTIFY on ``stepwarden_requests``) only if
 some requests are left for them: the hint is decided after the take, in the COMMIT's round trip.
+A submission wakes the schedulers (``stepwarden_tasks``) only if no claimable task was already
+waiting: one that is waiting has had its own hint, and a scheduler that claims anything goes
+straight on to another round, which sees the new task.
 
 Notifications arrive in commit order, so each check commits a marker notification of its own
 after the transaction under test and reads up to it: no waiting for a hint that may not come."""
@@ -17,6 +20,7 @@ from stepwarden.clock import FakeClock
 from stepwarden.store import Store
 
 CHANNEL = "stepwarden_requests"
+TASKS = "stepwarden_tasks"
 
 
 @pytest.fixture(params=["pipelined", "pooled"])
@@ -34,10 +38,18 @@ def listener(pg_url: str) -> Iterator[psycopg.Connection]:
     conn.close()
 
 
-def hints(listener: psycopg.Connection, pg_url: str) -> int:
+@pytest.fixture
+def task_listener(pg_url: str) -> Iterator[psycopg.Connection]:
+    conn = psycopg.connect(pg_url, autocommit=True)
+    conn.execute(f"LISTEN {TASKS}")
+    yield conn
+    conn.close()
+
+
+def hints(listener: psycopg.Connection, pg_url: str, channel: str = CHANNEL) -> int:
     """How many hints were committed before now (a marker of our own ends the reading)."""
     with psycopg.connect(pg_url, autocommit=True) as other:
-        other.execute("SELECT pg_notify(%s, 'marker')", (CHANNEL,))
+        other.execute("SELECT pg_notify(%s, 'marker')", (channel,))
     for seen, n in enumerate(listener.notifies(timeout=10)):
         if n.payload == "marker":
             return seen
@@ -91,3 +103,31 @@ def test_no_hint_for_requests_left_that_have_expired(
     _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 1}))
     assert claimed == 1 and [m.task_id for m in taken] == [second]
     assert hints(listener, pg_url) == 0
+
+
+def test_a_submission_hints_only_when_no_claimable_task_is_waiting(
+    store: Store, make_workflow: Factory, task_listener: psycopg.Connection, pg_url: str
+) -> None:
+    wf = make_workflow()
+    submit(store, wf, {"n": 1})
+    assert hints(task_listener, pg_url, TASKS) == 1  # onto an empty queue
+    submit(store, wf, {"n": 2})
+    submit(store, wf, {"n": 3})
+    assert hints(task_listener, pg_url, TASKS) == 0  # the first is waiting: its hint covers them
+    assert run(store.schedule_and_take(ME, 50, {}))[1] == 3
+    submit(store, wf, {"n": 4})
+    assert hints(task_listener, pg_url, TASKS) == 1  # the waiting ones were claimed
+
+
+def test_a_submission_hints_when_the_waiting_tasks_are_not_claimable_yet(
+    store: Store, make_workflow: Factory, task_listener: psycopg.Connection, pg_url: str, clock: FakeClock
+) -> None:
+    """A task waiting for its retry back-off (run_at ahead) wakes nobody now: it does not stand in
+    for a hint."""
+    wf = make_workflow()
+    first = submit(store, wf, {"n": 1})
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("UPDATE tasks SET run_at = %s WHERE id = %s", (clock.wall() + 60, first))
+    hints(task_listener, pg_url, TASKS)
+    submit(store, wf, {"n": 2})
+    assert hints(task_listener, pg_url, TASKS) == 1

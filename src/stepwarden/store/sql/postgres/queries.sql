@@ -141,6 +141,10 @@ FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elem
 -- A whole submission in one statement (SUB1): the task, its steps, its `received` event and
 -- status message, and the wake-up hint. A repeated idempotency key inserts nothing and returns
 -- no row (SUB3); the caller then reads the existing task.
+-- The hint is sent only if no claimable task was already waiting (among the first 8 in claim
+-- order, so the check stays one short index read): a waiting task had its own hint, and a
+-- scheduler that claims anything runs another round at once, which sees this one. Under load
+-- that spares the schedulers a wake-up, and the server a NOTIFY, per submission.
 WITH t AS (
     INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, idempotency_key,
                        reply_to, priority, run_at, created_at, updated_at)
@@ -164,4 +168,9 @@ m AS (
                              'kind', 'received')::text,
            {now}
     FROM t WHERE :reply_to::text IS NOT NULL)
-SELECT id, pg_notify('stepwarden_tasks', '') AS hinted FROM t;
+SELECT id, (SELECT pg_notify('stepwarden_tasks', '') WHERE NOT EXISTS (
+    SELECT 1 FROM (SELECT run_at FROM tasks
+                   WHERE locked_by IS NULL AND state IN ('pending', 'compensating')
+                   ORDER BY priority DESC, id LIMIT 8) AS waiting
+    WHERE run_at <= {now})) IS NULL AS hinted
+FROM t;
