@@ -22,6 +22,7 @@ from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
 from .scheduler import SchedulerRole, SchedulerSettings
 from .store import ApplyResult
+from .store.base import WORK_CHANNELS
 from .supervisor import LEASE, Supervisor, SupervisorSettings
 from .workflow import check_ident
 
@@ -179,7 +180,7 @@ class Worker:
         # worker is alive, and must not look dead to the supervisor (see liveness).
         beats_stop = asyncio.Event()
         beats = asyncio.create_task(self._heartbeat(beats_stop), name="heartbeat")
-        jobs.append(asyncio.create_task(store.listen(self._woken, stop), name="listen"))
+        jobs.append(asyncio.create_task(store.listen(self._woken, stop, WORK_CHANNELS), name="listen"))
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:

@@ -10,6 +10,7 @@ after the transaction under test and reads up to it: no waiting for a hint that 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import psycopg
@@ -131,3 +132,36 @@ def test_a_submission_hints_when_the_waiting_tasks_are_not_claimable_yet(
     hints(task_listener, pg_url, TASKS)
     submit(store, wf, {"n": 2})
     assert hints(task_listener, pg_url, TASKS) == 1
+
+
+def test_a_worker_listens_only_on_the_channels_of_its_roles(pg_url: str) -> None:
+    """Every transaction that finishes a task notifies ``stepwarden_done`` (for the reply queues'
+    readers); a worker's LISTEN session must not be sent those, one per reply batch."""
+    from stepwarden.store import open_store
+    from stepwarden.store.base import WORK_CHANNELS
+
+    store = open_store(pg_url)
+
+    async def main() -> list[str]:
+        woken: list[str] = []
+        stop = asyncio.Event()
+        listening = asyncio.create_task(store.listen(woken.append, stop, WORK_CHANNELS))
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(woken) < len(WORK_CHANNELS):  # it wakes every channel once it listens
+            assert asyncio.get_running_loop().time() < deadline, woken
+            await asyncio.sleep(0.01)
+        woken.clear()
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute("SELECT pg_notify('stepwarden_done', '')")
+            other.execute("SELECT pg_notify('stepwarden_tasks', '')")  # after the other: a marker
+        while not woken:
+            assert asyncio.get_running_loop().time() < deadline, "the tasks hint never came"
+            await asyncio.sleep(0.01)
+        stop.set()
+        await listening
+        return woken
+
+    try:
+        assert asyncio.run(main()) == ["stepwarden_tasks"]
+    finally:
+        store.close()

@@ -12,6 +12,10 @@ from typing import Any, Protocol
 
 Row = dict[str, Any]
 
+# The wake-up channels of a worker's roles (new tasks, requests, replies); PostgreSQL also has
+# `stepwarden_done`, for the reply queues' readers, which no worker role needs.
+WORK_CHANNELS = ("stepwarden_tasks", "stepwarden_requests", "stepwarden_replies")
+
 TASK_STATES = ("pending", "processing", "processed", "error", "compensating", "compensated", "cancelled")
 FINAL_TASK_STATES = frozenset({"processed", "error", "compensated", "cancelled"})
 STEP_STATES = ("pending", "running", "completed", "failed", "compensating", "compensated", "skipped")

@@ -83,8 +83,11 @@ class Store:
             )
         return executor
 
-    async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
-        """Wake-up hints from the database (PostgreSQL LISTEN); stores without them just wait."""
+    async def listen(
+        self, wake: Callable[[str], None], stop: asyncio.Event, channels: Sequence[str] | None = None
+    ) -> None:
+        """Wake-up hints from the database (PostgreSQL LISTEN on ``channels``, default all); stores
+        without them just wait."""
         await stop.wait()
 
     # -- verbs -------------------------------------------------------------------------------

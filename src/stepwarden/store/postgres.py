@@ -26,7 +26,7 @@ import logging
 import re
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -593,20 +593,24 @@ class PostgresStore(Store):
                 )
             return len(todo)
 
-    async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
-        """Call ``wake(channel)`` on every notification until ``stop``; reconnect with back-off."""
+    async def listen(
+        self, wake: Callable[[str], None], stop: asyncio.Event, channels: Sequence[str] | None = None
+    ) -> None:
+        """Call ``wake(channel)`` on every notification on ``channels`` (default: all of ours) until
+        ``stop``; reconnect with back-off."""
         if not self.listen_enabled:
             await stop.wait()
             return
+        wanted = sorted(set(channels) & set(CHANNELS)) if channels is not None else CHANNELS
         delay = 0.2
         while not stop.is_set():
             try:
                 aconn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
                 async with aconn:
-                    for ch in CHANNELS:
+                    for ch in wanted:
                         await aconn.execute(f"LISTEN {ch}")
                     delay = 0.2
-                    for ch in CHANNELS:  # anything sent while we were not listening
+                    for ch in wanted:  # anything sent while we were not listening
                         wake(ch)
                     gen = aconn.notifies()
                     stopper = asyncio.create_task(stop.wait())

@@ -17,12 +17,12 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import MigrationError
-from .base import AtCommit, Row
+from .base import WORK_CHANNELS, AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations
 
@@ -240,7 +240,9 @@ class SQLiteStore(Store):
         conn.execute("COMMIT")
         return len(todo)
 
-    async def listen(self, wake: Callable[[str], None], stop: asyncio.Event) -> None:
+    async def listen(
+        self, wake: Callable[[str], None], stop: asyncio.Event, channels: Sequence[str] | None = None
+    ) -> None:
         """SQLite's wake-up hint: ``PRAGMA data_version`` changes whenever another connection
         commits. A thread reads it every ``watch_interval`` seconds (a read of shared memory, no
         disk I/O) and wakes the roles when it moves, so idle workers pick up new work in
@@ -259,7 +261,7 @@ class SQLiteStore(Store):
                     now = conn.execute("PRAGMA data_version").fetchone()[0]
                     if now != last:
                         last = now
-                        for channel in ("stepwarden_tasks", "stepwarden_requests", "stepwarden_replies"):
+                        for channel in channels or WORK_CHANNELS:
                             loop.call_soon_threadsafe(wake, channel)
             except (sqlite3.Error, RuntimeError) as e:  # RuntimeError: the loop closed under us
                 log.debug("data_version watcher stopped: %r", e)
