@@ -39,6 +39,14 @@ class SchedulerSettings:
     batch: int = 50
     poll_interval: float = 0.02
     idle_poll_max: float = 0.25
+    # After a round that found work, wait this long before the next, so that what arrives
+    # meanwhile is claimed in one transaction instead of one round each (a batching window, like
+    # a producer's linger). Under a steady stream of submissions on 2 cores, 5 ms took W1 from
+    # ~1,100 to ~1,300 tasks/s on PostgreSQL (less CPU per task: rounds of more tasks) and +2 to
+    # +13 % on SQLite (fewer turns of the write lock); 10 ms gave ~5 % more. It costs at most that
+    # much pickup latency to work arriving while the scheduler is busy; an idle scheduler still
+    # starts at once when woken. 0: rounds back to back.
+    gather: float = 0.005
 
 
 class SchedulerRole:
@@ -102,6 +110,10 @@ class SchedulerRole:
                 idle = self.settings.idle_poll_max
             if did:
                 idle = self.settings.poll_interval
+                if self.settings.gather > 0:
+                    # Real time whatever the role's clock: a pause for batching, which no
+                    # deadline depends on (a fake clock in tests would hold it until advanced).
+                    await asyncio.sleep(self.settings.gather)
                 continue
             await _wait_any(self.clock, idle, stop, self.wake)
             self.wake.clear()

@@ -2,8 +2,8 @@
 requests for its own slots wakes the other workers (NOTIFY on ``stepwarden_requests``) only if
 some requests are left for them: the hint is decided after the take, in the COMMIT's round trip.
 A submission wakes the schedulers (``stepwarden_tasks``) only if no claimable task was already
-waiting: one that is waiting has had its own hint, and a scheduler that claims anything goes
-straight on to another round, which sees the new task.
+waiting: one that is waiting has had its own hint, and a scheduler that claims anything runs
+another round after its gather window, which sees the new task.
 
 Notifications arrive in commit order, so each check commits a marker notification of its own
 after the transaction under test and reads up to it: no waiting for a hint that may not come."""

@@ -143,7 +143,8 @@ FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elem
 -- no row (SUB3); the caller then reads the existing task.
 -- The hint is sent only if no claimable task was already waiting (among the first 8 in claim
 -- order, so the check stays one short index read): a waiting task had its own hint, and a
--- scheduler that claims anything runs another round at once, which sees this one. Under load
+-- scheduler that claims anything runs another round after its gather window (SchedulerSettings,
+-- 5 ms), which sees this one. Under load
 -- that spares the schedulers a wake-up, and the server a NOTIFY, per submission.
 WITH t AS (
     INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, idempotency_key,
