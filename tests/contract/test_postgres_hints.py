@@ -165,3 +165,38 @@ def test_a_worker_listens_only_on_the_channels_of_its_roles(pg_url: str) -> None
         assert asyncio.run(main()) == ["stepwarden_tasks"]
     finally:
         store.close()
+
+
+def test_a_waiting_task_that_is_not_a_fresh_submission_does_not_stand_in_for_a_hint(
+    store: Store, make_workflow: Factory, task_listener: psycopg.Connection, pg_url: str, clock: FakeClock
+) -> None:
+    """Only a submission made in the last second and untouched since is a sign that a scheduler
+    was woken for it: not an operator's retry (no hint of its own), not one left waiting for long."""
+    wf = make_workflow()
+    first = submit(store, wf, {"n": 1})
+    with psycopg.connect(pg_url, autocommit=True) as conn:  # as an operator's retry leaves it
+        conn.execute("UPDATE tasks SET run_at = 0, updated_at = updated_at + 1 WHERE id = %s", (first,))
+    hints(task_listener, pg_url, TASKS)
+    submit(store, wf, {"n": 2})
+    assert hints(task_listener, pg_url, TASKS) == 1
+    clock.advance(2)  # the second has waited 2 s: whatever woke for it did not take it
+    submit(store, wf, {"n": 3})
+    assert hints(task_listener, pg_url, TASKS) == 1
+
+
+def test_a_submission_inside_a_caller_s_transaction_always_hints(
+    store: Store, make_workflow: Factory, task_listener: psycopg.Connection, pg_url: str
+) -> None:
+    """What is waiting when the statement runs may be claimed long before the caller commits."""
+    from stepwarden.store import transitions as t
+
+    wf = make_workflow()
+    submit(store, wf, {"n": 1})  # waiting, fresh
+    hints(task_listener, pg_url, TASKS)
+    with psycopg.connect(pg_url) as conn:
+        tx = store.tx_on(conn)  # type: ignore[attr-defined]
+        t.submit(tx, wf, '{"n": 2}', correlation_id=None, idempotency_key=None, priority=0, reply_to=None)
+        tx.flush()
+        tx.send_notifications()
+        conn.commit()
+    assert hints(task_listener, pg_url, TASKS) == 1

@@ -101,3 +101,24 @@ def test_the_store_s_connections_price_sequential_scans_out(one_connection_store
     with one_connection_store.pool.connection() as conn:
         row: Any = conn.execute("SHOW enable_seqscan").fetchone()
     assert row["enable_seqscan"] == "off"
+
+
+@pytest.mark.parametrize("pooler", ["", "?pooler=transaction"])
+def test_a_caller_s_own_transaction_keeps_the_planner_as_it_is(pg_url: str, pooler: str) -> None:
+    """``App.transaction()`` runs the caller's own SQL on the connection the store opens for it:
+    the setting is for the store's statements on its pool, not for the caller's."""
+    store = open_store(pg_url + pooler)
+    try:
+        conn = store.connect()  # type: ignore[attr-defined]
+        try:
+            store.begin(conn)  # type: ignore[attr-defined]
+            assert conn.execute("SHOW enable_seqscan").fetchone()[0] == "on"
+            conn.rollback()
+        finally:
+            conn.close()
+        with store.pool.connection() as pooled:  # type: ignore[attr-defined]
+            store._begin(pooled)  # type: ignore[attr-defined]
+            assert pooled.execute("SHOW enable_seqscan").fetchone()["enable_seqscan"] == "off"
+            pooled.rollback()
+    finally:
+        store.close()

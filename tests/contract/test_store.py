@@ -951,6 +951,32 @@ def test_prune_deletes_finished_tasks_past_retention_with_all_their_rows_and_kee
     assert prune(store, term, retention=1800) == 0
 
 
+def test_a_reply_whose_task_was_pruned_meanwhile_is_deleted_not_left_behind(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """On PostgreSQL the prune skips a reply a reply batch holds (it must not wait for it) and
+    deletes the task: the batch then finds the task gone. The reply goes too, with no event: no
+    later prune would find it by its task."""
+    wf = make_workflow()
+    term = lease(store)
+    gone = finish(store, wf)
+    kept = submit(store, wf)
+    clock.advance(100)
+    assert prune(store, term, retention=10) == 1
+    store.transact_sync(
+        lambda tx: tx.sql(
+            "INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, sent_by,"
+            " received_at) VALUES (?, ?, 0, 1, 'do', 'ok', 'a late one', ?)",
+            (424242, gone, clock.wall()),
+        )
+    )
+    result = apply(store)
+    assert (result.accepted, result.stale) == (0, 1)
+    assert count(store, "replies") == 0
+    assert q(store, "SELECT COUNT(*) AS n FROM events WHERE task_id = ?", gone)[0]["n"] == 0
+    assert states(store, kept)[0] == "pending"
+
+
 def test_prune_is_bounded_per_transaction_and_fenced_by_the_term(
     store: Store, clock: FakeClock, make_workflow: Factory
 ) -> None:

@@ -72,7 +72,7 @@ def test_work_arriving_in_the_window_is_claimed_in_one_round() -> None:
             await asyncio.sleep(0.005)
         await _until(lambda: len(store.rounds) >= 3)
 
-    store = _run(SchedulerSettings(gather=0.1), scenario)
+    store = _run(SchedulerSettings(gather=0.5), scenario)
     assert [n for _, n in store.rounds[:3]] == [1, 5, 0]
 
 
@@ -84,8 +84,8 @@ def test_an_idle_scheduler_starts_at_once_when_woken_and_gather_zero_runs_rounds
         woken = asyncio.get_running_loop().time()
         role.wake.set()
         await _until(lambda: len(store.rounds) >= 4)
-        assert store.rounds[1][0] - woken < 0.02  # no window before the first round
+        assert store.rounds[1][0] - woken < 0.5  # woken, not the next poll (1 s)
 
     store = _run(SchedulerSettings(batch=50, gather=0, poll_interval=1.0, idle_poll_max=1.0), scenario)
     assert [n for _, n in store.rounds[1:4]] == [50, 50, 0]
-    assert store.rounds[3][0] - store.rounds[1][0] < 0.05  # back to back
+    assert store.rounds[3][0] - store.rounds[1][0] < 0.5  # back to back, not a poll (1 s) apart

@@ -127,6 +127,9 @@ class PgTx:
         self.tail: list[tuple[str, dict[str, Any], AtCommit]] = []  # at_commit, not yet sent
         self.tail_sent: list[tuple[Any, AtCommit]] = []  # sent: their cursors, read after COMMIT
         self.if_queued: list[str] | None = None  # notify_if_queued's agents
+        # Inside a caller's transaction (App.transaction): its statements run long before its
+        # commit, so nothing may be decided then on what will still be true at commit.
+        self.caller_managed = False
 
     def _exec(self, query: str, params: dict[str, Any]) -> Any:
         if self.deferred:
@@ -401,10 +404,13 @@ class PostgresStore(Store):
             kw["prepare_threshold"] = None  # never prepare, not even psycopg's automatic ones
         return kw
 
-    def _begin(self, conn: Any, *, clock: bool = True, limits: bool = True) -> None:
+    def _begin(self, conn: Any, *, clock: bool = True, limits: bool = True, planner: bool = True) -> None:
         """What a transaction sets for itself (``SET LOCAL``), in one statement: the session limits
-        when a pooler owns the sessions, and the fake clock's time in tests."""
-        settings = list(SESSION_LIMITS + PLANNER_SETTINGS) if limits and self.options.pooled else []
+        (and, for the store's own statements, the planner settings) when a pooler owns the
+        sessions, and the fake clock's time in tests."""
+        settings = list(SESSION_LIMITS) if limits and self.options.pooled else []
+        if limits and planner and self.options.pooled:
+            settings += PLANNER_SETTINGS
         if clock and self.fake_time:
             settings.append(("stepwarden.now", repr(self.clock.wall())))
         if settings:
@@ -535,7 +541,7 @@ class PostgresStore(Store):
         """A new connection for a caller's own transaction (``app.transaction()``)."""
         conn = psycopg.connect(self.conninfo, **self._connect_kwargs())
         if not self.options.pooled:
-            _configure(conn)
+            _configure(conn, planner=False)  # the caller's own SQL runs here too: plan it as usual
         return conn
 
     def tx_on(self, conn: Any) -> PgTx:
@@ -543,12 +549,14 @@ class PostgresStore(Store):
         if psycopg is None or not isinstance(conn, psycopg.Connection):
             raise TypeError("the PostgreSQL store needs a psycopg (3) connection to the same database")
         self._begin(conn, limits=False)  # the fake clock's time; a caller's session is its own
-        return PgTx(conn, self.queries, set(), prepare=self.prepare)
+        tx = PgTx(conn, self.queries, set(), prepare=self.prepare)
+        tx.caller_managed = True
+        return tx
 
     def begin(self, conn: Any) -> None:
         """psycopg opens a transaction with the first statement; behind a transaction-mode pooler
         the session limits are that statement (a caller's own connection is left as it is)."""
-        self._begin(conn, clock=False)  # tx_on sets the clock
+        self._begin(conn, clock=False, planner=False)  # tx_on sets the clock
 
     def commit(self, conn: Any, tx: Any) -> None:
         tx.flush()
@@ -713,9 +721,10 @@ def _first_line(e: BaseException) -> str:
     return text[:400] or type(e).__name__
 
 
-def _configure(conn: Any) -> None:
-    """The session limits and planner settings, once per connection that is ours alone."""
-    for name, value in SESSION_LIMITS + PLANNER_SETTINGS:
+def _configure(conn: Any, planner: bool = True) -> None:
+    """The session limits (and the planner settings, for the pool's connections, which run only
+    the store's statements), once per connection that is ours alone."""
+    for name, value in SESSION_LIMITS + (PLANNER_SETTINGS if planner else ()):
         conn.execute(f"SET {name} = '{value}'")
     conn.commit()
 

@@ -261,7 +261,7 @@ class SQLiteStore(Store):
                     now = conn.execute("PRAGMA data_version").fetchone()[0]
                     if now != last:
                         last = now
-                        for channel in channels or WORK_CHANNELS:
+                        for channel in WORK_CHANNELS if channels is None else channels:
                             loop.call_soon_threadsafe(wake, channel)
             except (sqlite3.Error, RuntimeError) as e:  # RuntimeError: the loop closed under us
                 log.debug("data_version watcher stopped: %r", e)

@@ -88,7 +88,8 @@ def submit(
     steps, steps_json = _step_rows(wf)
     if tx.dialect == "postgres":
         detail = json.dumps({"workflow": wf.name, "correlation_id": correlation_id})
-        row = tx.one("submit_task", **task, steps=steps_json, detail=detail)
+        may_skip = not getattr(tx, "caller_managed", False)  # see submit_task
+        row = tx.one("submit_task", **task, steps=steps_json, detail=detail, may_skip=may_skip)
     else:
         row = tx.one("insert_task", **task)
     if row is None:
@@ -328,7 +329,13 @@ def apply_replies(tx: Tx, me: str, limit: int, rng: random.Random) -> ApplyResul
             and task["state"] in ("processing", "compensating")
         )
         # The replies are ours alone (locked, or SQLite's single writer): marking cannot miss.
-        if not current or task is None or step is None:
+        if task is None:
+            # The task was pruned (a reply that arrived while the prune held it): nothing will
+            # ever read the reply, and no later prune would find it by its task.
+            tx.put("delete_reply", id=r["id"])
+            out.stale += 1
+            continue
+        if not current or step is None:
             tx.put("mark_reply", id=r["id"], status="stale", me=me)
             event(
                 tx,

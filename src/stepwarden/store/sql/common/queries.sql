@@ -81,6 +81,11 @@ UPDATE requests SET state = 'replied' WHERE id = :request_id AND state = 'taken'
 UPDATE replies SET status = :status, applied_by = :me, applied_at = {now}
 WHERE id = :id AND status = 'new';
 
+-- name: delete_reply
+-- A reply whose task is gone (pruned while the reply waited for it): nothing would read it, and
+-- no later prune would find it by its task.
+DELETE FROM replies WHERE id = :id;
+
 -- name: finish_request
 -- A reply applied in the transaction that records it (a worker's own): the request is also
 -- marked replied here, one row version instead of two.

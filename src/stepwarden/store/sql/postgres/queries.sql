@@ -93,7 +93,7 @@ DELETE FROM requests WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_
 -- name: prune_replies
 -- SKIP LOCKED: the prune holds its tasks, and a reply batch locks a reply before its task, so
 -- waiting here for a reply could be a deadlock. A reply committed since prune_held_tasks and
--- already locked by a batch is left: that batch finds the task gone and marks the reply stale.
+-- already locked by a batch is left: that batch finds the task gone and deletes the reply.
 DELETE FROM replies WHERE id = ANY (ARRAY(
     SELECT id FROM replies
     WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
@@ -141,11 +141,14 @@ FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elem
 -- A whole submission in one statement (SUB1): the task, its steps, its `received` event and
 -- status message, and the wake-up hint. A repeated idempotency key inserts nothing and returns
 -- no row (SUB3); the caller then reads the existing task.
--- The hint is sent only if no claimable task was already waiting (among the first 8 in claim
--- order, so the check stays one short index read): a waiting task had its own hint, and a
--- scheduler that claims anything runs another round after its gather window (SchedulerSettings,
--- 5 ms), which sees this one. Under load
--- that spares the schedulers a wake-up, and the server a NOTIFY, per submission.
+-- The hint is skipped when another submission, due at once, made in the last second and not
+-- touched since (claimed, released, retried), is still waiting among the first 8 in claim order
+-- (one short index read): its hint woke the schedulers (or, skipped, the one before it did),
+-- and a scheduler that claims anything runs another round after its gather window
+-- (SchedulerSettings, 5 ms), which sees this one. A task made claimable otherwise (an operator's
+-- retry, a retry whose back-off ran out) is no such sign. Under load this spares the schedulers
+-- a wake-up, and the server a NOTIFY, per submission. Never inside a caller's transaction
+-- (:may_skip false): what is waiting now may be claimed long before that commits.
 WITH t AS (
     INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, idempotency_key,
                        reply_to, priority, run_at, created_at, updated_at)
@@ -169,9 +172,11 @@ m AS (
                              'kind', 'received')::text,
            {now}
     FROM t WHERE :reply_to::text IS NOT NULL)
-SELECT id, (SELECT pg_notify('stepwarden_tasks', '') WHERE NOT EXISTS (
-    SELECT 1 FROM (SELECT run_at FROM tasks
+-- `hint` is evaluated for the NOTIFY it may send; its value means nothing.
+SELECT id, (SELECT pg_notify('stepwarden_tasks', '') WHERE NOT (:may_skip::boolean AND EXISTS (
+    SELECT 1 FROM (SELECT state, created_at, updated_at, run_at FROM tasks
                    WHERE locked_by IS NULL AND state IN ('pending', 'compensating')
                    ORDER BY priority DESC, id LIMIT 8) AS waiting
-    WHERE run_at <= {now})) IS NULL AS hinted
+    WHERE state = 'pending' AND created_at = updated_at AND run_at = created_at
+      AND created_at > {now} - 1.0))) AS hint
 FROM t;
