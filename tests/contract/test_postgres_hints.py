@@ -31,20 +31,21 @@ def store_url(request: pytest.FixtureRequest, pg_url: str) -> str:
     return pg_url if request.param == "pipelined" else pg_url + "?pooler=transaction"
 
 
-@pytest.fixture
-def listener(pg_url: str) -> Iterator[psycopg.Connection]:
+def _listening(pg_url: str, channel: str) -> Iterator[psycopg.Connection]:
     conn = psycopg.connect(pg_url, autocommit=True)
-    conn.execute(f"LISTEN {CHANNEL}")
+    conn.execute(f"LISTEN {channel}")
     yield conn
     conn.close()
+
+
+@pytest.fixture
+def listener(pg_url: str) -> Iterator[psycopg.Connection]:
+    yield from _listening(pg_url, CHANNEL)
 
 
 @pytest.fixture
 def task_listener(pg_url: str) -> Iterator[psycopg.Connection]:
-    conn = psycopg.connect(pg_url, autocommit=True)
-    conn.execute(f"LISTEN {TASKS}")
-    yield conn
-    conn.close()
+    yield from _listening(pg_url, TASKS)
 
 
 def hints(listener: psycopg.Connection, pg_url: str, channel: str = CHANNEL) -> int:

@@ -18,23 +18,21 @@ from stepwarden.store import transitions as t
 from stepwarden.store.postgres import PostgresStore
 
 
+def _submit(store: Any, wf: Any, n: int) -> list[int]:
+    return [
+        store.transact_sync(
+            t.submit, wf, "{}", correlation_id=None, idempotency_key=None, priority=0, reply_to=None
+        )[0]
+        for _ in range(n)
+    ]
+
+
 def test_a_locked_task_is_skipped_by_the_sweep_and_renewal_is_not_blocked(
     pg_url: str, clock: FakeClock, make_workflow: Any
 ) -> None:
     store = open_store(pg_url, clock=clock)
     try:
-        ids = [
-            store.transact_sync(
-                t.submit,
-                make_workflow("a", budget=5),
-                "{}",
-                correlation_id=None,
-                idempotency_key=None,
-                priority=0,
-                reply_to=None,
-            )[0]
-            for _ in range(2)
-        ]
+        ids = _submit(store, make_workflow("a", budget=5), 2)
         assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2
         term, _ = asyncio.run(store.acquire_lease("supervisor", "sup", 10)) or (0, 0.0)
         clock.advance(6)  # both attempts are past complete-by
@@ -89,12 +87,7 @@ def test_prune_skips_a_task_another_session_holds_and_does_not_wait(
     store = open_store(pg_url, clock=clock)
     try:
         wf = make_workflow("a", budget=5)
-        ids = [
-            store.transact_sync(
-                t.submit, wf, "{}", correlation_id=None, idempotency_key=None, priority=0, reply_to=None
-            )[0]
-            for _ in range(2)
-        ]
+        ids = _submit(store, wf, 2)
         for task_id in ids:
             store.transact_sync(t.cancel_task, task_id, "operator")
         assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2  # both end cancelled
@@ -128,12 +121,7 @@ def test_prune_neither_waits_for_nor_deadlocks_with_a_reply_batch_holding_a_late
     store = open_store(pg_url, clock=clock)
     try:
         wf = make_workflow("a", budget=5)
-        ids = [
-            store.transact_sync(
-                t.submit, wf, "{}", correlation_id=None, idempotency_key=None, priority=0, reply_to=None
-            )[0]
-            for _ in range(2)
-        ]
+        ids = _submit(store, wf, 2)
         assert store.transact_sync(t.claim_and_dispatch, ME, 10) == 2
         msgs = take(store, 10, "svc")
         for m in msgs:
