@@ -43,6 +43,9 @@ class Tx(Protocol):
 
     dialect: str  # "sqlite" or "postgres": for the few transitions one dialect does in one statement
     dispatched: list[str]  # the agents this transaction sent requests to, in order
+    # Inside a caller's transaction (App.transaction): its statements run long before its commit,
+    # so nothing may be decided then on what will still be true at commit.
+    caller_managed: bool
 
     def quiet(self, channel: str) -> None:
         """Send no wake-up hint on ``channel`` for this transaction: its work is already taken."""

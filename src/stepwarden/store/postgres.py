@@ -93,6 +93,11 @@ SESSION_LIMITS = (("idle_in_transaction_session_timeout", "5s"), ("lock_timeout"
 # 1,996 rows read for 8 after 2,000 tasks. With sequential scans priced out, the plan made while a
 # table is empty is the one that stays right once it is large (a query with no index still scans).
 PLANNER_SETTINGS = (("enable_seqscan", "off"),)
+# What each kind of session of ours gets: the pool's run only the store's statements; the one
+# opened for a caller's own transaction (``App.transaction()``) runs the caller's SQL too, planned
+# as usual; a caller's own connection (``tx_on``) gets nothing.
+OUR_SESSIONS = SESSION_LIMITS + PLANNER_SETTINGS
+CALLER_SESSIONS = SESSION_LIMITS
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
@@ -111,6 +116,7 @@ class PgTx:
         pipeline: Any = None,
         *,
         prepare: bool = True,
+        caller_managed: bool = False,
     ) -> None:
         self.conn = conn
         self.q = queries
@@ -127,9 +133,7 @@ class PgTx:
         self.tail: list[tuple[str, dict[str, Any], AtCommit]] = []  # at_commit, not yet sent
         self.tail_sent: list[tuple[Any, AtCommit]] = []  # sent: their cursors, read after COMMIT
         self.if_queued: list[str] | None = None  # notify_if_queued's agents
-        # Inside a caller's transaction (App.transaction): its statements run long before its
-        # commit, so nothing may be decided then on what will still be true at commit.
-        self.caller_managed = False
+        self.caller_managed = caller_managed
 
     def _exec(self, query: str, params: dict[str, Any]) -> Any:
         if self.deferred:
@@ -380,7 +384,7 @@ class PostgresStore(Store):
             open=False,
             name="stepwarden",
             kwargs=self._connect_kwargs(row_factory=dict_row),
-            configure=None if opts.pooled else _configure,
+            configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
         )
         _first_connection(conninfo)
@@ -404,13 +408,13 @@ class PostgresStore(Store):
             kw["prepare_threshold"] = None  # never prepare, not even psycopg's automatic ones
         return kw
 
-    def _begin(self, conn: Any, *, clock: bool = True, limits: bool = True, planner: bool = True) -> None:
-        """What a transaction sets for itself (``SET LOCAL``), in one statement: the session limits
-        (and, for the store's own statements, the planner settings) when a pooler owns the
-        sessions, and the fake clock's time in tests."""
-        settings = list(SESSION_LIMITS) if limits and self.options.pooled else []
-        if limits and planner and self.options.pooled:
-            settings += PLANNER_SETTINGS
+    def _begin(
+        self, conn: Any, *, clock: bool = True, session: tuple[tuple[str, str], ...] = OUR_SESSIONS
+    ) -> None:
+        """What a transaction sets for itself (``SET LOCAL``), in one statement: the ``session``
+        settings when a pooler owns the sessions (else :func:`_configure` set them once), and the
+        fake clock's time in tests."""
+        settings = list(session) if self.options.pooled else []
         if clock and self.fake_time:
             settings.append(("stepwarden.now", repr(self.clock.wall())))
         if settings:
@@ -541,22 +545,20 @@ class PostgresStore(Store):
         """A new connection for a caller's own transaction (``app.transaction()``)."""
         conn = psycopg.connect(self.conninfo, **self._connect_kwargs())
         if not self.options.pooled:
-            _configure(conn, planner=False)  # the caller's own SQL runs here too: plan it as usual
+            _configure(conn, CALLER_SESSIONS)
         return conn
 
     def tx_on(self, conn: Any) -> PgTx:
         """A :class:`Tx` over the caller's psycopg connection, inside the caller's transaction (SUB2)."""
         if psycopg is None or not isinstance(conn, psycopg.Connection):
             raise TypeError("the PostgreSQL store needs a psycopg (3) connection to the same database")
-        self._begin(conn, limits=False)  # the fake clock's time; a caller's session is its own
-        tx = PgTx(conn, self.queries, set(), prepare=self.prepare)
-        tx.caller_managed = True
-        return tx
+        self._begin(conn, session=())  # the fake clock's time; a caller's session is its own
+        return PgTx(conn, self.queries, set(), prepare=self.prepare, caller_managed=True)
 
     def begin(self, conn: Any) -> None:
         """psycopg opens a transaction with the first statement; behind a transaction-mode pooler
         the session limits are that statement (a caller's own connection is left as it is)."""
-        self._begin(conn, clock=False, planner=False)  # tx_on sets the clock
+        self._begin(conn, clock=False, session=CALLER_SESSIONS)  # tx_on sets the clock
 
     def commit(self, conn: Any, tx: Any) -> None:
         tx.flush()
@@ -721,10 +723,10 @@ def _first_line(e: BaseException) -> str:
     return text[:400] or type(e).__name__
 
 
-def _configure(conn: Any, planner: bool = True) -> None:
-    """The session limits (and the planner settings, for the pool's connections, which run only
-    the store's statements), once per connection that is ours alone."""
-    for name, value in SESSION_LIMITS + (PLANNER_SETTINGS if planner else ()):
+def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:
+    """A session's settings (``OUR_SESSIONS``, ``CALLER_SESSIONS``), once per connection that is
+    ours alone."""
+    for name, value in session:
         conn.execute(f"SET {name} = '{value}'")
     conn.commit()
 

@@ -42,8 +42,11 @@ def _busy(e: sqlite3.OperationalError) -> bool:
 class SqliteTx:
     dialect = "sqlite"
 
-    def __init__(self, conn: sqlite3.Connection, queries: dict[str, str]) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, queries: dict[str, str], *, caller_managed: bool = False
+    ) -> None:
         self.conn = conn
+        self.caller_managed = caller_managed
         self.q = queries
         self.kept: dict[str, list[dict[str, Any]]] = {}
         self.tail: list[tuple[str, dict[str, Any], AtCommit]] = []
@@ -177,7 +180,7 @@ class SQLiteStore(Store):
         if not isinstance(conn, sqlite3.Connection):
             raise TypeError("the SQLite store needs a sqlite3.Connection to the same database file")
         conn.create_function("sw_now", 0, self.clock.wall)
-        return SqliteTx(conn, self.queries)
+        return SqliteTx(conn, self.queries, caller_managed=True)
 
     def begin(self, conn: Any) -> None:
         """Take the write lock, retrying every fraction of a millisecond while another writer holds it.

@@ -88,8 +88,7 @@ def submit(
     steps, steps_json = _step_rows(wf)
     if tx.dialect == "postgres":
         detail = json.dumps({"workflow": wf.name, "correlation_id": correlation_id})
-        may_skip = not getattr(tx, "caller_managed", False)  # see submit_task
-        row = tx.one("submit_task", **task, steps=steps_json, detail=detail, may_skip=may_skip)
+        row = tx.one("submit_task", **task, steps=steps_json, detail=detail, may_skip=not tx.caller_managed)
     else:
         row = tx.one("insert_task", **task)
     if row is None:
