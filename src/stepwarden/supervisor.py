@@ -114,7 +114,9 @@ class Supervisor:
         for _ in range(s.prune_rounds):
             n = await self.store.transact(transitions.prune, self.me, LEASE, term, s.retention, s.prune_batch)
             total += n
-            if n < s.prune_batch:
+            # Until a round finds nothing to delete: a short round is not the end of the backlog
+            # when the prune left a task another transaction holds (transitions.prune).
+            if n == 0:
                 break
         if total:
             log.info("supervisor %s (term %d) pruned %d finished task(s)", self.me, term, total)

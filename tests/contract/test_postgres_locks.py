@@ -190,3 +190,41 @@ def test_prune_neither_waits_for_nor_deadlocks_with_a_reply_batch_holding_a_late
         ), "the held task's replies are kept with it"
     finally:
         store.close()
+
+
+def test_a_held_task_in_a_full_prune_batch_does_not_stop_the_backlog(
+    pg_url: str, clock: FakeClock, make_workflow: Any
+) -> None:
+    """A prune batch that leaves a task behind (its late reply held by a reply batch) prunes fewer
+    than a batch: that must not read as "the backlog is done" while more finished tasks wait."""
+    from test_store import ME, run, send, take
+
+    from stepwarden.supervisor import LEASE, Supervisor, SupervisorSettings
+
+    store = open_store(pg_url, clock=clock)
+    try:
+        ids = _submit(store, make_workflow("a", budget=5), 5)
+        assert store.transact_sync(t.claim_and_dispatch, ME, 10) == 5
+        msgs = take(store, 10, "svc")
+        for m in msgs:
+            send(store, m.id, "ok", None, None)
+        run(store.schedule(ME, 10))
+        first = next(m for m in msgs if m.task_id == ids[0])  # finished first: in the first batch
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, sent_by,"
+                " received_at) VALUES (%s, %s, 0, %s, 'do', 'ok', 'a late duplicate', 0)",
+                (first.id, first.task_id, first.attempt),
+            )
+        term, _ = asyncio.run(store.acquire_lease(LEASE, "sup", 1e6)) or (0, 0.0)
+        clock.advance(100)
+        settings = SupervisorSettings(retention=10.0, prune_batch=2)
+        sup = Supervisor(store, "sup", clock=clock, settings=settings)
+        with psycopg.connect(pg_url) as batch:  # a reply batch holding the late reply
+            batch.execute("SELECT id FROM replies WHERE status = 'new' FOR UPDATE")
+            assert asyncio.run(sup.prune(term)) == 4
+            batch.rollback()
+        left = store.transact_sync(lambda tx: tx.sql("SELECT id FROM tasks ORDER BY id"))
+        assert [r["id"] for r in left] == [ids[0]]
+    finally:
+        store.close()
