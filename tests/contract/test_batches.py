@@ -256,7 +256,9 @@ def test_the_set_based_forms_reach_their_rows_by_index_not_by_a_scan(
                 # deploying.md); the shape of each statement must make the index win on its own.
                 tx.conn.execute("SET LOCAL enable_seqscan = on")
                 return list(
-                    tx.conn.execute("EXPLAIN " + sql, {"rows": rows, "ids": ids, "limit": 8}).fetchall()
+                    tx.conn.execute(
+                        "EXPLAIN " + sql, {"rows": rows, "ids": ids, "limit": 8, "own": rows, "me": "x"}
+                    ).fetchall()
                 )
 
             plan = "\n".join(str(r["QUERY PLAN"]) for r in store.transact_sync(explain))

@@ -106,7 +106,7 @@ def test_the_steps_statement_reads_exactly_the_tasks_the_first_locked(
     run(store.send_replies(ME, [(by_task[t].id, "ok", None, None) for t in (a, b)], apply=False))
 
     def batch(tx: Any) -> tuple[set[int], set[int]]:
-        replies = tx.all("new_replies_with_tasks", limit=2)
+        replies = tx.all("new_replies_with_tasks", limit=2, own="[]", me=ME)
         with psycopg.connect(pg_url, autocommit=True) as other:
             other.execute(
                 "INSERT INTO replies (id, request_id, task_id, step_idx, attempt, kind, outcome, sent_by,"
@@ -114,7 +114,7 @@ def test_the_steps_statement_reads_exactly_the_tasks_the_first_locked(
                 " FROM requests WHERE id = %s",
                 (by_task[c].id,),
             )
-        steps = tx.all("steps_of_new_replies", limit=2)
+        steps = tx.all("steps_of_new_replies", limit=2, own="[]")
         with psycopg.connect(pg_url, autocommit=True) as other:  # not locked by this batch
             assert other.execute("SELECT id FROM replies WHERE id = -1 FOR UPDATE NOWAIT").fetchall() == [
                 (-1,)

@@ -586,7 +586,7 @@ class StoreMachine(RuleBasedStateMachine):
             if req.state == "taken":
                 req.state = "replied"
         applied = self.run(self.store.send_replies(agent, batch, apply=True))
-        self.m_apply_replies(agent, 2 * len(batch), applied)
+        self.m_apply_replies(agent, len(batch), applied, own=len(batch))
         self._sync_request_ids()
 
     # A worker process running the scheduler and agent roles does one round in which nothing goes
@@ -644,9 +644,12 @@ class StoreMachine(RuleBasedStateMachine):
     def scheduler_b(self, limit: int) -> None:
         self._scheduler(SCHEDULERS[1], limit)
 
-    def m_apply_replies(self, me: str, limit: int, result: Any) -> None:
-        """SCH4: only the current attempt's reply, received by its complete-by, is applied."""
-        batch = [r for r in self.replies if r.status == "new"][:limit]
+    def m_apply_replies(self, me: str, limit: int, result: Any, own: int = 0) -> None:
+        """SCH4: only the current attempt's reply, received by its complete-by, is applied. ``own``:
+        the last replies were sent by the applying transaction itself: all of them come, after up to
+        ``limit`` of those waiting."""
+        new = [r for r in self.replies if r.status == "new"]
+        batch = new[: len(new) - own][:limit] + new[len(new) - own :]
         accepted = stale = 0
         for r in sorted(batch, key=lambda r: r.task_id):  # stable: by id within a task
             task = self.tasks[r.task_id]

@@ -9,7 +9,7 @@ import pytest
 
 from stepwarden.store import SQLiteStore
 
-PARAMS = {"me": "w:1:a", "limit": 10, "agent": "inventory"}
+PARAMS = {"me": "w:1:a", "limit": 10, "agent": "inventory", "own": "[]"}
 
 
 @pytest.fixture

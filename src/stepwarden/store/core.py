@@ -254,12 +254,9 @@ def _take(tx: Tx, me: str, take: Mapping[str, int]) -> Callable[[], list[Request
     return lambda: _requests([row for read in reads for row in read()])
 
 
-def _send_reply(
-    tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None, *, marked: bool = True
-) -> None:
-    """Record a reply; ``marked=False`` leaves marking its request replied to
-    :func:`_record_replies`, after the replies are applied."""
-    tx.put(  # not kept for later: apply_replies, in this same transaction, reads it
+def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
+    """Record a reply, new: a scheduler applies it."""
+    tx.put(
         "insert_reply",
         request_id=request_id,
         outcome=outcome,
@@ -267,27 +264,28 @@ def _send_reply(
         error=error,
         me=me,
     )
-    if marked:
-        tx.put("request_replied", request_id=request_id)
+    tx.put("request_replied", request_id=request_id)
 
 
 def _record_replies(
     tx: Tx, me: str, replies: Sequence[tuple[int, str, Any, str | None]], apply: bool, rng: random.Random
 ) -> ApplyResult | None:
-    """Record replies; with ``apply``, apply them (and any other new ones, up to twice as many) in
-    the same transaction. An applied reply's request is marked replied by ``finish_request``, in
-    the write that records its outcome; the others' (stale, or left for a later batch) here."""
-    for request_id, outcome, result, error in replies:
-        _send_reply(tx, me, request_id, outcome, result, error, marked=not apply)
+    """Record replies; with ``apply``, apply them, with up to as many others waiting in the table,
+    in the same transaction (they are written once, settled: see ``apply_replies``). An accepted
+    reply's request is marked replied by ``finish_request``, in the write that records its
+    outcome; the others' (stale, or for a request or task that is gone) here."""
     if not apply:
+        for request_id, outcome, result, error in replies:
+            _send_reply(tx, me, request_id, outcome, result, error)
         return None
-    limit = 2 * len(replies)
-    applied = t.apply_replies(tx, me, limit, rng)
+    own = [
+        (request_id, outcome, None if result is None else json.dumps(result, default=str), error)
+        for request_id, outcome, result, error in replies
+    ]
+    applied = t.apply_replies(tx, me, len(replies), rng, own)
     for request_id, *_ in replies:
         if request_id not in applied.requests:
             tx.put("request_replied", request_id=request_id)
-    if applied.accepted + applied.stale < limit:
-        tx.quiet("stepwarden_replies")  # every new reply, ours included, is applied
     return applied
 
 

@@ -74,6 +74,13 @@ SELECT id, task_id, step_idx, attempt, kind, :outcome, :result, :error, :me, {no
 FROM requests WHERE id = :request_id
 RETURNING id;
 
+-- name: insert_applied_reply
+-- A reply applied in the transaction that received it (a worker's own): written once, settled.
+INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, result, error, sent_by,
+                     received_at, status, applied_by, applied_at)
+VALUES (:request_id, :task_id, :idx, :attempt, :kind, :outcome, :result, :error, :me, {now}, :status,
+        :me, {now});
+
 -- name: request_replied
 UPDATE requests SET state = 'replied' WHERE id = :request_id AND state = 'taken';
 

@@ -70,6 +70,16 @@ JOIN requests q ON q.id = v.request_id
 WHERE q.id = ANY (ARRAY(SELECT (e->>'request_id')::bigint FROM jsonb_array_elements(:rows::jsonb) e))
 ORDER BY v.n;
 
+-- name: insert_applied_reply__many
+INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, result, error, sent_by,
+                     received_at, status, applied_by, applied_at)
+SELECT request_id, task_id, idx, attempt, kind, outcome, result, error, me, {now}, status, me, {now}
+FROM ROWS FROM (jsonb_to_recordset(:rows::jsonb) AS (request_id bigint, task_id bigint, idx int,
+                                                      attempt int, kind text, outcome text,
+                                                      result text, error text, status text, me text))
+     WITH ORDINALITY AS v(request_id, task_id, idx, attempt, kind, outcome, result, error, status, me, n)
+ORDER BY n;
+
 -- name: request_replied__many
 UPDATE requests r SET state = 'replied'
 FROM jsonb_to_recordset(:rows::jsonb) AS v(request_id bigint)

@@ -40,25 +40,36 @@ RETURNING requests.id, task_id, step_idx, attempt, kind, agent, operation, paylo
           idempotency_key, complete_by, complete_by - {now} AS remaining;
 
 -- name: new_replies_with_tasks
--- The batch's new replies (SKIP LOCKED: another scheduler's batch is left to it), each with its
+-- The batch's new replies (SKIP LOCKED: another scheduler's batch is left to it) and the
+-- transaction's own (`:own`, JSON: not in the table, id NULL, `n` their order), each with its
 -- task, the tasks locked in id order (no deadlocks). One statement, so that the steps
 -- (steps_of_new_replies) come in the same round trip, read after the locks are held. It leaves
 -- the ids of the tasks it locked in a transaction-local setting for that statement; the
 -- setting's CTE is a one-time filter, evaluated (with the locks) before any row is returned.
 WITH r AS MATERIALIZED (
-    SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by
+    SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at, sent_by,
+           NULL::bigint AS n
     FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED),
+o AS MATERIALIZED (
+    SELECT NULL::bigint AS id, q.id AS request_id, q.task_id, q.step_idx, q.attempt, q.kind, v.outcome,
+           v.result, v.error, {now} AS received_at, :me::text AS sent_by, v.n
+    FROM ROWS FROM (jsonb_to_recordset(:own::jsonb) AS (request_id bigint, outcome text, result text,
+                                                         error text))
+         WITH ORDINALITY AS v(request_id, outcome, result, error, n)
+    JOIN requests q ON q.id = v.request_id
+    WHERE q.id = ANY (ARRAY(SELECT (e->>'request_id')::bigint FROM jsonb_array_elements(:own::jsonb) e))),
+a AS (SELECT * FROM r UNION ALL SELECT * FROM o),
 t AS MATERIALIZED (
     SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
-    FROM tasks WHERE id IN (SELECT task_id FROM r) ORDER BY id FOR UPDATE),
+    FROM tasks WHERE id IN (SELECT task_id FROM a) ORDER BY id FOR UPDATE),
 b AS MATERIALIZED (
     SELECT set_config('stepwarden.batch', COALESCE(json_agg(id)::text, '[]'), true) AS ids FROM t)
-SELECT r.id, r.request_id, r.task_id, r.step_idx, r.attempt, r.kind, r.outcome, r.result, r.error,
-       r.received_at, r.sent_by, {now} AS now,
+SELECT a.id, a.request_id, a.task_id, a.step_idx, a.attempt, a.kind, a.outcome, a.result, a.error,
+       a.received_at, a.sent_by, a.n, {now} AS now,
        t.id AS t_id, t.state AS t_state, t.input AS t_input, t.priority AS t_priority,
        t.correlation_id AS t_correlation_id, t.reply_to AS t_reply_to,
        t.cancel_requested AS t_cancel_requested, t.locked_by AS t_locked_by, t.workflow AS t_workflow
-FROM r LEFT JOIN t ON t.id = r.task_id
+FROM a LEFT JOIN t ON t.id = a.task_id
 WHERE (SELECT ids FROM b) IS NOT NULL;
 
 -- name: steps_of_new_replies

@@ -29,20 +29,30 @@ RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, polic
           complete_by, complete_by - {now} AS remaining;
 
 -- name: new_replies_with_tasks
--- The batch's new replies, each with its task (SQLite's single writer is the lock).
+-- The batch's new replies and the transaction's own (`:own`, JSON: not in the table, id NULL,
+-- `n` their order), each with its task (SQLite's single writer is the lock).
 SELECT r.id, r.request_id, r.task_id, r.step_idx, r.attempt, r.kind, r.outcome, r.result, r.error,
-       r.received_at, r.sent_by, {now} AS now,
+       r.received_at, r.sent_by, r.n, {now} AS now,
        t.id AS t_id, t.state AS t_state, t.input AS t_input, t.priority AS t_priority,
        t.correlation_id AS t_correlation_id, t.reply_to AS t_reply_to,
        t.cancel_requested AS t_cancel_requested, t.locked_by AS t_locked_by, t.workflow AS t_workflow
-FROM (SELECT * FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit) r
+FROM (SELECT id, request_id, task_id, step_idx, attempt, kind, outcome, result, error, received_at,
+             sent_by, NULL AS n
+      FROM (SELECT * FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit)
+      UNION ALL
+      SELECT NULL, q.id, q.task_id, q.step_idx, q.attempt, q.kind, json_extract(o.value, '$.outcome'),
+             json_extract(o.value, '$.result'), json_extract(o.value, '$.error'), {now}, :me, o.key
+      FROM json_each(:own) o JOIN requests q ON q.id = json_extract(o.value, '$.request_id')) r
 LEFT JOIN tasks t ON t.id = r.task_id;
 
 -- name: steps_of_new_replies
 SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
        failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
        started_at, finished_at
-FROM steps WHERE task_id IN (SELECT task_id FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit)
+FROM steps WHERE task_id IN (
+    SELECT task_id FROM (SELECT task_id FROM replies WHERE status = 'new' ORDER BY id LIMIT :limit)
+    UNION ALL
+    SELECT q.task_id FROM json_each(:own) o JOIN requests q ON q.id = json_extract(o.value, '$.request_id'))
 ORDER BY task_id, idx;
 
 -- name: lease_holds
