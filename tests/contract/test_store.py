@@ -1027,6 +1027,65 @@ def test_a_reply_batch_applies_and_takes_the_next_steps_in_one_transaction(
     assert last_request(store, task_id, "c")["state"] == "queued"
 
 
+def test_a_batchs_own_replies_are_written_once_settled_after_the_waiting_ones(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """A worker that applies its own replies writes each one once, already accepted or stale,
+    with who applied it and when; a reply another agent left waiting in the table for the same
+    batch is applied first (it came first) and marked as before. An own reply from an attempt
+    the supervisor has since replaced is recorded stale, with its event, and changes nothing."""
+    wf = make_workflow()
+    term = lease(store)
+    first, second = submit(store, wf), submit(store, wf)
+    claim(store)
+    by_task = {m.task_id: m for m in take(store)}
+    run(store.send_replies(AGENT, [(by_task[first].id, "ok", {"by": "other"}, None)], apply=False))
+    clock.advance(1)
+    applied = run(store.send_replies(ME, [(by_task[second].id, "ok", {"by": "me"}, None)], apply=True))
+    assert applied is not None and (applied.accepted, applied.stale) == (2, 0)
+    rows = q(
+        store,
+        "SELECT task_id, status, sent_by, applied_by, received_at, applied_at, result"
+        " FROM replies ORDER BY id",
+    )
+    assert [(r["task_id"], r["status"], r["sent_by"], r["applied_by"]) for r in rows] == [
+        (first, "accepted", AGENT, ME),
+        (second, "accepted", ME, ME),
+    ]
+    assert rows[1]["received_at"] == rows[1]["applied_at"] == clock.wall()
+    assert json.loads(rows[1]["result"]) == {"by": "me"}
+    assert [states(store, i)[1][:2] for i in (first, second)] == [["completed", "running"]] * 2
+    # An attempt rescued meanwhile: its late reply, sent by the applying worker, is stale.
+    [late] = [m for m in take(store) if m.task_id == first]
+    clock.advance(10.5)
+    assert sweep(store, term).rescued >= 1
+    before = step(store, first, "b")
+    applied = run(store.send_replies(ME, [(late.id, "ok", None, None)], apply=True))
+    assert applied is not None and (applied.accepted, applied.stale) == (0, 1)
+    assert q(store, "SELECT status FROM replies WHERE request_id = ?", late.id)[0]["status"] == "stale"
+    assert step(store, first, "b") == before
+    stale = q(store, "SELECT kind, attempt FROM events WHERE task_id = ? AND kind = 'stale_reply'", first)
+    assert [(e["kind"], e["attempt"]) for e in stale] == [("stale_reply", 1)]
+    assert q(store, "SELECT state FROM requests WHERE id = ?", late.id)[0]["state"] in ("replied", "expired")
+
+
+def test_an_own_reply_for_a_pruned_task_writes_nothing(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """The request of an own reply can outlive its task only inside a prune's window; the batch then
+    finds the task gone and records nothing (nothing would read it, no prune would find it)."""
+    wf = make_workflow()
+    task_id = submit(store, wf)
+    claim(store)
+    [msg] = take(store)
+    store.transact_sync(lambda tx: tx.sql("DELETE FROM events WHERE task_id = ?", (task_id,)))
+    store.transact_sync(lambda tx: tx.sql("DELETE FROM steps WHERE task_id = ?", (task_id,)))
+    store.transact_sync(lambda tx: tx.sql("DELETE FROM tasks WHERE id = ?", (task_id,)))
+    applied = run(store.send_replies(ME, [(msg.id, "ok", None, None)], apply=True))
+    assert applied is not None and (applied.accepted, applied.stale) == (0, 1)
+    assert count(store, "replies") == 0
+
+
 def test_a_cancelled_task_retried_then_cancelled_again_undoes_only_what_ran_again(
     store: Store, make_workflow: Factory
 ) -> None:
