@@ -228,3 +228,44 @@ def test_a_held_task_in_a_full_prune_batch_does_not_stop_the_backlog(
         assert [r["id"] for r in left] == [ids[0]]
     finally:
         store.close()
+
+
+def test_an_own_reply_is_recorded_as_received_when_the_batch_read_it_not_when_it_committed(
+    pg_url: str, make_workflow: Any
+) -> None:
+    """A worker's own reply is checked against complete-by at the moment its batch reads it; the
+    stored ``received_at`` must be that moment, not the commit's, which comes after any wait for
+    the task's lock (here another session holds it 0.4 s)."""
+    store = open_store(pg_url)  # the database's own clock: statement times differ
+    try:
+        [task_id] = _submit(store, make_workflow("a", budget=30), 1)
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 1
+        [msg] = asyncio.run(store.claim_requests("agent", ["svc"], 10))
+        with psycopg.connect(pg_url) as other:
+            other.execute("SELECT id FROM tasks WHERE id = %s FOR UPDATE", (task_id,))
+            done: list[Any] = []
+            th = threading.Thread(
+                target=lambda: done.append(
+                    asyncio.run(store.send_replies("agent", [(msg.id, "ok", None, None)], apply=True))
+                )
+            )
+            th.start()
+            with psycopg.connect(pg_url, autocommit=True) as watch:
+                deadline = time.monotonic() + 10
+                while not watch.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND datname = current_database()"
+                ).fetchall():
+                    assert time.monotonic() < deadline, "the batch never waited for the task's lock"
+                    time.sleep(0.01)
+            time.sleep(0.4)  # the batch keeps waiting while the other session holds the task
+            other.rollback()
+            th.join(timeout=10)
+        assert done and done[0].accepted == 1
+        with psycopg.connect(pg_url) as conn:
+            received, applied = conn.execute(
+                "SELECT received_at, applied_at FROM replies WHERE request_id = %s", (msg.id,)
+            ).fetchone()
+        assert applied - received >= 0.3, (received, applied)
+    finally:
+        store.close()

@@ -593,7 +593,7 @@ class StoreMachine(RuleBasedStateMachine):
     # wrong but ``outcome`` and ``slow``: a scheduler round, then its agent takes every queued request
     # and answers all it holds in one transaction that also applies them (AgentSettings.apply_replies:
     # the next steps are dispatched at once, by the agent's identity).
-    worker_outcomes = st.sampled_from(["ok", "ok", "ok", "ok", "error", "retry"])
+    worker_outcomes = st.sampled_from(["ok", "ok", "ok", "ok", "error", "retry", "released"])
 
     @precondition(lambda self: self._claimable() or self._takeable() or self.held[AGENTS[0]])
     @rule(outcome=worker_outcomes, slow=slowness)

@@ -1069,6 +1069,30 @@ def test_a_batchs_own_replies_are_written_once_settled_after_the_waiting_ones(
     assert q(store, "SELECT state FROM requests WHERE id = ?", late.id)[0]["state"] in ("replied", "expired")
 
 
+def test_own_replies_come_after_a_waiting_one_for_the_same_attempt_and_keep_their_order(
+    store: Store, make_workflow: Factory
+) -> None:
+    """Within one task the reply that waited in the table is applied first (it came first): the
+    batch's own reply for the same attempt is then a duplicate, recorded stale. Several own
+    replies are written in the order they arrived, whatever their tasks' order."""
+    wf = make_workflow()
+    first, second, third = (submit(store, wf) for _ in range(3))
+    claim(store)
+    by_task = {m.task_id: m for m in take(store)}
+    run(store.send_replies(AGENT, [(by_task[first].id, "ok", {"by": "other"}, None)], apply=False))
+    own = [(by_task[i].id, "ok", {"by": "me"}, None) for i in (third, first, second)]
+    applied = run(store.send_replies(ME, own, apply=True))
+    assert applied is not None and (applied.accepted, applied.stale) == (3, 1)
+    rows = q(store, "SELECT task_id, status, sent_by FROM replies ORDER BY id")
+    assert [(r["task_id"], r["status"], r["sent_by"]) for r in rows] == [
+        (first, "accepted", AGENT),
+        (third, "accepted", ME),
+        (first, "stale", ME),
+        (second, "accepted", ME),
+    ]
+    assert json.loads(step(store, first, "a")["result"]) == {"by": "other"}
+
+
 def test_an_own_reply_for_a_pruned_task_writes_nothing(
     store: Store, clock: FakeClock, make_workflow: Factory
 ) -> None:

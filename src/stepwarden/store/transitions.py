@@ -432,6 +432,7 @@ def _settle(tx: Tx, r: Row, status: str, me: str, own: list[tuple[int, Row]]) ->
         "outcome": r["outcome"],
         "result": r["result"],
         "error": r["error"],
+        "received_at": r["received_at"],  # the time the batch checked against complete-by
         "status": status,
         "me": me,
     }

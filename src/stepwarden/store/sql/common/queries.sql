@@ -75,11 +75,12 @@ FROM requests WHERE id = :request_id
 RETURNING id;
 
 -- name: insert_applied_reply
--- A reply applied in the transaction that received it (a worker's own): written once, settled.
+-- A reply applied in the transaction that received it (a worker's own): written once, settled,
+-- received when the batch read it (the time checked against complete-by), applied now.
 INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, result, error, sent_by,
                      received_at, status, applied_by, applied_at)
-VALUES (:request_id, :task_id, :idx, :attempt, :kind, :outcome, :result, :error, :me, {now}, :status,
-        :me, {now});
+VALUES (:request_id, :task_id, :idx, :attempt, :kind, :outcome, :result, :error, :me, :received_at,
+        :status, :me, {now});
 
 -- name: request_replied
 UPDATE requests SET state = 'replied' WHERE id = :request_id AND state = 'taken';

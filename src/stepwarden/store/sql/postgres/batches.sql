@@ -73,11 +73,14 @@ ORDER BY v.n;
 -- name: insert_applied_reply__many
 INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, result, error, sent_by,
                      received_at, status, applied_by, applied_at)
-SELECT request_id, task_id, idx, attempt, kind, outcome, result, error, me, {now}, status, me, {now}
+SELECT request_id, task_id, idx, attempt, kind, outcome, result, error, me, received_at, status, me,
+       {now}
 FROM ROWS FROM (jsonb_to_recordset(:rows::jsonb) AS (request_id bigint, task_id bigint, idx int,
                                                       attempt int, kind text, outcome text,
-                                                      result text, error text, status text, me text))
-     WITH ORDINALITY AS v(request_id, task_id, idx, attempt, kind, outcome, result, error, status, me, n)
+                                                      result text, error text, received_at float8,
+                                                      status text, me text))
+     WITH ORDINALITY AS v(request_id, task_id, idx, attempt, kind, outcome, result, error, received_at,
+                          status, me, n)
 ORDER BY n;
 
 -- name: request_replied__many
