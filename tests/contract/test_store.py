@@ -1093,6 +1093,24 @@ def test_own_replies_come_after_a_waiting_one_for_the_same_attempt_and_keep_thei
     assert json.loads(step(store, first, "a")["result"]) == {"by": "other"}
 
 
+def test_an_own_reply_whose_request_is_gone_writes_nothing_and_the_rest_apply(
+    store: Store, make_workflow: Factory
+) -> None:
+    """A reply for a request that no longer exists (pruned before the batch read it) finds no
+    attempt to answer: nothing is written for it, and the batch's other replies still apply."""
+    wf = make_workflow()
+    gone, kept = submit(store, wf), submit(store, wf)
+    claim(store)
+    by_task = {m.task_id: m for m in take(store)}
+    store.transact_sync(lambda tx: tx.sql("DELETE FROM requests WHERE id = ?", (by_task[gone].id,)))
+    replies = [(by_task[gone].id, "ok", None, None), (by_task[kept].id, "ok", None, None)]
+    applied = run(store.send_replies(ME, replies, apply=True))
+    assert applied is not None and (applied.accepted, applied.stale) == (1, 0)
+    assert [r["task_id"] for r in q(store, "SELECT task_id FROM replies")] == [kept]
+    assert states(store, gone)[1][0] == "running"
+    assert states(store, kept)[1][:2] == ["completed", "running"]
+
+
 def test_an_own_reply_for_a_pruned_task_writes_nothing(
     store: Store, clock: FakeClock, make_workflow: Factory
 ) -> None:

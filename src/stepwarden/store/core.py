@@ -260,7 +260,7 @@ def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, err
         "insert_reply",
         request_id=request_id,
         outcome=outcome,
-        result=None if result is None else json.dumps(result, default=str),
+        result=t.encode_result(result),
         error=error,
         me=me,
     )
@@ -278,11 +278,7 @@ def _record_replies(
         for request_id, outcome, result, error in replies:
             _send_reply(tx, me, request_id, outcome, result, error)
         return None
-    own = [
-        (request_id, outcome, None if result is None else json.dumps(result, default=str), error)
-        for request_id, outcome, result, error in replies
-    ]
-    applied = t.apply_replies(tx, me, len(replies), rng, own)
+    applied = t.apply_replies(tx, me, len(replies), rng, replies)
     for request_id, *_ in replies:
         if request_id not in applied.requests:
             tx.put("request_replied", request_id=request_id)

@@ -279,12 +279,17 @@ def _results(steps: list[Row]) -> dict[str, Any]:
     return {s["name"]: json.loads(s["result"]) for s in steps if s["state"] == "completed" and s["result"]}
 
 
+def encode_result(result: Any) -> str | None:
+    """An operation's result as a reply stores it: JSON text, or NULL for None."""
+    return None if result is None else json.dumps(result, default=str)
+
+
 def apply_replies(
     tx: Tx,
     me: str,
     limit: int,
     rng: random.Random,
-    own: Sequence[tuple[int, str, str | None, str | None]] = (),
+    own: Sequence[tuple[int, str, Any, str | None]] = (),
 ) -> ApplyResult:
     """Apply agents' replies: only the current attempt's, received before complete-by (SCH4).
 
@@ -293,14 +298,22 @@ def apply_replies(
     common path (a step completes, the next is dispatched or the task ends) is then kept up to
     date in memory. Any other path reads it again before its next reply.
 
-    ``own``: replies ``(request_id, outcome, result as JSON text, error)`` that this transaction
+    ``own``: replies ``(request_id, outcome, result, error)`` that this transaction
     received itself (a worker's agent answering): they come with the batch, after up to ``limit``
     waiting in the table, and are written once, already settled (``accepted`` or ``stale``),
     instead of inserted as new and then marked: one row version and one statement fewer per
     reply, and no notification that nobody needs."""
     out = ApplyResult()
     own_json = json.dumps(
-        [{"request_id": q, "outcome": o, "result": res, "error": e} for q, o, res, e in own]
+        [
+            {
+                "request_id": q,
+                "outcome": o,
+                "result": encode_result(res),
+                "error": e,
+            }
+            for q, o, res, e in own
+        ]
     )
     # The replies and their tasks, locked, then the steps, read after the locks are held (no
     # transition changes a task's steps without holding it): one round trip on PostgreSQL.
