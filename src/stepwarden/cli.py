@@ -297,12 +297,19 @@ def submit(
 
 @cli.command()
 @click.option("--state", type=click.Choice(TASK_STATES), default=None)
+@click.option(
+    "--correlation-id", default=None, metavar="ID", help="Only the tasks submitted with this correlation id."
+)
 @click.option("--limit", type=click.IntRange(1), default=None)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def tasks(ctx: click.Context, state: str | None, limit: int | None, as_json: bool) -> None:
+def tasks(
+    ctx: click.Context, state: str | None, correlation_id: str | None, limit: int | None, as_json: bool
+) -> None:
     """List tasks and their steps."""
-    rows = _open(ctx).transact_sync(views.list_tasks, state, limit)
+    if correlation_id is not None:
+        check_key("correlation id", correlation_id)
+    rows = _open(ctx).transact_sync(views.list_tasks, state, limit, correlation_id=correlation_id)
     if as_json:
         _print_json(rows)
         return

@@ -100,6 +100,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # click usage errors are one line too
     "unknown-command": ("frobnicate",),
     "unknown-option": ("tasks", "--frobnicate"),
+    "tasks-correlation-empty": ("tasks", "--correlation-id", ""),
+    "tasks-correlation-too-long": ("tasks", "--correlation-id", "c" * 256),
+    "tasks-correlation-control": ("tasks", "--correlation-id", "seed-1\n"),
     "unknown-global-option": ("--frobnicate", "tasks"),
     "extra-argument": ("tasks", "extra"),
     "bad-log-level": ("--log-level", "LOUD", "tasks"),

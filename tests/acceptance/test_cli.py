@@ -161,6 +161,25 @@ def test_tasks_state_filters(db: Db) -> None:
     assert db.json("tasks", "--state", "processed", "--json") == []
 
 
+def test_tasks_by_correlation_id(db: Db) -> None:
+    """The lookup a lost-connection error on submit points to: exact match, with --state and the
+    table view too."""
+    a1 = db.submit(order("c-1"), "--correlation-id", "order-7")
+    db.submit(order("c-2"), "--correlation-id", "order-70")  # a prefix match would take it too
+    a2 = db.submit(order("c-3"), "--correlation-id", "order-7", "--idempotency-key", "second")
+    db.submit(order("c-4"))
+    rows = db.json("tasks", "--correlation-id", "order-7", "--json")
+    assert [t["id"] for t in rows] == [a1, a2]
+    assert {t["correlation_id"] for t in rows} == {"order-7"}
+    assert db.json("tasks", "--correlation-id", "order-7", "--limit", "1", "--json")[0]["id"] == a1
+    db.ok("task", "cancel", str(a1))
+    pending = db.json("tasks", "--correlation-id", "order-7", "--state", "pending", "--json")
+    assert [t["id"] for t in pending] == [a2]
+    assert db.json("tasks", "--correlation-id", "no-such-order", "--json") == []
+    table = db.ok("tasks", "--correlation-id", "order-70").stdout
+    assert "order-70" in table and "order-7 " not in table
+
+
 def test_task_show_json(db: Db) -> None:
     data = order("show-1")
     tid = db.submit(data, "--correlation-id", "show-1")

@@ -469,8 +469,9 @@ class PostgresStore(Store):
                 except psycopg.OperationalError as e:
                     raise StoreError(
                         "lost the connection to PostgreSQL while a submission was in flight: it may "
-                        "or may not have been written (look for it by correlation id; with an "
-                        f"idempotency key a retry is safe): {_first_line(e)}"
+                        "or may not have been written (look for it by correlation id: `stepwarden tasks "
+                        "--correlation-id ID`; with an idempotency key a retry is safe): "
+                        f"{_first_line(e)}"
                     ) from e
                 finally:
                     with contextlib.suppress(psycopg.Error):

@@ -45,8 +45,14 @@ def _step(row: Row) -> dict[str, Any]:
 
 
 def list_tasks(
-    tx: Tx, state: str | None = None, limit: int | None = None, correlation_prefix: str | None = None
+    tx: Tx,
+    state: str | None = None,
+    limit: int | None = None,
+    correlation_prefix: str | None = None,
+    correlation_id: str | None = None,
 ) -> list[dict[str, Any]]:
+    """Tasks with their steps, oldest first. ``correlation_id`` is an exact match (the way to find
+    a submission whose outcome a lost connection left unknown; ``tasks_correlation`` serves it)."""
     where: list[str] = []
     params: list[Any] = []
     if state is not None:
@@ -54,6 +60,9 @@ def list_tasks(
             raise ValueError(f"unknown state {state!r}")
         where.append("state = ?")
         params.append(state)
+    if correlation_id is not None:
+        where.append("correlation_id = ?")
+        params.append(correlation_id)
     if correlation_prefix is not None:
         where.append("substr(correlation_id, 1, ?) = ?")
         params += [len(correlation_prefix), correlation_prefix]
