@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import signal
 import sys
 import tempfile
 import time
@@ -41,6 +41,8 @@ def measure(url: str, workflows: int, size: int) -> dict[str, float]:
     try:
         pending = asyncio.run(_first_steps(app, store, workflows))
 
+        # Store.send_replies_and_take's transaction, on this thread: without the hop to the
+        # store's thread that a worker pays (~130 us here, see docs/performance.md round s15).
         def batch(replies: list[tuple[int, str, Any, str | None]], take: dict[str, int]) -> list[RequestMsg]:
             def send_all(tx: Any) -> tuple[Any, Any]:
                 return core._record_replies(tx, ME, replies, True, store.rng), core._take(tx, ME, take)
@@ -91,6 +93,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if not set(stores) <= {"sqlite", "postgres"} or not sizes or min(sizes) < 1 or args.workflows < 1:
         ap.error("--stores is a subset of sqlite,postgres; --sizes and --workflows are positive")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally: the server stops
     with tempfile.TemporaryDirectory(prefix="stepwarden-batchcost-") as work:
         dbs = harness.Databases(Path(work), args.postgres, "postgres" in stores)
         try:
@@ -107,9 +110,7 @@ def main() -> None:
                         flush=True,
                     )
         finally:
-            if dbs.server is not None:
-                with contextlib.suppress(Exception):
-                    dbs.server.stop("fast")
+            dbs.close()  # the throwaway server, if it started one
 
 
 if __name__ == "__main__":

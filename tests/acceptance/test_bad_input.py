@@ -100,9 +100,6 @@ CASES: dict[str, tuple[str, ...]] = {
     # click usage errors are one line too
     "unknown-command": ("frobnicate",),
     "unknown-option": ("tasks", "--frobnicate"),
-    "tasks-correlation-empty": ("tasks", "--correlation-id", ""),
-    "tasks-correlation-too-long": ("tasks", "--correlation-id", "c" * 256),
-    "tasks-correlation-control": ("tasks", "--correlation-id", "seed-1\n"),
     "unknown-global-option": ("--frobnicate", "tasks"),
     "extra-argument": ("tasks", "extra"),
     "bad-log-level": ("--log-level", "LOUD", "tasks"),
@@ -314,6 +311,13 @@ def test_watch_timeout_that_ends_before_the_first_look_is_one_line(seeded: tuple
     assert len(r.stderr_lines) == 1, str(r)
     assert r.stderr_lines[0].startswith(f"error: task {tid} is still pending"), str(r)
     assert db.snapshot() == before
+
+
+@pytest.mark.parametrize("value", ["", "c" * 256, "seed-1\n"], ids=["empty", "too-long", "control"])
+def test_bad_correlation_id_filter_is_refused_by_name(seeded: tuple[Db, int], value: str) -> None:
+    db, _ = seeded
+    line = refused_and_unchanged(db, "tasks", "--correlation-id", value)
+    assert "invalid correlation id" in line, line
 
 
 def test_superscript_task_id_is_bad_input(seeded: tuple[Db, int]) -> None:

@@ -166,7 +166,7 @@ def test_tasks_by_correlation_id(db: Db) -> None:
     table view too."""
     a1 = db.submit(order("c-1"), "--correlation-id", "order-7")
     db.submit(order("c-2"), "--correlation-id", "order-70")  # a prefix match would take it too
-    a2 = db.submit(order("c-3"), "--correlation-id", "order-7", "--idempotency-key", "second")
+    a2 = db.submit(order("c-3"), "--correlation-id", "order-7")
     db.submit(order("c-4"))
     rows = db.json("tasks", "--correlation-id", "order-7", "--json")
     assert [t["id"] for t in rows] == [a1, a2]
