@@ -394,6 +394,10 @@ def test_sql_in_correlation_id_is_stored_literally(db: Db) -> None:
     assert shown["correlation_id"] == evil
     assert shown["events"][0]["detail"].get("correlation_id") == evil
     assert "DROP" in db.ok("tasks").stdout, "the human listing shows the correlation id as text"
+    # the filter takes it as a value too: exactly that task, and a tautology matches nothing
+    assert [t["id"] for t in db.json("tasks", "--correlation-id", evil, "--json")] == [tid]
+    assert db.json("tasks", "--correlation-id", "x' OR '1'='1", "--json") == []
+    assert db.snapshot()["tables"] == before["tables"]
 
 
 def test_sql_in_idempotency_key_matches_nothing_else(db: Db) -> None:
