@@ -5,8 +5,8 @@ requests for the slots they free (``Store.send_replies_and_take``), run in this 
 No worker, no submitter, no agents: three-step workflows are submitted first, their first steps
 dispatched and taken, then the replies are sent in batches of each size until every workflow is
 processed. For each size it prints the wall time and this process's CPU time per batch and per
-step, so the fixed part of a batch (round trips, statements, commit) shows apart from the part
-that grows with its replies. Run from the repository root:
+step, so the fixed part of a batch (the hop to the store's thread, round trips, statements,
+commit) shows apart from the part that grows with its replies. Run from the repository root:
 
     .venv/bin/python bench/batchcost.py                          # both stores, sizes 1,4,8,16
     .venv/bin/python bench/batchcost.py --stores postgres --sizes 8 --workflows 2000
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run as harness  # bench/run.py: Databases, open_app
 
-from stepwarden.store import RequestMsg, core
+from stepwarden.store import RequestMsg
 
 ME = "batchcost"
 
@@ -39,27 +39,25 @@ ME = "batchcost"
 def measure(url: str, workflows: int, size: int) -> dict[str, float]:
     app, store = harness.open_app(url)
     try:
-        pending = asyncio.run(_first_steps(app, store, workflows))
-
-        # Store.send_replies_and_take's transaction, on this thread: without the hop to the
-        # store's thread that a worker pays (~130 us here, see docs/performance.md round s15).
-        def batch(replies: list[tuple[int, str, Any, str | None]], take: dict[str, int]) -> list[RequestMsg]:
-            def send_all(tx: Any) -> tuple[Any, Any]:
-                return core._record_replies(tx, ME, replies, True, store.rng), core._take(tx, ME, take)
-
-            _, taken = store.transact_sync(send_all)
-            return list(taken())
-
-        batches = steps = 0
-        wall, cpu = time.perf_counter(), time.process_time()
-        while pending:
-            now, pending = pending[:size], pending[size:]
-            pending += batch([(m.id, "ok", None, None) for m in now], {"noop": len(now)})
-            batches += 1
-            steps += len(now)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return asyncio.run(_batches(app, store, workflows, size))
     finally:
         store.close()
+
+
+async def _batches(app: Any, store: Any, workflows: int, size: int) -> dict[str, float]:
+    """The replies in batches of ``size``, each through ``Store.send_replies_and_take`` as a
+    worker sends them (the hop to the store's thread included), until every workflow is done."""
+    pending = await _first_steps(app, store, workflows)
+    batches = steps = 0
+    wall, cpu = time.perf_counter(), time.process_time()
+    while pending:
+        now, pending = pending[:size], pending[size:]
+        replies = [(m.id, "ok", None, None) for m in now]
+        _, taken = await store.send_replies_and_take(ME, replies, {"noop": len(now)})
+        pending += taken
+        batches += 1
+        steps += len(now)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {
         "size": size,
         "batches": batches,
