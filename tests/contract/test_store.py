@@ -891,7 +891,7 @@ def test_supervisor_sweeps_batch_after_batch_until_done(
         sizes.append(r.rescued)
         return r
 
-    store.sweep_expired = spy  # type: ignore[method-assign]
+    store.sweep_expired = spy  # type: ignore[method-assign,assignment]
     assert run(sup.sweep(term)).rescued == 5
     assert sizes == [2, 2, 1]
 
