@@ -37,8 +37,11 @@ sys.path.insert(0, str(HERE))
 import floor  # noqa: E402
 from peers.common import stop as stop_process  # noqa: E402 - by pid: SIGTERM, SIGKILL after a grace
 
-WORKLOADS = ("w1", "w2", "w3", "l1", "floor")
+WORKLOADS = ("w1", "w2", "w3", "l1", "floor", "submit")
 STORES = ("sqlite", "postgres")
+# Issue 5's throughput goals: stepwarden at this multiple of this peer, per store. Reported against
+# what submission alone reaches in the same run, because W1 can go no faster than its submissions.
+GOALS = {"sqlite": ("huey", 2.0), "postgres": ("procrastinate", 4.0)}
 FINAL = ("processed", "error", "compensated", "cancelled")
 
 # Each peer: what pip installs into its own venv, the stores it runs on, its driver script.
@@ -297,6 +300,34 @@ def stepwarden_throughput(
     if prefill:
         out["prefill_s"] = prefill_s
     return out
+
+
+def stepwarden_submit_alone(dbs: Databases, store_kind: str, n: int) -> dict[str, Any]:
+    """W1's submissions with no worker running: ``n`` one-step tasks, one ``App.submit`` call
+    each, as W1 submits them. W1 ends when its last task is processed, so it cannot pass this
+    rate (the workers only add to the machine's load and, on SQLite, to its one write lock)."""
+    import asyncio
+
+    url = dbs.fresh(store_kind, "sw_submit")
+    app, store = open_app(url)
+    try:
+        # What a worker would do at start: without it the store does not know the workflow.
+        asyncio.run(store.register_workflows(list(app.workflows.values()), "bench-harness"))
+        for _ in range(20):
+            app.submit("one", {})
+        t0 = time.perf_counter()
+        for _ in range(n):
+            app.submit("one", {})
+        elapsed = time.perf_counter() - t0
+    finally:
+        store.close()
+        dbs.drop(url)
+    return {
+        "elapsed_s": round(elapsed, 3),
+        "rate": round(n / elapsed, 1),
+        "submit_rate": round(n / elapsed, 1),
+        "us_per_call": round(elapsed / n * 1e6, 1),
+    }
 
 
 def prefill_store(reader: Reader, template: int, n: int, batch: int = 10_000) -> None:
@@ -730,10 +761,32 @@ def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, field: str = "rate
     return stat(vals)
 
 
+def goal_over_submission(res: Results, st: str) -> dict[str, Any] | None:
+    """Issue 5's W1 goal on store ``st`` (a multiple of a peer's W1) over the rate of submission
+    alone, per repetition: above 1, the goal is faster than tasks can be submitted at all here."""
+    peer, times = GOALS.get(st, ("", 0.0))
+    p = res.find(system=peer, store=st, workload="w1")
+    sub = res.find(system="stepwarden", store=st, workload="submit")
+    r = ratio(p, sub)
+    if r is None:
+        return None
+    scaled = {k: round(v * times, 2) for k, v in r.items() if k != "n"}
+    return {
+        "what": f"issue 5's W1 goal ({times:g}x {peer}) / submission alone",
+        "store": st,
+        "workers": 0,
+        **scaled,
+        "n": r["n"],
+    }
+
+
 def summarise(res: Results) -> dict[str, Any]:
     out: dict[str, Any] = {"ratios": []}
     stores = sorted({s["store"] for s in res.series.values()})
     for st in stores:
+        g = goal_over_submission(res, st)
+        if g:
+            out["ratios"].append(g)
         for s in res.series.values():
             if (
                 s["system"] != "stepwarden"
@@ -756,6 +809,11 @@ def summarise(res: Results) -> dict[str, Any]:
                 if r:
                     out["ratios"].append(
                         {"what": f"stepwarden {w} / raw floor", "store": st, "workers": k, **r}
+                    )
+                r = ratio(s, res.find(system="stepwarden", store=st, workload="submit"))
+                if r:
+                    out["ratios"].append(
+                        {"what": f"stepwarden {w} / submission alone", "store": st, "workers": k, **r}
                     )
                 pre = next(
                     (
@@ -831,9 +889,15 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for s in res.series.values():
-        if s["workload"] not in ("w1", "w2"):
+        if s["workload"] not in ("w1", "w2", "submit"):
             continue
         errs = [r["error"] for r in s["runs"] if "error" in r]
+        if s["workload"] == "submit":  # no tasks processed: only the rate of the calls
+            lines.append(
+                f"| {s['system']} (submission alone, no worker) | {s['store']} | W1's submissions | 0 "
+                f"| — | — | {fmt(figure(s, 'submit_rate'))} | {len(errs) or ''} |"
+            )
+            continue
         label = (
             s["system"]
             + (f" (+{s['prefill']:,} finished)" if s.get("prefill") else "")
@@ -854,7 +918,7 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
             "|---|---|---|---|",
         ]
         for r in ratios:
-            lines.append(f"| {r['what']} | {r['store']} | {r['workers']} | {fmt(r)} |")
+            lines.append(f"| {r['what']} | {r['store']} | {r['workers'] or '—'} | {fmt(r)} |")
     l1 = [s for s in res.series.values() if s["workload"] == "l1"]
     if l1:
         lines += [
@@ -1013,7 +1077,7 @@ def main() -> int:
     workloads = (
         csv(a.workloads, WORKLOADS)
         if a.workloads
-        else (["w1", "w2", "l1", "floor"] if quick else list(WORKLOADS))
+        else (["w1", "w2", "l1", "floor", "submit"] if quick else list(WORKLOADS))
     )
     stores = csv(a.stores, STORES)
     peers = csv(a.peers, tuple(PEERS))
@@ -1037,7 +1101,8 @@ def main() -> int:
         "defaults otherwise); the same on both stores",
         "stepwarden stores": "SQLite WAL synchronous=FULL (default); PostgreSQL 16 with fsync on, "
         "LISTEN/NOTIFY on (default), pool of 4",
-        "submission": "one `App.submit` call per task from the harness process while the workers run",
+        "submission": "one `App.submit` call per task from the harness process while the workers run; "
+        "`submit`: the same calls with no worker running (the rate W1 cannot pass)",
         "timing": "from just before the first submit to the last `processed` event (database clock)",
         "floor": f"same number of consumer processes as stepwarden workers, "
         f"{a.floor_threads or '1 (SQLite) / 4 (PostgreSQL)'} thread(s) each; one transaction per job "
@@ -1154,6 +1219,12 @@ def main() -> int:
                                 dbs, st, "w1", a.tasks, k, a.concurrency, prefill=prefill
                             ),
                         )
+                if "submit" in workloads:
+                    measure(
+                        {"system": "stepwarden", "store": st, "workload": "submit", "workers": 0},
+                        rep,
+                        lambda st=st: stepwarden_submit_alone(dbs, st, a.tasks),
+                    )
                 for name, py in peer_py.items():
                     if st not in PEERS[name]["stores"]:
                         continue

@@ -1,0 +1,108 @@
+"""The benchmark harness's summary: the ratios the performance doc quotes are taken per repetition,
+and issue 5's W1 goal is set against the rate of submission alone in the same repetition."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_run_under_test", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def results(bench: ModuleType, tmp_path: Path, series: list[tuple[dict[str, Any], list[float]]]) -> Any:
+    res = bench.Results(tmp_path / "r.json", tmp_path / "r.md", {"machine": {}})
+    for key, rates in series:
+        for rep, rate in enumerate(rates, 1):
+            res.series.setdefault(json.dumps(key, sort_keys=True), {**key, "runs": []})["runs"].append(
+                {"rep": rep, "rate": rate, "submit_rate": rate}
+            )
+    return res
+
+
+def by_what(summary: dict[str, Any], what: str, store: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = [r for r in summary["ratios"] if r["what"] == what and r["store"] == store]
+    assert len(found) == 1, summary["ratios"]
+    return found[0]
+
+
+def test_the_goal_is_set_against_submission_alone_in_each_repetition(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    res = results(
+        bench,
+        tmp_path,
+        [
+            ({"system": "huey", "store": "sqlite", "workload": "w1", "workers": 1}, [1500, 1800, 2000]),
+            (
+                {"system": "stepwarden", "store": "sqlite", "workload": "submit", "workers": 0},
+                [3000, 3000, 2000],
+            ),
+            ({"system": "stepwarden", "store": "sqlite", "workload": "w1", "workers": 1}, [1500, 1200, 1000]),
+        ],
+    )
+    s = bench.summarise(res)
+    goal = by_what(s, "issue 5's W1 goal (2x huey) / submission alone", "sqlite")
+    # 2 x 1500/3000, 2 x 1800/3000, 2 x 2000/2000: taken per repetition, not from the medians
+    assert (goal["min"], goal["median"], goal["max"], goal["n"]) == (1.0, 1.2, 2.0, 3)
+    w1 = by_what(s, "stepwarden w1 / submission alone", "sqlite")
+    assert (w1["min"], w1["median"], w1["max"]) == (0.4, 0.5, 0.5)
+
+
+def test_no_goal_without_the_peer_or_the_submission_run(bench: ModuleType, tmp_path: Path) -> None:
+    res = results(
+        bench,
+        tmp_path,
+        [
+            ({"system": "stepwarden", "store": "postgres", "workload": "submit", "workers": 0}, [2300]),
+            ({"system": "huey", "store": "sqlite", "workload": "w1", "workers": 1}, [1500]),
+        ],
+    )
+    assert not [r for r in bench.summarise(res)["ratios"] if "goal" in r["what"]]
+
+
+def test_the_table_shows_submission_alone_and_the_goal(bench: ModuleType, tmp_path: Path) -> None:
+    res = results(
+        bench,
+        tmp_path,
+        [
+            ({"system": "procrastinate", "store": "postgres", "workload": "w1", "workers": 1}, [540]),
+            ({"system": "stepwarden", "store": "postgres", "workload": "submit", "workers": 0}, [2160]),
+        ],
+    )
+    res.meta.update(
+        date="d",
+        command="c",
+        settings={},
+        machine={
+            "cores": 2,
+            "cpu": "x",
+            "memory_gib": 1,
+            "platform": "p",
+            "python": "3",
+            "sqlite": "3",
+            "load_start": 0,
+            "note": "",
+        },
+    )
+    text = bench.markdown(res, {**res.meta, "summary": bench.summarise(res)})
+    assert (
+        "| stepwarden (submission alone, no worker) | postgres | W1's submissions | 0 | — | — | 2160 |"
+        in text
+    )
+    assert "| issue 5's W1 goal (4x procrastinate) / submission alone | postgres | — | 1 |" in text
