@@ -150,6 +150,9 @@ class AgentRole:
         self.on_applied = on_applied or (lambda r: None)
         self.on_attempt = on_attempt or (lambda agent, outcome, seconds: None)
         self.inflight: dict[str, int] = dict.fromkeys(agents, 0)
+        # The requests counted in `inflight`: a slot is held until its reply commits (AGT6), and
+        # given back by whichever comes first, that commit or the end of the call's task.
+        self._held: dict[int, str] = {}
         # The breakers are shared through the store; this is the instance's mirror of them, and
         # its own health (AGT3, AGT6; see agent_health.py).
         self.health = AgentHealth(store, me, agents, clock, self.settings)
@@ -218,6 +221,7 @@ class AgentRole:
     ) -> None:
         agent = self.agents[msg.agent]
         self.inflight[agent.name] += 1
+        self._held[msg.id] = agent.name
         span = self.tracer.attempt(msg, workflow)
         t = asyncio.create_task(self.execute(agent, msg, trial, probe, span), name=f"request-{msg.id}")
         self.tasks[t] = msg
@@ -260,12 +264,17 @@ class AgentRole:
             with span:
                 await self._execute(agent, msg, trial, span)
         finally:
-            self.inflight[agent.name] -= 1
+            self._release(msg.id)
             self.wake.set()
             if probe:
                 self.health.probe_done(agent.name)
             if trial:  # a trial that ended without a verdict (complete-by passed) counts as failed
                 await self._guard(self.health.release_trial(agent.name, "the trial call gave no answer"))
+
+    def _release(self, request_id: int) -> None:
+        name = self._held.pop(request_id, None)
+        if name is not None:
+            self.inflight[name] -= 1
 
     async def _execute(
         self, agent: Agent, msg: RequestMsg, trial: bool, span: AttemptSpan | NoAttempt
@@ -321,7 +330,7 @@ class AgentRole:
                         # dispatched) and refills the slots they free: one commit per cycle.
                         freeing: dict[str, int] = {}
                         for request_id, *_ in items:
-                            name = self._agent_of.get(request_id)
+                            name = self._held.get(request_id)  # slots given back already don't count
                             if name is not None:
                                 freeing[name] = freeing.get(name, 0) + 1
                         reserved = self.reserve(freeing)
@@ -332,6 +341,11 @@ class AgentRole:
                             self.accept(taken, reserved)
                     else:
                         applied = await self.store.send_replies(self.me, items, apply=False)
+                    # Committed: these slots are free now, not once each call's task next runs.
+                    # A refill taken with them is already counted; the next batch's reservation
+                    # must not count them twice, or it would take nothing.
+                    for request_id, *_ in items:
+                        self._release(request_id)
                     for a in applied.alerts if applied else ():
                         log.error(
                             "ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"]
@@ -420,8 +434,10 @@ class AgentRole:
 
     async def _call(self, handler: Handler, req: Request, timeout: float) -> Any:
         if inspect.iscoroutinefunction(handler):
-            coro: Awaitable[Any] = handler(req)
-            return await asyncio.wait_for(coro, timeout)
+            # Not wait_for: no task of its own per call (a no-op operation then replies within
+            # the loop iteration that started it).
+            async with asyncio.timeout(timeout):
+                return await handler(req)
         loop = asyncio.get_running_loop()
         # In the caller's context, so the attempt's span (and other context) is current in the thread.
         fut = loop.run_in_executor(self.pool, contextvars.copy_context().run, handler, req)

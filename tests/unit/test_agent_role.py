@@ -1,7 +1,7 @@
 """The agent role against the real store: in-attempt retries, classification, deadlines, threads,
 circuit breaking and capacity (AGT1-AGT7).
 
-Agent deadlines are real time (``asyncio.wait_for``), so these tests use a store on the system
+Agent deadlines are real time (``asyncio.timeout``), so these tests use a store on the system
 clock and short budgets; the breaker's cool-off test drives the role's clock by hand instead.
 """
 
@@ -526,3 +526,51 @@ def test_a_reply_batch_refills_the_slots_it_frees_and_a_lost_one_gives_its_reser
     assert [s["state"] for s in states] == ["processed"] * 4
     taken = rt_store.transact_sync(lambda tx: tx.sql("SELECT taken_by FROM requests ORDER BY id"))
     assert {r["taken_by"] for r in taken} == {ME}
+
+
+class CountingTakes:
+    """The store, recording each reply batch: (replies sent, slots offered for the take)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.batches: list[tuple[int, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def send_replies_and_take(self, me: str, replies: Any, take: Any, apply: bool = True) -> Any:
+        self.batches.append((len(replies), sum(take.values())))
+        return await self.store.send_replies_and_take(me, replies, take, apply)
+
+
+def test_a_committed_reply_batch_frees_its_slots_before_the_calls_resume(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """Operations that return at once reply within the loop iteration that started them, so the
+    next batch is formed before the previous batch's calls have run their last lines. Its slots
+    were given back at its commit: the next batch refills all of them, from one pull to the last
+    request, and no call ever runs while the instance holds more than its capacity (AGT6)."""
+    ids = dispatch(rt_store, make_workflow, 24)
+    agent = Agent("svc", concurrency=4)
+    held: list[int] = []
+    role: AgentRole
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        held.append(role.inflight["svc"])
+
+    spy = CountingTakes(rt_store)
+
+    async def body() -> None:
+        nonlocal role
+        role = make_role(spy, agent, settings=AgentSettings(apply_replies=True))  # type: ignore[arg-type]
+        assert await role.pull() == 4  # the only pull: every later request comes with a reply batch
+        await until(lambda: len(held) == 24 and not role.tasks and not role._outbox, timeout=10)
+        assert role.inflight == {"svc": 0}
+        assert role._held == {}
+
+    run(body())
+    assert max(held) <= 4
+    assert spy.batches[:5] == [(4, 4)] * 5  # each batch offers the four slots its replies free
+    states = rt_store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks ORDER BY id"))
+    assert [s["state"] for s in states] == ["processed"] * len(ids)
