@@ -169,7 +169,7 @@ class AgentRole:
         self._outbox: list[tuple[tuple[int, str, Any, str | None], asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
-        self._agent_of: dict[int, str] = {}  # request id -> agent, for replies queued to send
+        self._stopping = False  # set by drain(): reply batches take no more requests
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -234,7 +234,7 @@ class AgentRole:
         through :meth:`pull`, which knows about trials and probes). ``freeing``: slots that the
         same transaction's replies give back. Held (counted in flight) until :meth:`accept`."""
         out: dict[str, int] = {}
-        if not self.health.registered:
+        if not self.health.registered or self._stopping:
             return out
         for name, a in self.agents.items():
             b = self.breakers[name]
@@ -313,7 +313,6 @@ class AgentRole:
         being written go together in the next transaction (group commit: one fsync for many)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._replied.add(msg.id)
-        self._agent_of[msg.id] = msg.agent
         self._outbox.append(((msg.id, outcome, result, error), fut))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_outbox(), name="agent-replies")
@@ -341,29 +340,33 @@ class AgentRole:
                             self.accept(taken, reserved)
                     else:
                         applied = await self.store.send_replies(self.me, items, apply=False)
-                    # Committed: these slots are free now, not once each call's task next runs.
-                    # A refill taken with them is already counted; the next batch's reservation
-                    # must not count them twice, or it would take nothing.
-                    for request_id, *_ in items:
-                        self._release(request_id)
-                    for a in applied.alerts if applied else ():
-                        log.error(
-                            "ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"]
-                        )
-                    self.completed += len(batch)
-                    if applied is None:
-                        self.on_reply()  # a scheduler has replies to apply
-                    else:  # applied, and the next steps dispatched and taken as far as we have room
-                        self.on_applied(applied)
-                        self.tracer.applied(applied)
-                    break
                 except Exception as e:  # the attempts expire and are rescued if this never succeeds
                     log.warning("%d repl(ies) failed to send (try %d): %r", len(batch), n, e)
                     await self.clock.sleep(0.2 * n)
-            for (request_id, *_), fut in batch:
-                self._agent_of.pop(request_id, None)
+                    continue
+                # Committed: these slots are free now, not once each call's task next runs. A
+                # refill taken with them is already counted; the next batch's reservation must not
+                # count them twice, or it would take nothing.
+                for request_id, *_ in items:
+                    self._release(request_id)
+                try:  # once: the batch is committed, whatever happens here
+                    self._committed(len(batch), applied)
+                except Exception as e:
+                    log.exception("agent %s: after a reply batch committed: %r", self.me, e)
+                break
+            for _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)
+
+    def _committed(self, replies: int, applied: ApplyResult | None) -> None:
+        for a in applied.alerts if applied else ():
+            log.error("ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"])
+        self.completed += replies
+        if applied is None:
+            self.on_reply()  # a scheduler has replies to apply
+        else:  # applied, and the next steps dispatched and taken as far as we have room
+            self.on_applied(applied)
+            self.tracer.applied(applied)
 
     async def _attempt(
         self, agent: Agent, msg: RequestMsg, trial: bool = False, span: AttemptSpan | NoAttempt = NO_ATTEMPT
@@ -437,7 +440,13 @@ class AgentRole:
             # Not wait_for: no task of its own per call (a no-op operation then replies within
             # the loop iteration that started it).
             async with asyncio.timeout(timeout):
-                return await handler(req)
+                result = await handler(req)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # A stop (drain) cancelled the call and the operation swallowed it: wait_for would
+                # still have raised, and so does this, rather than reply after drain released it.
+                raise asyncio.CancelledError
+            return result
         loop = asyncio.get_running_loop()
         # In the caller's context, so the attempt's span (and other context) is current in the thread.
         fut = loop.run_in_executor(self.pool, contextvars.copy_context().run, handler, req)
@@ -446,9 +455,16 @@ class AgentRole:
 
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
-        if self.tasks:
-            running = dict(self.tasks)
-            _, pending = await asyncio.wait(set(running), timeout=self.settings.shutdown_grace)
+        self._stopping = True  # a reply batch still in flight takes nothing more
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.settings.shutdown_grace
+        running: dict[asyncio.Task[None], RequestMsg] = {}
+        pending: set[asyncio.Task[None]] = set()
+        # A batch that was already in flight may start a few more calls: wait for those too.
+        while self.tasks and not pending:
+            running.update(self.tasks)
+            _, pending = await asyncio.wait(set(self.tasks), timeout=max(0.0, end - loop.time()))
+        if running:
             for t in pending:
                 t.cancel()
             if pending:

@@ -529,18 +529,25 @@ def test_a_reply_batch_refills_the_slots_it_frees_and_a_lost_one_gives_its_reser
 
 
 class CountingTakes:
-    """The store, recording each reply batch: (replies sent, slots offered for the take)."""
+    """The store, recording each reply batch: (replies sent, slots offered for the take, requests
+    this worker holds once the batch has committed: taken and not yet replied to)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.batches: list[tuple[int, int]] = []
+        self.batches: list[tuple[int, int, int]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
     async def send_replies_and_take(self, me: str, replies: Any, take: Any, apply: bool = True) -> Any:
-        self.batches.append((len(replies), sum(take.values())))
-        return await self.store.send_replies_and_take(me, replies, take, apply)
+        out = await self.store.send_replies_and_take(me, replies, take, apply)
+        held = self.store.transact_sync(
+            lambda tx: tx.sql(
+                "SELECT count(*) AS n FROM requests WHERE state = 'taken' AND taken_by = ?", (me,)
+            )
+        )[0]["n"]
+        self.batches.append((len(replies), sum(take.values()), int(held)))
+        return out
 
 
 def test_a_committed_reply_batch_frees_its_slots_before_the_calls_resume(
@@ -549,28 +556,88 @@ def test_a_committed_reply_batch_frees_its_slots_before_the_calls_resume(
     """Operations that return at once reply within the loop iteration that started them, so the
     next batch is formed before the previous batch's calls have run their last lines. Its slots
     were given back at its commit: the next batch refills all of them, from one pull to the last
-    request, and no call ever runs while the instance holds more than its capacity (AGT6)."""
+    request, and the instance never holds more requests than its capacity (AGT6)."""
     ids = dispatch(rt_store, make_workflow, 24)
     agent = Agent("svc", concurrency=4)
-    held: list[int] = []
-    role: AgentRole
+    ran: list[int] = []
 
     @agent.operation
     async def do_s(req: Request) -> None:
-        held.append(role.inflight["svc"])
+        ran.append(req.task_id)
 
     spy = CountingTakes(rt_store)
 
     async def body() -> None:
-        nonlocal role
         role = make_role(spy, agent, settings=AgentSettings(apply_replies=True))  # type: ignore[arg-type]
         assert await role.pull() == 4  # the only pull: every later request comes with a reply batch
-        await until(lambda: len(held) == 24 and not role.tasks and not role._outbox, timeout=10)
+        await until(lambda: len(ran) == 24 and not role.tasks and not role._outbox, timeout=10)
         assert role.inflight == {"svc": 0}
         assert role._held == {}
 
     run(body())
-    assert max(held) <= 4
-    assert spy.batches[:5] == [(4, 4)] * 5  # each batch offers the four slots its replies free
+    assert sorted(ran) == ids
+    # every batch offers at least the slots its replies free, and holding never passes capacity
+    assert all(take >= sent for sent, take, _ in spy.batches), spy.batches
+    assert max(held for *_, held in spy.batches) <= 4
     states = rt_store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks ORDER BY id"))
     assert [s["state"] for s in states] == ["processed"] * len(ids)
+
+
+def test_a_stopping_agent_takes_nothing_more_and_waits_for_what_it_started(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """Drain: the reply batches of the calls still running commit, but take no new requests, and
+    when the role returns nothing of it runs and nothing stays taken by it."""
+    dispatch(rt_store, make_workflow, 12)
+    agent = Agent("svc", concurrency=2)
+    started: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        started.append(req.task_id)
+        await asyncio.sleep(0.05)
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        role = make_role(rt_store, agent, settings=AgentSettings(apply_replies=True, poll_interval=0.01))
+        loop_task = asyncio.create_task(role.run(stop))
+        await until(lambda: len(started) == 2)
+        stop.set()
+        await asyncio.wait_for(loop_task, 5)
+        assert not role.tasks
+        assert role.inflight == {"svc": 0}
+
+    run(body())
+    assert len(started) == 2  # the two calls running at the stop, and no more
+    assert sorted(request_states(rt_store)) == ["queued"] * 10 + ["replied"] * 2
+
+
+def test_a_call_that_swallows_the_stop_does_not_reply_after_it_was_released(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """An operation that catches the cancellation of a stop and returns anyway: the call still
+    ends as cancelled, so the attempt is released (handed back uncounted) and no ok reply follows."""
+    dispatch(rt_store, make_workflow, 1)
+    agent = Agent("svc", concurrency=1)
+    entered = asyncio.Event()
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        entered.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return "finished anyway"
+        return "finished"
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        role = make_role(rt_store, agent, settings=AgentSettings(shutdown_grace=0.1, poll_interval=0.01))
+        loop_task = asyncio.create_task(role.run(stop))
+        await asyncio.wait_for(entered.wait(), 5)
+        stop.set()
+        await asyncio.wait_for(loop_task, 5)
+        assert role.inflight == {"svc": 0}
+
+    run(body())
+    assert [r["outcome"] for r in replies(rt_store)] == ["released"]
