@@ -170,6 +170,12 @@ class AgentRole:
         self._sender: asyncio.Task[None] | None = None
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
         self._stopping = False  # set by drain(): reply batches take no more requests
+        self._drained = False  # drain() has returned: nothing may start any more
+        # Reservations handed out and not yet settled by accept(): a transaction in flight may
+        # still bring requests for them, which drain() waits for.
+        self._reserving = 0
+        self._no_reservations = asyncio.Event()
+        self._no_reservations.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -244,11 +250,28 @@ class AgentRole:
             if room > 0:
                 out[name] = room
                 self.inflight[name] += room
+        if out:
+            self._reserving += 1
+            self._no_reservations.clear()
         return out
 
     def accept(self, msgs: list[RequestMsg], reserved: dict[str, int]) -> None:
         for name, room in reserved.items():
             self.inflight[name] -= room
+        if reserved:
+            self._reserving -= 1
+            if self._reserving == 0:
+                self._no_reservations.set()
+        if self._drained and msgs:
+            # A transaction that outlived the whole grace period: the pool is gone, the process is
+            # leaving. The requests stay taken by a stopped worker, which the supervisor rescues.
+            log.warning(
+                "agent %s: %d request(s) taken after the stop, not started: %s",
+                self.me,
+                len(msgs),
+                ", ".join(str(m.id) for m in msgs),
+            )
+            return
         for msg in msgs:
             self._start(msg)
 
@@ -460,10 +483,18 @@ class AgentRole:
         end = loop.time() + self.settings.shutdown_grace
         running: dict[asyncio.Task[None], RequestMsg] = {}
         pending: set[asyncio.Task[None]] = set()
-        # A batch that was already in flight may start a few more calls: wait for those too.
-        while self.tasks and not pending:
-            running.update(self.tasks)
-            _, pending = await asyncio.wait(set(self.tasks), timeout=max(0.0, end - loop.time()))
+        # A transaction already in flight (a reply batch, a scheduler round of this worker) may
+        # still bring requests reserved before the stop: wait for it, and for the calls it starts.
+        while (self.tasks or self._reserving) and not pending:
+            left = max(0.0, end - loop.time())
+            if self.tasks:
+                running.update(self.tasks)
+                _, pending = await asyncio.wait(set(self.tasks), timeout=left)
+            else:
+                try:
+                    await asyncio.wait_for(self._no_reservations.wait(), left)
+                except TimeoutError:
+                    break
         if running:
             for t in pending:
                 t.cancel()
@@ -473,16 +504,14 @@ class AgentRole:
             # leaving them to expire at complete-by.
             if self._sender is not None:  # replies already made are sent, not released
                 await asyncio.wait({self._sender}, timeout=5)
-            for t in pending:
-                msg = running[t]
-                if msg.id in self._replied:
-                    continue
-                try:
-                    await self.store.send_reply(
-                        self.me, msg.id, "released", None, "agent stopped before the call finished"
-                    )
+            unsent = [running[t].id for t in pending if running[t].id not in self._replied]
+            if unsent:
+                why = "agent stopped before the call finished"
+                try:  # one transaction for all of them: a stop has a deadline
+                    await self.store.send_replies(self.me, [(i, "released", None, why) for i in unsent])
                 except Exception as e:
-                    log.warning("request %s: could not release it (it will expire): %r", msg.id, e)
+                    log.warning("requests %s: could not release them (they will expire): %r", unsent, e)
+        self._drained = True
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -20,11 +20,13 @@ plain or async), configured with :meth:`stepwarden.App.alert_sink`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import random
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
     import httpx
 
 log = logging.getLogger("stepwarden.alerts")
+# The threads of plain-callable sinks, by name: a stopping worker does not wait for them.
+SINK_THREAD_PREFIX = "stepwarden-alert-sink"
 
 #: The lease under which one process delivers alerts to the sinks.
 ALERT_LEASE = "alerts"
@@ -205,12 +209,22 @@ class CallableSink(_Sink):
         default = f"callable:{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
         super().__init__(name or _sink_name(default), timeout, backoff, max_attempts)
         self.fn = fn
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=SINK_THREAD_PREFIX)
+        return self._pool
 
     async def send(self, alert: Alert) -> None:
         if inspect.iscoroutinefunction(self.fn):
             await self.fn(alert)
             return
-        out = await asyncio.to_thread(self.fn, alert)
+        # Not asyncio.to_thread: asyncio.run waits for the default executor without a timeout, so a
+        # callable stuck against a dead host would keep a stopping worker alive. These threads are
+        # named, and the worker command exits despite them (cli._exit_despite_stuck_threads).
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(self._threads(), contextvars.copy_context().run, self.fn, alert)
         if inspect.isawaitable(out):
             await out
 

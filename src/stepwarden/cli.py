@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import click
 
 from . import __version__
-from .alerts import ack_alert
+from .alerts import SINK_THREAD_PREFIX, ack_alert
 from .app import App
 from .cli_params import FiniteRange
 from .errors import InputError, NotFound, StepwardenError
@@ -216,9 +216,10 @@ def _exit_despite_stuck_threads() -> None:
     stuck = [
         t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
     ]
-    if any(t.name.startswith("stepwarden-agent") for t in stuck):
+    if any(t.name.startswith(("stepwarden-agent", SINK_THREAD_PREFIX)) for t in stuck):
         log.warning(
-            "exiting with %d operation thread(s) still running; their results are discarded", len(stuck)
+            "exiting with %d operation or alert-sink thread(s) still running; their results are discarded",
+            len(stuck),
         )
         logging.shutdown()
         sys.stdout.flush()

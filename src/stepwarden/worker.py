@@ -188,10 +188,17 @@ class Worker:
                     raise t.exception()  # type: ignore[misc]
         finally:
             stop.set()
-            await asyncio.wait(jobs, timeout=s.agent.shutdown_grace + 5)
+            # The agent's drain: its grace, 1 s for cancelled calls, up to 5 s for the replies
+            # already made, then one transaction releasing the rest; the other roles end sooner.
+            await asyncio.wait(jobs, timeout=s.agent.shutdown_grace + 12)
             beats_stop.set()
             await asyncio.wait([beats], timeout=5)
-            await _safe(store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True))
+            # Bounded: a database that stopped answering must not hold the process past its stop.
+            await _safe(
+                asyncio.wait_for(
+                    store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True), 5
+                )
+            )
             log.info("worker %s stopped", self.identity)
 
     def _woken(self, channel: str) -> None:
