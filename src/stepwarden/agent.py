@@ -170,7 +170,7 @@ class AgentRole:
         self._sender: asyncio.Task[None] | None = None
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
         self._stopping = False  # set by drain(): reply batches take no more requests
-        self._drained = False  # drain() has returned: nothing may start any more
+        self._drained = False  # drain() has stopped waiting: nothing may start any more
         # Reservations handed out and not yet settled by accept(): a transaction in flight may
         # still bring requests for them, which drain() waits for.
         self._reserving = 0
@@ -197,7 +197,7 @@ class AgentRole:
         finally:
             await self.drain()
             try:
-                await self.health.stop()
+                await asyncio.wait_for(self.health.stop(), 5)
             except Exception as e:
                 log.warning("agent %s: could not record the instances' stop: %r", self.me, e)
 
@@ -485,7 +485,7 @@ class AgentRole:
         pending: set[asyncio.Task[None]] = set()
         # A transaction already in flight (a reply batch, a scheduler round of this worker) may
         # still bring requests reserved before the stop: wait for it, and for the calls it starts.
-        while (self.tasks or self._reserving) and not pending:
+        while (self.tasks or self._reserving > 0) and not pending:
             left = max(0.0, end - loop.time())
             if self.tasks:
                 running.update(self.tasks)
@@ -495,6 +495,11 @@ class AgentRole:
                     await asyncio.wait_for(self._no_reservations.wait(), left)
                 except TimeoutError:
                     break
+        # From here on nothing starts: a transaction still in flight leaves its requests taken,
+        # for a rescue. Calls started during the last wait are cancelled with the rest.
+        self._drained = True
+        running.update(self.tasks)
+        pending = {t for t in running if not t.done()}
         if running:
             for t in pending:
                 t.cancel()
@@ -507,11 +512,12 @@ class AgentRole:
             unsent = [running[t].id for t in pending if running[t].id not in self._replied]
             if unsent:
                 why = "agent stopped before the call finished"
-                try:  # one transaction for all of them: a stop has a deadline
-                    await self.store.send_replies(self.me, [(i, "released", None, why) for i in unsent])
+                try:  # one transaction for all of them, bounded: a stop has a deadline
+                    await asyncio.wait_for(
+                        self.store.send_replies(self.me, [(i, "released", None, why) for i in unsent]), 5
+                    )
                 except Exception as e:
                     log.warning("requests %s: could not release them (they will expire): %r", unsent, e)
-        self._drained = True
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -216,6 +216,12 @@ class CallableSink(_Sink):
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=SINK_THREAD_PREFIX)
         return self._pool
 
+    def close(self) -> None:
+        """Let the sink's idle threads end (a stuck one runs on; the worker exits despite it)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
     async def send(self, alert: Alert) -> None:
         if inspect.iscoroutinefunction(self.fn):
             await self.fn(alert)
@@ -328,6 +334,12 @@ class AlertDispatcher:
         self.rng = rng or random.Random()
         self.delivered = 0
         self.failed = 0
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            close = getattr(sink, "close", None)
+            if callable(close):
+                close()
 
     async def register(self) -> None:
         """Record the sinks in the store: each receives the alerts raised from its first registration on."""

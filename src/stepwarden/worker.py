@@ -189,7 +189,8 @@ class Worker:
         finally:
             stop.set()
             # The agent's drain: its grace, 1 s for cancelled calls, up to 5 s for the replies
-            # already made, then one transaction releasing the rest; the other roles end sooner.
+            # already made, then one transaction releasing the rest (5 s at most); the other roles
+            # end sooner.
             await asyncio.wait(jobs, timeout=s.agent.shutdown_grace + 12)
             beats_stop.set()
             await asyncio.wait([beats], timeout=5)
@@ -199,6 +200,8 @@ class Worker:
                     store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True), 5
                 )
             )
+            if self.alert_dispatcher is not None:
+                self.alert_dispatcher.close()
             log.info("worker %s stopped", self.identity)
 
     def _woken(self, channel: str) -> None:

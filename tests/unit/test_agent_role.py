@@ -595,13 +595,13 @@ def test_a_stopping_agent_takes_nothing_more_and_waits_for_what_it_started(
     @agent.operation
     async def do_s(req: Request) -> None:
         started.append(req.task_id)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # still running when the stop reaches the role
 
     async def body() -> None:
         stop = asyncio.Event()
         role = make_role(rt_store, agent, settings=AgentSettings(apply_replies=True, poll_interval=0.01))
         loop_task = asyncio.create_task(role.run(stop))
-        await until(lambda: len(started) == 2)
+        await until(lambda: len(started) == 2, timeout=10)
         stop.set()
         await asyncio.wait_for(loop_task, 5)
         assert not role.tasks
