@@ -31,6 +31,13 @@ from .workflow import check_ident
 log = logging.getLogger("stepwarden.agent")
 
 Handler = Callable[["Request"], Any]
+
+# What a graceful stop waits for once its grace is over, each step bounded: the cancelled calls to
+# end, the replies already made to commit, and each of its own writes (the release of the
+# unfinished attempts, the instances' stop record; the worker's stop record too).
+CANCELLED_WAIT = 1.0
+REPLIES_WAIT = 5.0
+STOP_WRITE_WAIT = 5.0
 F = TypeVar("F", bound=Handler)
 
 
@@ -122,6 +129,11 @@ class AgentSettings:
     trial_ttl: float = 60.0  # a half-open trial not reported within this is open to others again
     report_timeout: float = 5.0  # give up waiting for the store to record a call's outcome
 
+    @property
+    def stop_within(self) -> float:
+        """The longest the agent role takes to stop: its drain, then its instances' stop record."""
+        return self.shutdown_grace + CANCELLED_WAIT + REPLIES_WAIT + 2 * STOP_WRITE_WAIT
+
 
 class AgentRole:
     """Pulls requests for some agents up to capacity and runs them; one per worker process."""
@@ -197,7 +209,7 @@ class AgentRole:
         finally:
             await self.drain()
             try:
-                await asyncio.wait_for(self.health.stop(), 5)
+                await asyncio.wait_for(self.health.stop(), STOP_WRITE_WAIT)
             except Exception as e:
                 log.warning("agent %s: could not record the instances' stop: %r", self.me, e)
 
@@ -504,17 +516,18 @@ class AgentRole:
             for t in pending:
                 t.cancel()
             if pending:
-                await asyncio.wait(pending, timeout=1)
+                await asyncio.wait(pending, timeout=CANCELLED_WAIT)
             # Hand the unfinished attempts back at once, without counting a failure, instead of
             # leaving them to expire at complete-by.
             if self._sender is not None:  # replies already made are sent, not released
-                await asyncio.wait({self._sender}, timeout=5)
+                await asyncio.wait({self._sender}, timeout=REPLIES_WAIT)
             unsent = [running[t].id for t in pending if running[t].id not in self._replied]
             if unsent:
                 why = "agent stopped before the call finished"
                 try:  # one transaction for all of them, bounded: a stop has a deadline
                     await asyncio.wait_for(
-                        self.store.send_replies(self.me, [(i, "released", None, why) for i in unsent]), 5
+                        self.store.send_replies(self.me, [(i, "released", None, why) for i in unsent]),
+                        STOP_WRITE_WAIT,
                     )
                 except Exception as e:
                     log.warning("requests %s: could not release them (they will expire): %r", unsent, e)

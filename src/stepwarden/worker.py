@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from . import tracing
-from .agent import Agent, AgentRole, AgentSettings
+from .agent import STOP_WRITE_WAIT, Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
@@ -188,16 +188,15 @@ class Worker:
                     raise t.exception()  # type: ignore[misc]
         finally:
             stop.set()
-            # The agent's drain: its grace, 1 s for cancelled calls, up to 5 s for the replies
-            # already made, then one transaction releasing the rest (5 s at most); the other roles
-            # end sooner.
-            await asyncio.wait(jobs, timeout=s.agent.shutdown_grace + 12)
+            # The agent role is the slowest to stop (its drain); the other roles end sooner.
+            await asyncio.wait(jobs, timeout=s.agent.stop_within + 1)
             beats_stop.set()
             await asyncio.wait([beats], timeout=5)
             # Bounded: a database that stopped answering must not hold the process past its stop.
             await _safe(
                 asyncio.wait_for(
-                    store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True), 5
+                    store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True),
+                    STOP_WRITE_WAIT,
                 )
             )
             if self.alert_dispatcher is not None:
