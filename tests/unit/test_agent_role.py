@@ -641,3 +641,82 @@ def test_a_call_that_swallows_the_stop_does_not_reply_after_it_was_released(
 
     run(body())
     assert [r["outcome"] for r in replies(rt_store)] == ["released"]
+
+
+def test_bookkeeping_that_fails_after_a_commit_does_not_send_the_batch_again(
+    rt_store: Store, make_workflow: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replies are committed: an error in what follows (a metrics callback) is logged, the
+    batch is not retried (it would be recorded again, as stale), and the calls are released."""
+    dispatch(rt_store, make_workflow, 2)
+    agent = Agent("svc", concurrency=2)
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        return None
+
+    spy = CountingTakes(rt_store)
+
+    def broken(applied: Any) -> None:
+        raise RuntimeError("a metrics callback failed")
+
+    async def body() -> None:
+        role = make_role(spy, agent, settings=AgentSettings(apply_replies=True), on_applied=broken)  # type: ignore[arg-type]
+        assert await role.pull() == 2
+        await until(lambda: not role.tasks and not role._outbox, timeout=10)
+        assert role.inflight == {"svc": 0}
+        assert role.completed == 2
+
+    run(body())
+    assert sum(sent for sent, *_ in spy.batches) == 2  # each reply sent once
+    assert sorted(r["outcome"] for r in replies(rt_store)) == ["ok", "ok"]
+    assert "after a reply batch committed" in caplog.text
+
+
+class SilentStore:
+    """The store, except that its reply transactions never answer (a partitioned database)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.release_tries = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def send_replies(self, *args: Any, **kw: Any) -> Any:
+        self.release_tries += 1
+        await asyncio.Event().wait()
+
+
+def test_a_stop_with_the_database_not_answering_ends_within_its_bound(
+    rt_store: Store, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DEP4 with the database gone quiet: the release of the unfinished attempt is tried once and
+    given up after its bound, the role returns, and the attempt is left to expire at complete-by."""
+    monkeypatch.setattr("stepwarden.agent.STOP_WRITE_WAIT", 0.2)
+    dispatch(rt_store, make_workflow, 1)
+    agent = Agent("svc", concurrency=1)
+    entered = asyncio.Event()
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        entered.set()
+        await asyncio.sleep(30)
+
+    silent = SilentStore(rt_store)
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        role = make_role(silent, agent, settings=AgentSettings(shutdown_grace=0.1, poll_interval=0.01))  # type: ignore[arg-type]
+        loop_task = asyncio.create_task(role.run(stop))
+        await asyncio.wait_for(entered.wait(), 5)
+        stop.set()
+        began = time.monotonic()
+        await asyncio.wait_for(loop_task, 10)
+        assert time.monotonic() - began < 5  # grace 0.1 + cancel + release bound 0.2 + stop record 0.2
+        assert role.inflight == {"svc": 0}
+
+    run(body())
+    assert silent.release_tries == 1
+    assert "could not release them (they will expire)" in caplog.text
+    assert request_states(rt_store) == ["taken"]
