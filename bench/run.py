@@ -11,6 +11,7 @@ See bench/README.md for what each workload measures and how.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime as dt
 import json
@@ -306,8 +307,6 @@ def stepwarden_submit_alone(dbs: Databases, store_kind: str, n: int) -> dict[str
     """W1's submissions with no worker running: ``n`` one-step tasks, one ``App.submit`` call
     each, as W1 submits them. W1 ends when its last task is processed, so it cannot pass this
     rate (the workers only add to the machine's load and, on SQLite, to its one write lock)."""
-    import asyncio
-
     url = dbs.fresh(store_kind, "sw_submit")
     app, store = open_app(url)
     try:
