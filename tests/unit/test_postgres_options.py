@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stepwarden.errors import InputError
-from stepwarden.store.postgres import PgOptions, parse_url, pg_options
+from stepwarden.store.postgres import TCP_DEFAULTS, PgOptions, parse_url, pg_options
 
 BASE = "postgresql://sw:secret@db.internal:5432/stepwarden"
 
@@ -20,7 +20,29 @@ def test_our_options_come_off_the_url_and_libpq_keeps_the_rest() -> None:
 
 
 def test_a_direct_connection_keeps_the_fast_path_by_default() -> None:
-    assert pg_options(BASE) == PgOptions(conninfo=BASE, listen=True, prepare=True, pool_size=4, pooled=False)
+    assert pg_options(BASE) == PgOptions(
+        conninfo=BASE, listen=True, prepare=True, pool_size=4, pooled=False, tcp=TCP_DEFAULTS
+    )
+
+
+def test_every_connection_gets_tcp_keepalives_and_a_user_timeout_unless_the_url_sets_them() -> None:
+    """A partitioned server must not hold a thread for ever: see TCP_DEFAULTS. A URL that sets
+    any of these keeps its own value (libpq's key=value form too), and gets the others."""
+    assert dict(pg_options(BASE).tcp) == {
+        "keepalives": "1",
+        "keepalives_idle": "10",
+        "keepalives_interval": "5",
+        "keepalives_count": "3",
+        "tcp_user_timeout": "30000",
+    }
+    assert dict(pg_options(BASE + "?keepalives_idle=60&tcp_user_timeout=0").tcp) == {
+        "keepalives": "1",
+        "keepalives_interval": "5",
+        "keepalives_count": "3",
+    }
+    assert "keepalives" not in dict(pg_options("host=db.internal dbname=sw keepalives=0").tcp)
+    # a URL libpq cannot parse still gets them; connecting reports what is wrong with it
+    assert pg_options("postgresql://db.internal:notaport/sw").tcp == TCP_DEFAULTS
 
 
 @pytest.mark.parametrize(

@@ -261,6 +261,21 @@ class PgTx:
 
 
 URL_OPTIONS = ("listen", "pool_size", "prepare", "pooler")
+# A partition (packets dropped, not refused) gives a socket no error: a statement waits for an
+# answer that never comes, a LISTEN connection for notifications, for as long as the kernel keeps
+# the connection: about 15 minutes of retransmissions while data is unacknowledged, else until
+# libpq's keepalives (on by default, with the kernel's timings: a first probe after 2 hours). These
+# settings end such a connection within about 30 s of silence, so the pool replaces it and the
+# transaction's caller sees an error it already handles (REL3), instead of a thread that never
+# returns. A live server answers the probes at the TCP level, so a slow statement or a long wait
+# on a lock is not cut short. Given in the URL, the user's values win; ignored for Unix sockets.
+TCP_DEFAULTS = (
+    ("keepalives", "1"),
+    ("keepalives_idle", "10"),  # seconds of silence before the first probe
+    ("keepalives_interval", "5"),
+    ("keepalives_count", "3"),  # unanswered probes, then the connection is dead: 10 + 3 * 5 s
+    ("tcp_user_timeout", "30000"),  # ms that sent data may stay unacknowledged
+)
 _ON = ("on", "1", "true", "yes")
 _OFF = ("off", "0", "false", "no")
 
@@ -291,6 +306,7 @@ class PgOptions:
     prepare: bool  # server-side prepared statements
     pool_size: int
     pooled: bool  # behind a transaction-mode pooler: no session state at all
+    tcp: tuple[tuple[str, str], ...] = ()  # TCP_DEFAULTS the URL does not set, for every connection
 
 
 def _switch(opts: dict[str, str], key: str, default: bool) -> bool:
@@ -344,7 +360,18 @@ def pg_options(
         prepare=prepare if prepare is not None else _switch(opts, "prepare", not pooled),
         pool_size=size,
         pooled=pooled,
+        tcp=_tcp_defaults(conninfo),
     )
+
+
+def _tcp_defaults(conninfo: str) -> tuple[tuple[str, str], ...]:
+    """The :data:`TCP_DEFAULTS` that ``conninfo`` leaves unset. A conninfo libpq cannot parse gets
+    them all: the first connection then reports what is wrong with it, in one line."""
+    given: dict[str, Any] = {}
+    if psycopg is not None:
+        with contextlib.suppress(psycopg.ProgrammingError):
+            given = psycopg.conninfo.conninfo_to_dict(conninfo)
+    return tuple((k, v) for k, v in TCP_DEFAULTS if k not in given)
 
 
 class PostgresStore(Store):
@@ -403,6 +430,7 @@ class PostgresStore(Store):
             self.migrate()
 
     def _connect_kwargs(self, **kw: Any) -> dict[str, Any]:
+        kw.update(self.options.tcp)
         kw["autocommit"] = False
         if not self.prepare:
             kw["prepare_threshold"] = None  # never prepare, not even psycopg's automatic ones
@@ -616,7 +644,9 @@ class PostgresStore(Store):
         delay = 0.2
         while not stop.is_set():
             try:
-                aconn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
+                aconn = await psycopg.AsyncConnection.connect(
+                    psycopg.conninfo.make_conninfo(self.conninfo, **dict(self.options.tcp)), autocommit=True
+                )
                 async with aconn:
                     for ch in wanted:
                         await aconn.execute(f"LISTEN {ch}")
