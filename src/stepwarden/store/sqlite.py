@@ -257,19 +257,40 @@ class SQLiteStore(Store):
         done = threading.Event()
 
         def watch() -> None:
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout, check_same_thread=False)
-            try:
-                last = conn.execute("PRAGMA data_version").fetchone()[0]
-                while not done.wait(self.watch_interval):
-                    now = conn.execute("PRAGMA data_version").fetchone()[0]
-                    if now != last:
-                        last = now
-                        for channel in WORK_CHANNELS if channels is None else channels:
-                            loop.call_soon_threadsafe(wake, channel)
-            except (sqlite3.Error, RuntimeError) as e:  # RuntimeError: the loop closed under us
-                log.debug("data_version watcher stopped: %r", e)
-            finally:
-                conn.close()
+            delay = self.watch_interval
+            failing = False
+            while not done.is_set():
+                try:
+                    conn = self._watch_connection()
+                except sqlite3.Error as e:
+                    failing = _watch_failed(failing, e)
+                else:
+                    try:
+                        last = conn.execute("PRAGMA data_version").fetchone()[0]
+                        if failing:
+                            log.info("data_version watcher: working again")
+                            failing = False
+                            delay = self.watch_interval
+                            wake_all()  # a commit may have come while it was down
+                        while not done.wait(self.watch_interval):
+                            now = conn.execute("PRAGMA data_version").fetchone()[0]
+                            if now != last:
+                                last = now
+                                wake_all()
+                    except sqlite3.Error as e:
+                        failing = _watch_failed(failing, e)
+                    except RuntimeError:  # the event loop closed under us: the worker is leaving
+                        return
+                    finally:
+                        conn.close()
+                # Until the watch works again the roles poll at their idle interval (as with
+                # watch_interval=0); retried with back-off, on a fresh connection.
+                delay = min(WATCH_RETRY_MAX, max(delay * 2, 0.05))
+                done.wait(delay)
+
+        def wake_all() -> None:
+            for channel in WORK_CHANNELS if channels is None else channels:
+                loop.call_soon_threadsafe(wake, channel)
 
         thread = threading.Thread(target=watch, name="stepwarden-sqlite-watch", daemon=True)
         thread.start()
@@ -277,6 +298,10 @@ class SQLiteStore(Store):
             await stop.wait()
         finally:
             done.set()
+
+    def _watch_connection(self) -> sqlite3.Connection:
+        """The watcher's own connection: ``data_version`` moves only for other connections' commits."""
+        return sqlite3.connect(self.path, timeout=self.busy_timeout, check_same_thread=False)
 
     def close(self) -> None:
         super().close()
@@ -286,3 +311,13 @@ class SQLiteStore(Store):
                     conn.close()
             self._all.clear()
         self._local = threading.local()
+
+
+WATCH_RETRY_MAX = 2.0  # seconds between the watcher's attempts to come back after an error
+
+
+def _watch_failed(failing: bool, e: sqlite3.Error) -> bool:
+    """Log a broken watch once per outage (the roles still poll, so work is only slower to start)."""
+    if not failing:
+        log.warning("data_version watcher failed, the roles poll until it is back: %r", e)
+    return True
