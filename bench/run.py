@@ -35,6 +35,7 @@ ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 sys.path.insert(0, str(HERE))
 
+import cpu  # noqa: E402
 import floor  # noqa: E402
 from peers.common import stop as stop_process  # noqa: E402 - by pid: SIGTERM, SIGKILL after a grace
 
@@ -102,6 +103,22 @@ class Databases:
         name = url.rsplit("/", 1)[1].split("?")[0]
         with contextlib.suppress(Exception), psycopg.connect(self.admin, autocommit=True) as c:
             c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    def server_cpu(self) -> Callable[[], float | None] | None:
+        """How to read the CPU of the PostgreSQL server this harness started (None for SQLite's
+        in-process store, or a server given with ``--postgres``, whose processes are not ours)."""
+        pid = cpu.postmaster_pid(self.server.data_dir) if self.server is not None else None
+        if pid is None:
+            return None
+        return lambda: cpu.tree_cpu(pid)
+
+    def meter(self, store: str, **groups: Callable[[], float | None]) -> cpu.CpuMeter:
+        """CPU of the harness (which submits), of ``groups``, and of the server on PostgreSQL."""
+        named = {"cpu_submitter": cpu.harness, **{f"cpu_{k}": v for k, v in groups.items()}}
+        server = self.server_cpu() if store == "postgres" else None
+        if store == "postgres":
+            named["cpu_server"] = server or (lambda: None)
+        return cpu.CpuMeter(named)
 
     def pg_version(self) -> str | None:
         if self.admin is None:
@@ -268,6 +285,8 @@ def stepwarden_throughput(
                 prefill_store(reader, max(warm), prefill)
                 prefill_s = round(time.monotonic() - t, 1)
             base = int(reader.one("SELECT max(id) FROM tasks"))
+            meter = dbs.meter(store_kind, workers=lambda: cpu.process_cpu(p.pid for p in procs))
+            meter.start()
             t0 = time.time()
             for _ in range(n):
                 app.submit(wf, {})
@@ -280,6 +299,7 @@ def stepwarden_throughput(
                 timeout,
                 procs=procs,
             )
+            used = meter.stop(n)
             end = float(
                 reader.one("SELECT max(at) FROM events WHERE kind = 'processed' AND task_id > ?", (base,))
             )
@@ -297,6 +317,7 @@ def stepwarden_throughput(
         "submit_rate": round(n / (submitted - t0), 1),
         "not_processed": int(bad),
         "tasks_in_store": rows,
+        **used,
     }
     if prefill:
         out["prefill_s"] = prefill_s
@@ -314,10 +335,13 @@ def stepwarden_submit_alone(dbs: Databases, store_kind: str, n: int) -> dict[str
         asyncio.run(store.register_workflows(list(app.workflows.values()), "bench-harness"))
         for _ in range(20):
             app.submit("one", {})
+        meter = dbs.meter(store_kind)
+        meter.start()
         t0 = time.perf_counter()
         for _ in range(n):
             app.submit("one", {})
         elapsed = time.perf_counter() - t0
+        used = meter.stop(n)
     finally:
         store.close()
         dbs.drop(url)
@@ -326,6 +350,7 @@ def stepwarden_submit_alone(dbs: Databases, store_kind: str, n: int) -> dict[str
         "rate": round(n / elapsed, 1),
         "submit_rate": round(n / elapsed, 1),
         "us_per_call": round(elapsed / n * 1e6, 1),
+        **used,
     }
 
 
@@ -599,8 +624,11 @@ def floor_throughput(dbs: Databases, store_kind: str, n: int, consumers: int, th
         warm = 4 * consumers
         floor.produce(url, warm)
         wait_until(lambda: reader.one(done) >= warm, 60, procs=procs)
+        meter = dbs.meter(store_kind, workers=lambda: cpu.process_cpu(p.pid for p in procs))
+        meter.start()
         t0, t1 = floor.produce(url, n)
         wait_until(lambda: reader.one(done) >= warm + n, max(120.0, n / 10), procs=procs)
+        used = meter.stop(n)
         end = float(reader.one("SELECT max(done_at) FROM jobs"))
         reader.close()
     finally:
@@ -611,6 +639,7 @@ def floor_throughput(dbs: Databases, store_kind: str, n: int, consumers: int, th
         "elapsed_s": round(end - t0, 3),
         "rate": round(n / (end - t0), 1),
         "submit_rate": round(n / (t1 - t0), 1),
+        **used,
     }
 
 
@@ -907,6 +936,7 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
             f"| {fmt(figure(s, 'rate'))} | {fmt(figure(s, 'steps_per_s'))} | {fmt(figure(s, 'submit_rate'))} "
             f"| {len(errs) or ''} |"
         )
+    lines += cpu_table(res, data["machine"].get("cores"))
     ratios = data["summary"]["ratios"]
     if ratios:
         lines += [
@@ -973,6 +1003,67 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
         for s, r in errors:
             lines.append(f"- {s['system']} {s['store']} {s['workload']} rep {r['rep']}: {r['error'][:400]}")
     return "\n".join(lines) + "\n"
+
+
+def cpu_table(res: Results, cores: int | None) -> list[str]:
+    """Where each task's CPU goes (harness that submits, workers, PostgreSQL server) and how many
+    of the machine's cores a run kept busy; then, per store, the most CPU a task may cost if issue
+    5's W1 goal is to be reached on this machine's cores."""
+    rows = [
+        s
+        for s in res.series.values()
+        if s["system"] in ("stepwarden", "floor") and s["workload"] in ("w1", "w2", "submit")
+        if figure(s, "cpu_submitter_ms")
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## CPU per task (ms) and cores busy",
+        "",
+        "CPU time from /proc over the measured interval, divided by the tasks. *submitter*: the "
+        "harness process, which submits (and polls the store for the end, every 20 ms); *workers*: "
+        "the worker (or raw-floor consumer) processes; *server*: the PostgreSQL server's processes "
+        "(on SQLite the store's work is inside the other two). *cores busy*: the total over the wall "
+        "time.",
+        "",
+        "| system | store | workload | submitter | workers | server | total | cores busy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in rows:
+        label = s["system"] + (f" (+{s['prefill']:,} finished)" if s.get("prefill") else "")
+        label += f" (synchronous={s['sync']})" if s.get("sync") else ""
+        what = "W1's submissions, no worker" if s["workload"] == "submit" else s["workload"].upper()
+        lines.append(
+            f"| {label} | {s['store']} | {what} | {fmt(figure(s, 'cpu_submitter_ms'))} "
+            f"| {fmt(figure(s, 'cpu_workers_ms'))} | {fmt(figure(s, 'cpu_server_ms'))} "
+            f"| {fmt(figure(s, 'cpu_total_ms'))} | {fmt(figure(s, 'cores_busy'))} |"
+        )
+    for st, (peer, times) in GOALS.items():
+        p = figure(res.find(system=peer, store=st, workload="w1"), "rate")
+        w1 = next(
+            (
+                s
+                for s in rows
+                if s["system"] == "stepwarden"
+                and s["store"] == st
+                and s["workload"] == "w1"
+                and not s.get("prefill")
+                and not s.get("sync")
+            ),
+            None,
+        )
+        spent = figure(w1, "cpu_total_ms")
+        if p is None or spent is None or not cores:
+            continue
+        goal = p["median"] * times
+        lines.append("")
+        lines.append(
+            f"- {st}: issue 5's W1 goal ({times:g}x {peer}'s median W1, {goal:,.0f} tasks/s) leaves "
+            f"{cores} cores / {goal:,.0f} = {cores / goal * 1000:.3f} ms of CPU per task; "
+            f"stepwarden's W1 spent {spent['median']:g} ms."
+        )
+    return lines
 
 
 def source() -> dict[str, Any]:
