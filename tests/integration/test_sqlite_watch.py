@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from stepwarden.store import sqlite as sqlite_store
 from stepwarden.store.base import WORK_CHANNELS
 from stepwarden.store.sqlite import SQLiteStore
 
@@ -38,11 +39,11 @@ class _Watched:
 
 class _FlakyStore(SQLiteStore):
     """Its first ``refuse`` watch connections fail at connect; with ``breaks``, the next one fails
-    at its third read."""
+    at its third read; with ``flaps``, every one does."""
 
-    def __init__(self, path: str, refuse: int = 0, breaks: bool = True) -> None:
+    def __init__(self, path: str, refuse: int = 0, breaks: bool = True, flaps: bool = False) -> None:
         super().__init__(path)
-        self.refuse, self.breaks = refuse, breaks
+        self.refuse, self.breaks, self.flaps = refuse, breaks, flaps
         self.attempts = 0
         self.watches: list[_Watched] = []
 
@@ -50,8 +51,8 @@ class _FlakyStore(SQLiteStore):
         self.attempts += 1
         if self.attempts <= self.refuse:
             raise sqlite3.OperationalError("unable to open database file")
-        first = not self.watches
-        self.watches.append(_Watched(super()._watch_connection(), 3 if self.breaks and first else None))
+        fails = self.flaps or (self.breaks and not self.watches)
+        self.watches.append(_Watched(super()._watch_connection(), 3 if fails else None))
         return self.watches[-1]
 
 
@@ -79,10 +80,19 @@ async def _until(what: Any, seconds: float, why: str) -> None:
         await asyncio.sleep(0.005)
 
 
+def _logged(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in list(caplog.records)
+        if r.name == LOGGER and r.levelno == level and text in r.getMessage()
+    ]
+
+
 @pytest.mark.parametrize("refuse", [0, 2], ids=["fails-mid-watch", "cannot-connect-then-fails"])
 def test_the_watch_comes_back_after_an_error_and_wakes_for_the_next_commit(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, refuse: int
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, refuse: int
 ) -> None:
+    monkeypatch.setattr(sqlite_store, "WATCH_SETTLED", 0.2)
     path = tmp_path / "store.db"
     store = _store(_FlakyStore(str(path), refuse))
     woken: list[str] = []
@@ -90,14 +100,18 @@ def test_the_watch_comes_back_after_an_error_and_wakes_for_the_next_commit(
     async def main() -> None:
         stop = asyncio.Event()
         listening = asyncio.create_task(store.listen(woken.append, stop))
-        # it fails (at connect `refuse` times, then at its third read) and reconnects
-        await _until(
-            lambda: len(store.watches) == 2 and store.watches[1].reads >= 2, 10, "the watch never came back"
-        )
+        # it fails (at connect `refuse` times, then at its third read), reconnects, and wakes the
+        # roles once, for whatever was committed while it was down
+        await _until(lambda: len(store.watches) == 2 and store.watches[1].reads >= 2, 10, "never came back")
+        # (one round of wake-ups per connection opened during the outage: with refused connects
+        # first, the one that broke was one of them)
+        rounds = 1 if refuse == 0 else 2
+        await _until(lambda: len(woken) == rounds * len(WORK_CHANNELS), 2, "no wake-up once back")
         woken.clear()
         _commit_elsewhere(path)
         await _until(lambda: woken, 2, "a commit after the error woke nobody")
         assert set(woken) == set(WORK_CHANNELS)
+        await _until(lambda: _logged(caplog, logging.INFO, "working again"), 5, "never said it is back")
         stop.set()
         await listening
 
@@ -106,12 +120,52 @@ def test_the_watch_comes_back_after_an_error_and_wakes_for_the_next_commit(
             asyncio.run(main())
     finally:
         store.close()
-    warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
-    # once per outage, not per retry: two refused connects are one outage, the broken read another
-    assert len(warnings) == (1 if refuse == 0 else 2), [r.getMessage() for r in warnings]
+    # once per outage, not per retry: refused connects and the connection that broke after them
+    # (before it had worked for WATCH_SETTLED) are one outage
+    warnings = _logged(caplog, logging.WARNING, "")
+    assert len(warnings) == 1, warnings
+    assert "data_version watcher failed" in warnings[0]
     assert len(store.watches) == 2 and store.attempts == refuse + 2
-    assert all("data_version watcher failed" in r.getMessage() for r in warnings)
-    assert any("working again" in r.getMessage() for r in caplog.records if r.name == LOGGER)
+
+
+def test_a_watch_that_keeps_breaking_backs_off_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each new connection reads, then fails (a damaged -shm file, say): that is one outage, with
+    a growing pause between tries, not a warning, a wake-up and a retry every 50 ms for ever."""
+    path = tmp_path / "store.db"
+    store = _store(_FlakyStore(str(path), flaps=True))
+    woken: list[str] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        listening = asyncio.create_task(store.listen(woken.append, stop, ["stepwarden_tasks"]))
+        await _until(lambda: store.attempts >= 4, 10, "it stopped trying")
+        await asyncio.sleep(1.0)  # the span that is checked: pauses of 0.4 s and more by now
+        stop.set()
+        await listening
+
+    try:
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            asyncio.run(main())
+    finally:
+        store.close()
+    assert len(_logged(caplog, logging.WARNING, "")) == 1
+    assert not _logged(caplog, logging.INFO, "working again")
+    # pauses of 0.05, 0.1, 0.2, 0.4, 0.8, 1.6 s: in the ~1.4 s after the 4th try, 2 or 3 more
+    assert 4 <= store.attempts <= 7, store.attempts
+    assert len(woken) <= store.attempts  # one wake-up per reconnection at most
+
+
+def test_the_watch_never_creates_a_store_file_that_is_gone(tmp_path: Path) -> None:
+    path = tmp_path / "store.db"
+    store = SQLiteStore(str(path))
+    store.close()
+    for leftover in tmp_path.glob("store.db*"):
+        leftover.unlink()
+    with pytest.raises(sqlite3.OperationalError):
+        store._watch_connection()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_watch_that_works_wakes_once_per_commit_and_stops_with_its_worker(tmp_path: Path) -> None:

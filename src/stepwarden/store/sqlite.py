@@ -18,6 +18,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock
@@ -267,16 +268,20 @@ class SQLiteStore(Store):
                 else:
                     try:
                         last = conn.execute("PRAGMA data_version").fetchone()[0]
+                        opened = time.monotonic()
                         if failing:
-                            log.info("data_version watcher: working again")
-                            failing = False
-                            delay = self.watch_interval
                             wake_all()  # a commit may have come while it was down
                         while not done.wait(self.watch_interval):
                             now = conn.execute("PRAGMA data_version").fetchone()[0]
                             if now != last:
                                 last = now
                                 wake_all()
+                            if failing and time.monotonic() - opened >= WATCH_SETTLED:
+                                # Only a connection that keeps working ends the outage: one that
+                                # fails again after a few reads must not reset the back-off.
+                                log.info("data_version watcher: working again")
+                                failing = False
+                                delay = self.watch_interval
                     except sqlite3.Error as e:
                         failing = _watch_failed(failing, e)
                     except RuntimeError:  # the event loop closed under us: the worker is leaving
@@ -300,8 +305,13 @@ class SQLiteStore(Store):
             done.set()
 
     def _watch_connection(self) -> sqlite3.Connection:
-        """The watcher's own connection: ``data_version`` moves only for other connections' commits."""
-        return sqlite3.connect(self.path, timeout=self.busy_timeout, check_same_thread=False)
+        """The watcher's own connection: ``data_version`` moves only for other connections' commits.
+        Read-write, never create: a store file removed under a running worker must not come back
+        as an empty database because the watch reconnected."""
+        if self.path == ":memory:":
+            return sqlite3.connect(self.path, check_same_thread=False)
+        uri = Path(self.path).absolute().as_uri() + "?mode=rw"
+        return sqlite3.connect(uri, uri=True, timeout=self.busy_timeout, check_same_thread=False)
 
     def close(self) -> None:
         super().close()
@@ -314,6 +324,7 @@ class SQLiteStore(Store):
 
 
 WATCH_RETRY_MAX = 2.0  # seconds between the watcher's attempts to come back after an error
+WATCH_SETTLED = 1.0  # seconds a new watch connection must keep working to end an outage
 
 
 def _watch_failed(failing: bool, e: sqlite3.Error) -> bool:
