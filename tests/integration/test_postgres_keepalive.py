@@ -10,7 +10,9 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import pytest
 
 from stepwarden.store.base import WORK_CHANNELS
 from stepwarden.store.postgres import PostgresStore
@@ -51,10 +53,14 @@ def _socket_fds() -> Iterator[tuple[int, str]]:
 
 def _port(url: str) -> int:
     parts = urlsplit(url)
-    assert parts.hostname in ("127.0.0.1", "localhost", "::1") and parts.port, (
-        f"this test reads TCP sockets; {url} is not a TCP URL"
-    )
+    if not parts.hostname or not parts.port:  # CI's own server is always on 127.0.0.1
+        pytest.skip(f"this test reads TCP sockets; {url} does not name a TCP host and port")
     return parts.port
+
+
+def _with(url: str, **params: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(query=urlencode([*parse_qsl(parts.query), *params.items()])))
 
 
 def _open_everything(url: str) -> list[dict[str, int]]:
@@ -95,5 +101,6 @@ def test_every_connection_of_the_store_has_keepalives_and_a_user_timeout(pg_url:
 
 
 def test_values_given_in_the_url_win(pg_url: str) -> None:
-    for options in _open_everything(pg_url + "?keepalives_idle=42&tcp_user_timeout=12000&pool_size=1"):
+    url = _with(pg_url, keepalives_idle="42", tcp_user_timeout="12000", pool_size="1")
+    for options in _open_everything(url):
         assert options == {"keepalive": 1, "idle": 42, "interval": 5, "count": 3, "user_timeout_ms": 12000}

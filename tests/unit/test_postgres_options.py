@@ -41,8 +41,18 @@ def test_every_connection_gets_tcp_keepalives_and_a_user_timeout_unless_the_url_
         "keepalives_count": "3",
     }
     assert "keepalives" not in dict(pg_options("host=db.internal dbname=sw keepalives=0").tcp)
-    # a URL libpq cannot parse still gets them; connecting reports what is wrong with it
-    assert pg_options("postgresql://db.internal:notaport/sw").tcp == TCP_DEFAULTS
+    # a URL libpq cannot parse gets them all, its own keepalives_idle unseen; connecting then
+    # reports what is wrong with it
+    assert pg_options(BASE + "?keepalives_idle=60&bogus=1").tcp == TCP_DEFAULTS
+
+
+def test_a_libpq_older_than_12_is_not_given_tcp_user_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It would refuse every connection with "invalid connection option"."""
+    import psycopg
+
+    monkeypatch.setattr(psycopg.pq, "version", lambda: 110022)
+    assert "tcp_user_timeout" not in dict(pg_options(BASE).tcp)
+    assert dict(pg_options(BASE).tcp)["keepalives_idle"] == "10"
 
 
 @pytest.mark.parametrize(

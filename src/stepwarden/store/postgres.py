@@ -365,12 +365,15 @@ def pg_options(
 
 
 def _tcp_defaults(conninfo: str) -> tuple[tuple[str, str], ...]:
-    """The :data:`TCP_DEFAULTS` that ``conninfo`` leaves unset. A conninfo libpq cannot parse gets
-    them all: the first connection then reports what is wrong with it, in one line."""
+    """The :data:`TCP_DEFAULTS` that ``conninfo`` leaves unset (and that this libpq knows). A
+    conninfo libpq cannot parse gets them all: the first connection then reports what is wrong with
+    it, in one line. A ``service=`` entry's own settings are not seen here, so ours win over them."""
     given: dict[str, Any] = {}
     if psycopg is not None:
         with contextlib.suppress(psycopg.ProgrammingError):
             given = psycopg.conninfo.conninfo_to_dict(conninfo)
+        if psycopg.pq.version() < 120000:  # libpq 10 and 11 reject tcp_user_timeout as unknown
+            given["tcp_user_timeout"] = None
     return tuple((k, v) for k, v in TCP_DEFAULTS if k not in given)
 
 
