@@ -52,16 +52,21 @@ def process_cpu(pids: Iterable[int]) -> float | None:
 def tree_cpu(root: int) -> float | None:
     """CPU seconds of ``root``, its live children and its reaped children: a PostgreSQL server,
     whose postmaster forks a backend per connection."""
-    st = _stat(root)
-    if st is None:
-        return None
-    total = st[1] + st[2]
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            child = _stat(int(entry.name))
-            if child is not None and child[0] == root:
-                total += child[1]
-    return total
+    for _ in range(5):
+        st = _stat(root)
+        if st is None:
+            return None
+        total = st[1] + st[2]
+        for entry in PROC.iterdir():
+            if entry.name.isdigit():
+                child = _stat(int(entry.name))
+                if child is not None and child[0] == root:
+                    total += child[1]
+        again = _stat(root)
+        # A child reaped during the scan would be in neither sum: read again until none was.
+        if again is not None and again[2] == st[2]:
+            return total
+    return None
 
 
 def postmaster_pid(data_dir: Path) -> int | None:
@@ -75,20 +80,23 @@ class CpuMeter:
     """CPU seconds of named groups of processes between :meth:`start` and :meth:`stop`, and the
     wall time in between. A group whose reading fails at either end reports None."""
 
-    def __init__(self, groups: dict[str, Callable[[], float | None]]) -> None:
+    def __init__(
+        self, groups: dict[str, Callable[[], float | None]], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.groups = groups
+        self.clock = clock
         self.before: dict[str, float | None] = {}
         self.t0 = 0.0
 
     def start(self) -> None:
         self.before = {name: read() for name, read in self.groups.items()}
-        self.t0 = time.monotonic()
+        self.t0 = self.clock()
 
     def stop(self, tasks: int) -> dict[str, float | None]:
         """Milliseconds of CPU per task for each group (``<group>_ms``) and in total
         (``cpu_total_ms``), and ``cores_busy``: the total CPU over the wall time, in cores (None
         if any group could not be read)."""
-        wall = time.monotonic() - self.t0
+        wall = self.clock() - self.t0
         out: dict[str, float | None] = {}
         spent: list[float | None] = []
         for name, read in self.groups.items():

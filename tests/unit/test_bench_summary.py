@@ -130,19 +130,17 @@ def test_a_servers_cpu_counts_the_backends_that_already_exited(cpu: ModuleType) 
     assert cpu.tree_cpu(2**22 + 7) is None  # no such process: unknown, not zero
 
 
-def test_the_meter_gives_cpu_per_task_and_cores_busy(
-    cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    clock = iter([100.0, 102.0])
-    monkeypatch.setattr(cpu.time, "monotonic", lambda: next(clock))
+def test_the_meter_gives_cpu_per_task_and_cores_busy(cpu: ModuleType) -> None:
     readings = {"cpu_workers": iter([1.0, 2.5]), "cpu_server": iter([4.0, 5.5])}
-    meter = cpu.CpuMeter({k: (lambda it=it: next(it)) for k, it in readings.items()})
+    meter = cpu.CpuMeter({k: it.__next__ for k, it in readings.items()}, clock=iter([100.0, 102.0]).__next__)
     meter.start()
     out = meter.stop(1000)
     # 1.5 s each over 1,000 tasks, 3 s of CPU in 2 s of wall time
     assert out == {"cpu_workers_ms": 1.5, "cpu_server_ms": 1.5, "cpu_total_ms": 3.0, "cores_busy": 1.5}
-    lost = cpu.CpuMeter({"cpu_workers": iter([1.0, 2.0]).__next__, "cpu_server": iter([1.0, None]).__next__})
-    monkeypatch.setattr(cpu.time, "monotonic", iter([0.0, 1.0]).__next__)
+    lost = cpu.CpuMeter(
+        {"cpu_workers": iter([1.0, 2.0]).__next__, "cpu_server": iter([1.0, None]).__next__},
+        clock=iter([0.0, 1.0]).__next__,
+    )
     lost.start()
     assert lost.stop(10) == {
         "cpu_workers_ms": 100.0,
@@ -166,7 +164,10 @@ def test_the_table_shows_where_the_cpu_goes_and_the_goals_budget(bench: ModuleTy
         cpu_submitter_ms=0.25, cpu_workers_ms=0.4, cpu_server_ms=0.65, cpu_total_ms=1.3, cores_busy=1.69
     )
     lines = bench.cpu_table(res, 2)
-    assert "| stepwarden | postgres | W1 | 0.25 | 0.4 | 0.65 | 1.3 | 1.69 |" in lines
+    assert "| stepwarden | postgres | W1 | 1 | 0.25 | 0.4 | 0.65 | 1.3 | 1.69 |" in lines
     # 4 x 500 tasks/s on 2 cores: 1 ms per task at most
-    assert any("2,000 tasks/s" in line and "= 1.000 ms" in line and "spent 1.3 ms" in line for line in lines)
+    assert any(
+        "2,000 tasks/s" in line and "= 1.000 ms" in line and "with 1 worker(s) 1.3 ms" in line
+        for line in lines
+    )
     assert bench.cpu_table(results(bench, tmp_path, []), 2) == []  # nothing measured, no section
