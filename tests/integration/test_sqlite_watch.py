@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,14 @@ async def _until(what: Any, seconds: float, why: str) -> None:
         await asyncio.sleep(0.005)
 
 
+def _run(store: SQLiteStore, main: Coroutine[Any, Any, None], caplog: pytest.LogCaptureFixture) -> None:
+    try:
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            asyncio.run(main)
+    finally:
+        store.close()
+
+
 def _logged(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
     return [
         r.getMessage()
@@ -115,11 +124,7 @@ def test_the_watch_comes_back_after_an_error_and_wakes_for_the_next_commit(
         stop.set()
         await listening
 
-    try:
-        with caplog.at_level(logging.INFO, logger=LOGGER):
-            asyncio.run(main())
-    finally:
-        store.close()
+    _run(store, main(), caplog)
     # once per outage, not per retry: refused connects and the connection that broke after them
     # (before it had worked for WATCH_SETTLED) are one outage
     warnings = _logged(caplog, logging.WARNING, "")
@@ -145,11 +150,7 @@ def test_a_watch_that_keeps_breaking_backs_off_and_says_so_once(
         stop.set()
         await listening
 
-    try:
-        with caplog.at_level(logging.INFO, logger=LOGGER):
-            asyncio.run(main())
-    finally:
-        store.close()
+    _run(store, main(), caplog)
     assert len(_logged(caplog, logging.WARNING, "")) == 1
     assert not _logged(caplog, logging.INFO, "working again")
     # pauses of 0.05, 0.1, 0.2, 0.4, 0.8, 1.6 s: in the ~1.4 s after the 4th try, 2 or 3 more
