@@ -188,6 +188,12 @@ class AgentRole:
         self._reserving = 0
         self._no_reservations = asyncio.Event()
         self._no_reservations.set()
+        # A transaction that takes requests for this instance failed, and may have committed
+        # anyway (a connection lost in the round trip that carries COMMIT): the requests it took
+        # are this instance's in the store, and nothing here runs them. Set by accept() and
+        # pull(); run() then hands such requests back (see _release_unknown_takes).
+        self._takes_unknown = False
+        self._sweeping = False  # set while run() looks for them: reserve() hands out nothing
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -196,6 +202,8 @@ class AgentRole:
             while not stop.is_set():
                 got = 0
                 try:
+                    if self._takes_unknown and self._reserving == 0:
+                        await self._release_unknown_takes()
                     got = await self.pull()
                 except Exception as e:  # database trouble: back off, keep going (REL3)
                     log.warning("agent %s: pull failed: %r", self.me, e)
@@ -229,7 +237,11 @@ class AgentRole:
         if not self.health.registered:
             await self.health.register({n: a.concurrency for n, a in self.agents.items()})
         rooms = {n: a.concurrency - self.inflight[n] for n, a in self.agents.items()}
-        msgs, trials, probes, workflows = await self.health.pull(rooms, self.tracer.wants_workflows)
+        try:
+            msgs, trials, probes, workflows = await self.health.pull(rooms, self.tracer.wants_workflows)
+        except Exception:
+            self._takes_unknown = True
+            raise
         for msg in msgs:
             self._start(msg, msg.agent in trials, msg.agent in probes, workflows.get(msg.task_id))
         return len(msgs)
@@ -252,7 +264,7 @@ class AgentRole:
         through :meth:`pull`, which knows about trials and probes). ``freeing``: slots that the
         same transaction's replies give back. Held (counted in flight) until :meth:`accept`."""
         out: dict[str, int] = {}
-        if not self.health.registered or self._stopping:
+        if not self.health.registered or self._stopping or self._sweeping:
             return out
         for name, a in self.agents.items():
             b = self.breakers[name]
@@ -267,9 +279,13 @@ class AgentRole:
             self._no_reservations.clear()
         return out
 
-    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int]) -> None:
+    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int], failed: bool = False) -> None:
+        """Start ``msgs`` and give back the reservation. ``failed``: the transaction raised, so
+        whether it took requests for this reservation is unknown (see ``_takes_unknown``)."""
         for name, room in reserved.items():
             self.inflight[name] -= room
+        if failed and reserved:
+            self._takes_unknown = True
         if reserved:
             self._reserving -= 1
             if self._reserving == 0:
@@ -369,10 +385,12 @@ class AgentRole:
                                 freeing[name] = freeing.get(name, 0) + 1
                         reserved = self.reserve(freeing)
                         taken: list[RequestMsg] = []
+                        sent = False
                         try:
                             applied, taken = await self.store.send_replies_and_take(self.me, items, reserved)
+                            sent = True
                         finally:
-                            self.accept(taken, reserved)
+                            self.accept(taken, reserved, failed=not sent)
                     else:
                         applied = await self.store.send_replies(self.me, items, apply=False)
                 except Exception as e:  # the attempts expire and are rescued if this never succeeds
@@ -487,6 +505,36 @@ class AgentRole:
         fut = loop.run_in_executor(self.pool, contextvars.copy_context().run, handler, req)
         # A thread cannot be interrupted: on timeout the call runs on, and its result is dropped.
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def _release_unknown_takes(self) -> None:
+        """Hand back the requests this instance holds in the store but does not run: taken by a
+        transaction that failed after it may have committed. Left alone they would wait for
+        their complete-by and then count as a failed attempt of a call that never started;
+        released, the scheduler dispatches a new attempt at once, with no failure counted, as for
+        a graceful stop (DEP4). Runs only while no reservation is out, and holds new ones back
+        (``_sweeping``): every request this instance took is then either running (held) or lost.
+        An attempt past its complete-by is not touched: that is the supervisor's to rescue."""
+        self._sweeping = True
+        try:
+            # Read before the store is: a call whose reply commits meanwhile leaves _held after
+            # that commit, so it is either in this copy or no longer taken in the store.
+            held = set(self._held)
+            ids = await self.store.requests_taken_by(self.me)
+            lost = [i for i in ids if i not in held]
+            if lost:
+                why = "taken in a transaction whose commit was not confirmed; never started"
+                await self.store.send_replies(self.me, [(i, "released", None, why) for i in lost])
+                log.warning(
+                    "agent %s: released %d request(s) taken by a transaction that failed after "
+                    "committing: %s",
+                    self.me,
+                    len(lost),
+                    ", ".join(map(str, lost)),
+                )
+                self.on_reply()  # a scheduler has replies to apply
+            self._takes_unknown = False
+        finally:
+            self._sweeping = False
 
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""

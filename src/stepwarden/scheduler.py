@@ -26,8 +26,9 @@ class LocalAgents(Protocol):
         """Slots to fill, per agent, held until :meth:`accept` (so no other pull takes them too)."""
         ...
 
-    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int]) -> None:
-        """Run ``msgs`` (taken in the round's transaction) and give back the unused reservations."""
+    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int], failed: bool = False) -> None:
+        """Run ``msgs`` (taken in the round's transaction) and give back the unused reservations.
+        ``failed``: the transaction raised, and may have taken requests all the same."""
         ...
 
 
@@ -81,12 +82,14 @@ class SchedulerRole:
         else:
             reserved = self.local.reserve()
             taken: list[RequestMsg] = []
+            done = False
             try:
                 applied, claimed, taken = await self.store.schedule_and_take(
                     self.me, self.settings.batch, reserved
                 )
+                done = True
             finally:
-                self.local.accept(taken, reserved)
+                self.local.accept(taken, reserved, failed=not done)
         if applied.accepted or applied.stale:
             self.accepted += applied.accepted
             self.stale += applied.stale

@@ -127,6 +127,10 @@ class Store:
 
         return await self.transact(_record_replies, me, replies, apply, self.rng)
 
+    async def requests_taken_by(self, me: str) -> list[int]:
+        """The requests ``me`` holds (taken, not answered) whose complete-by has not passed."""
+        return await self.transact(_taken_by, me)
+
     async def schedule(self, me: str, limit: int) -> tuple[ApplyResult, int]:
         return await self.transact(t.schedule, me, limit, self.rng)
 
@@ -265,6 +269,10 @@ def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, err
         me=me,
     )
     tx.put("request_replied", request_id=request_id)
+
+
+def _taken_by(tx: Tx, me: str) -> list[int]:
+    return [int(r["id"]) for r in tx.all("requests_taken_by", me=me)]
 
 
 def _record_replies(

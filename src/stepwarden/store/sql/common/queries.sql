@@ -215,6 +215,11 @@ WHERE r.state = 'taken' AND r.taken_by = :worker AND s.state IN ('running', 'com
                     AND p.status = 'new')
 ORDER BY s.task_id, s.idx LIMIT :limit;
 
+-- name: requests_taken_by
+-- What a worker holds in the store, for its agent to compare with what it runs (requests_taken
+-- index). Past complete-by an attempt is the supervisor's, whoever holds it.
+SELECT id FROM requests WHERE state = 'taken' AND taken_by = :me AND complete_by > {now} ORDER BY id;
+
 -- name: still_orphaned
 SELECT 1 AS ok
 FROM requests r JOIN steps s ON s.task_id = r.task_id AND s.idx = r.step_idx AND s.attempt = r.attempt

@@ -1,0 +1,196 @@
+"""Requests taken by a transaction that failed after it committed (a connection lost in the round
+trip that carries COMMIT): the store says this worker holds them, and nothing runs them. The agent
+hands them back at once, so the step gets a new attempt with no failure counted, instead of
+waiting for complete-by and counting a failure for a call that never started."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_agent_role import ME, Factory, dispatch, make_role, until
+
+from stepwarden.agent import Agent, AgentSettings, Request
+from stepwarden.scheduler import SchedulerRole
+from stepwarden.store import Store, open_store
+from stepwarden.store import transitions as t
+
+
+@pytest.fixture
+def rt_store(tmp_path: Path) -> Any:
+    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def both_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A store on the real clock (the agent's deadlines are real time), on each backend."""
+    url = (
+        f"sqlite:///{tmp_path / 'agent.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("pg_url")
+    )
+    s = open_store(url)
+    yield s
+    s.close()
+
+
+class CommitsThenFails:
+    """The store, except that the first reply batch commits and then raises, as when the
+    connection is lost while COMMIT's answer is on its way: its takes are lost to the caller."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def send_replies_and_take(self, *args: Any, **kw: Any) -> Any:
+        self.calls += 1
+        out = await self.store.send_replies_and_take(*args, **kw)
+        if self.calls == 1:
+            raise ConnectionError("server closed the connection unexpectedly (during COMMIT)")
+        return out
+
+
+def _rows(store: Store, sql: str) -> list[dict[str, Any]]:
+    return store.transact_sync(lambda tx: tx.sql(sql))
+
+
+def test_requests_a_lost_commit_took_are_released_at_once_with_no_failure_counted(
+    both_stores: Store, make_workflow: Factory
+) -> None:
+    rt_store = both_stores
+    ids = dispatch(rt_store, make_workflow, 4, budget=60.0)  # complete-by far beyond the test
+    agent = Agent("svc", concurrency=2)
+    ran: list[tuple[int, int]] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        ran.append((req.task_id, req.attempt))
+
+    store = CommitsThenFails(rt_store)
+
+    def processed() -> int:
+        return len(_rows(rt_store, "SELECT id FROM tasks WHERE state = 'processed'"))
+
+    async def body() -> None:
+        settings = AgentSettings(apply_replies=True, poll_interval=0.01, idle_poll_max=0.02)
+        role = make_role(store, agent, settings=settings)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        running = asyncio.create_task(role.run(stop))
+        rng = random.Random(0)
+        try:
+            # The first two run; their reply batch takes the other two and commits, and its
+            # answer is lost. The scheduler (here: by hand) applies what the agent releases.
+            async def settled() -> bool:
+                await asyncio.to_thread(rt_store.transact_sync, t.schedule, "sched", 100, rng)
+                return processed() == 4
+
+            deadline = asyncio.get_running_loop().time() + 15
+            while not await settled():
+                assert asyncio.get_running_loop().time() < deadline, (
+                    ran,
+                    _rows(rt_store, "SELECT * FROM requests"),
+                )
+                await asyncio.sleep(0.01)
+            await until(lambda: not role.tasks and not role._outbox, timeout=5)
+        finally:
+            stop.set()
+            await running
+
+    asyncio.run(body())
+    assert store.calls >= 2
+    first, lost = ids[:2], ids[2:]
+    # each ran once; the two the lost commit took ran as attempt 2, the released attempt 1 unused
+    assert sorted(ran) == sorted([(i, 1) for i in first] + [(i, 2) for i in lost])
+    tasks = _rows(rt_store, "SELECT id, failure_count FROM tasks ORDER BY id")
+    assert [r["failure_count"] for r in tasks] == [0, 0, 0, 0]
+    released = _rows(
+        rt_store, "SELECT task_id, outcome, error FROM replies WHERE outcome = 'released' ORDER BY task_id"
+    )
+    assert [r["task_id"] for r in released] == lost
+    assert all("commit was not confirmed" in r["error"] for r in released)
+    assert not _rows(rt_store, "SELECT id FROM requests WHERE state = 'taken'")
+    assert not _rows(rt_store, "SELECT id FROM events WHERE kind = 'rescued'")
+
+
+def test_the_sweep_leaves_running_calls_and_expired_attempts_alone(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """Of what this worker holds in the store, only the live attempts it does not run are released:
+    not a call it is running, not an attempt past complete-by (the supervisor rescues that one,
+    and counts it)."""
+    running_id, other = dispatch(rt_store, make_workflow, 2, budget=60.0)
+    agent = Agent("svc", concurrency=1)
+    gate = asyncio.Event()
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        await gate.wait()
+
+    def hold_other(complete_by: str) -> None:  # as a lost commit would leave it, for this worker
+        rt_store.transact_sync(
+            lambda tx: tx.sql(
+                f"UPDATE requests SET state = 'taken', taken_by = ?, complete_by = {complete_by} "
+                "WHERE task_id = ?",
+                (ME, other),
+            )
+        )
+
+    def released() -> list[int]:
+        return [
+            r["task_id"] for r in _rows(rt_store, "SELECT task_id FROM replies WHERE outcome = 'released'")
+        ]
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        assert await role.pull() == 1  # capacity 1: the first task's request, now running
+        assert [m.task_id for m in role.tasks.values()] == [running_id]
+        hold_other("sw_now() - 1")  # expired
+        role._takes_unknown = True
+        await role._release_unknown_takes()
+        assert role._takes_unknown is False
+        assert released() == []  # neither the running call nor the expired attempt
+        hold_other("sw_now() + 60")  # the same, still live: this one is lost, and released
+        role._takes_unknown = True
+        await role._release_unknown_takes()
+        assert released() == [other]
+        gate.set()
+        await until(lambda: not role.tasks, timeout=5)
+
+    asyncio.run(body())
+
+
+class _Local:
+    def __init__(self) -> None:
+        self.accepted: list[bool] = []
+
+    def reserve(self) -> dict[str, int]:
+        return {"svc": 2}
+
+    def accept(self, msgs: list[Any], reserved: dict[str, int], failed: bool = False) -> None:
+        self.accepted.append(failed)
+
+
+class _FailingRounds:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def schedule_and_take(self, *args: Any) -> Any:
+        raise ConnectionError("server closed the connection unexpectedly (during COMMIT)")
+
+
+def test_a_scheduler_round_that_fails_tells_its_agents_the_take_is_unknown(rt_store: Store) -> None:
+    local = _Local()
+    role = SchedulerRole(_FailingRounds(rt_store), "sched", local=local)  # type: ignore[arg-type]
+    with pytest.raises(ConnectionError):
+        asyncio.run(role.tick())
+    assert local.accepted == [True]
