@@ -35,6 +35,12 @@ Handler = Callable[["Request"], Any]
 # What a graceful stop waits for once its grace is over, each step bounded: the cancelled calls to
 # end, the replies already made to commit, and each of its own writes (the release of the
 # unfinished attempts, the instances' stop record; the worker's stop record too).
+# The sweep for lost takes waits this long for the transactions that hold reservations.
+SWEEP_WAIT = 1.0
+# An unanswered call's request is remembered this long past its complete-by: the agent's own
+# deadline (monotonic) and the store's clock may disagree by a little.
+UNANSWERED_MARGIN = 5.0
+UNANSWERED_KEPT = 1024  # past this many, the expired ones are forgotten at once
 CANCELLED_WAIT = 1.0
 REPLIES_WAIT = 5.0
 STOP_WRITE_WAIT = 5.0
@@ -194,6 +200,10 @@ class AgentRole:
         # pull(); run() then hands such requests back (see _release_unknown_takes).
         self._takes_unknown = False
         self._sweeping = False  # set while run() looks for them: reserve() hands out nothing
+        # Requests whose call ended here without a committed reply (silent at complete-by, reply
+        # never sent, cancelled), until just past their complete-by: they ran, so the sweep must
+        # not release them as never started; they are the supervisor's, and count as failed.
+        self._unanswered: dict[int, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -201,9 +211,12 @@ class AgentRole:
             await self._register()
             while not stop.is_set():
                 got = 0
-                try:
-                    if self._takes_unknown and self._reserving == 0:
+                if self._takes_unknown:
+                    try:
                         await self._release_unknown_takes()
+                    except Exception as e:  # the flag stays: tried again next round
+                        log.warning("agent %s: could not look for lost takes: %r", self.me, e)
+                try:
                     got = await self.pull()
                 except Exception as e:  # database trouble: back off, keep going (REL3)
                     log.warning("agent %s: pull failed: %r", self.me, e)
@@ -311,10 +324,15 @@ class AgentRole:
         probe: bool = False,
         span: AttemptSpan | NoAttempt = NO_ATTEMPT,
     ) -> None:
+        expires = self.clock.monotonic() + msg.remaining + UNANSWERED_MARGIN
         try:
             with span:
                 await self._execute(agent, msg, trial, span)
         finally:
+            if msg.id in self._held:  # a committed reply would have given its slot back already
+                self._unanswered[msg.id] = expires
+                if len(self._unanswered) > UNANSWERED_KEPT:
+                    self._forget_unanswered()
             self._release(msg.id)
             self.wake.set()
             if probe:
@@ -507,20 +525,26 @@ class AgentRole:
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
 
     async def _release_unknown_takes(self) -> None:
-        """Hand back the requests this instance holds in the store but does not run: taken by a
+        """Hand back the requests this instance holds in the store but never started: taken by a
         transaction that failed after it may have committed. Left alone they would wait for
-        their complete-by and then count as a failed attempt of a call that never started;
-        released, the scheduler dispatches a new attempt at once, with no failure counted, as for
-        a graceful stop (DEP4). Runs only while no reservation is out, and holds new ones back
-        (``_sweeping``): every request this instance took is then either running (held) or lost.
-        An attempt past its complete-by is not touched: that is the supervisor's to rescue."""
+        their complete-by and then count as a failed attempt of a call that never ran; released,
+        the scheduler dispatches a new attempt at once, with no failure counted, as for a
+        graceful stop (DEP4). New reservations are held back first (``_sweeping``) and the
+        ones out are waited for, so every request this instance took is then running (held),
+        ran and ended unanswered (``_unanswered``: the supervisor's), or lost. An attempt past
+        its complete-by is not touched either: that is the supervisor's to rescue."""
         self._sweeping = True
         try:
+            try:
+                await asyncio.wait_for(self._no_reservations.wait(), SWEEP_WAIT)
+            except TimeoutError:
+                return  # a transaction still out: next round
             # Read before the store is: a call whose reply commits meanwhile leaves _held after
             # that commit, so it is either in this copy or no longer taken in the store.
-            held = set(self._held)
+            self._forget_unanswered()
+            known = set(self._held) | set(self._unanswered)
             ids = await self.store.requests_taken_by(self.me)
-            lost = [i for i in ids if i not in held]
+            lost = [i for i in ids if i not in known]
             if lost:
                 why = "taken in a transaction whose commit was not confirmed; never started"
                 await self.store.send_replies(self.me, [(i, "released", None, why) for i in lost])
@@ -535,6 +559,10 @@ class AgentRole:
             self._takes_unknown = False
         finally:
             self._sweeping = False
+
+    def _forget_unanswered(self) -> None:
+        now = self.clock.monotonic()
+        self._unanswered = {i: t for i, t in self._unanswered.items() if t > now}
 
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""

@@ -14,6 +14,7 @@ import pytest
 from test_agent_role import ME, Factory, dispatch, make_role, until
 
 from stepwarden.agent import Agent, AgentSettings, Request
+from stepwarden.clock import SystemClock
 from stepwarden.scheduler import SchedulerRole
 from stepwarden.store import Store, open_store
 from stepwarden.store import transitions as t
@@ -194,3 +195,111 @@ def test_a_scheduler_round_that_fails_tells_its_agents_the_take_is_unknown(rt_st
     with pytest.raises(ConnectionError):
         asyncio.run(role.tick())
     assert local.accepted == [True]
+
+
+class _InstantBackoff(SystemClock):
+    """Real time, except that the reply sender's back-off between tries does not wait."""
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(0)
+
+
+class _NoReplies:
+    """The store, except that every reply batch fails (the database is gone for the sender)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def send_replies_and_take(self, *args: Any, **kw: Any) -> Any:
+        self.calls += 1
+        raise ConnectionError("server closed the connection unexpectedly")
+
+
+def test_a_call_that_ran_but_whose_reply_never_got_through_is_not_released(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """It ran (its effect may be done): released as never started, its failure would go
+    uncounted. It stays taken, for the supervisor to rescue at complete-by and count."""
+    (task,) = dispatch(rt_store, make_workflow, 1, budget=60.0)
+    agent = Agent("svc", concurrency=1)
+    ran: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        ran.append(req.task_id)
+
+    store = _NoReplies(rt_store)
+
+    async def body() -> None:
+        settings = AgentSettings(apply_replies=True)
+        role = make_role(store, agent, settings=settings, clock=_InstantBackoff())  # type: ignore[arg-type]
+        assert await role.pull() == 1
+        await until(lambda: not role.tasks, timeout=5)  # ran; the sender gave up after its tries
+        assert ran == [task] and store.calls == 5
+        assert role._takes_unknown  # those failed batches held reservations
+        await role._release_unknown_takes()
+        assert not role._takes_unknown
+
+    asyncio.run(body())
+    assert not _rows(rt_store, "SELECT id FROM replies")
+    assert [r["state"] for r in _rows(rt_store, "SELECT state FROM requests")] == ["taken"]
+
+
+def test_the_sweep_waits_for_a_take_in_flight_and_holds_new_ones_back(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """A reservation out is a transaction that may still bring requests to run: the sweep waits
+    for it, and no new one is handed out meanwhile."""
+    dispatch(rt_store, make_workflow, 1, budget=60.0)
+    agent = Agent("svc", concurrency=2)
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        return None
+
+    async def body() -> None:
+        role = make_role(rt_store, agent)
+        await role.pull()
+        await until(lambda: not role.tasks, timeout=5)
+        reserved = role.reserve()
+        assert reserved == {"svc": 2}
+        role._takes_unknown = True
+        sweep = asyncio.create_task(role._release_unknown_takes())
+        await until(lambda: role._sweeping)
+        assert role.reserve() == {}  # held back while the sweep waits
+        await asyncio.sleep(0.05)
+        assert not sweep.done() and role._takes_unknown  # still waiting for that transaction
+        role.accept([], reserved, failed=True)
+        await asyncio.wait_for(sweep, 5)
+        assert not role._takes_unknown and not role._sweeping
+        assert role.reserve() == {"svc": 2}
+
+    asyncio.run(body())
+
+
+def test_a_pull_that_failed_marks_its_take_unknown(rt_store: Store) -> None:
+    agent = Agent("svc", concurrency=1)
+
+    class _FailingPull:
+        def __init__(self, store: Store) -> None:
+            self.store = store
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.store, name)
+
+        async def transact(self, fn: Any, *args: Any, **kw: Any) -> Any:
+            if getattr(fn, "__name__", "") == "pull":  # the agent's own take (store/agents.py)
+                raise ConnectionError("server closed the connection unexpectedly (during COMMIT)")
+            return await self.store.transact(fn, *args, **kw)
+
+    async def body() -> None:
+        role = make_role(_FailingPull(rt_store), agent)  # type: ignore[arg-type]
+        await role.health.register({"svc": 1})
+        with pytest.raises(ConnectionError):
+            await role.pull()
+        assert role._takes_unknown
+
+    asyncio.run(body())
