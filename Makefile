@@ -17,10 +17,21 @@ venv: $(BIN)/stepwarden
 demo: venv
 	$(BIN)/stepwarden demo
 
+# mypy: src (the configuration's `files`), then tests/ and bench/ a group of folders per run, as
+# pyproject.toml explains: each tests/ folder has its own top-level `conftest`, and
+# bench/peers/common.py is `common` to the peer drivers but `peers.common` to bench/run.py.
 lint: venv
 	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/ruff format --check src tests bench scripts
 	$(BIN)/mypy
+	$(BIN)/mypy tests/conftest.py tests/acceptance tests/dashboard tests/apps
+	$(BIN)/mypy tests/unit
+	$(BIN)/mypy tests/integration
+	$(BIN)/mypy tests/contract
+	$(BIN)/mypy tests/chaos
+	$(BIN)/mypy bench/peers
+	$(BIN)/mypy bench/*.py
+	$(BIN)/mypy scripts
 
 test: venv lint
 	$(BIN)/python -m pytest -n 2 -q

@@ -26,10 +26,11 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
@@ -100,6 +101,7 @@ class Databases:
             return
         import psycopg
 
+        assert self.admin is not None  # a PostgreSQL URL comes from fresh(), which needs it too
         name = url.rsplit("/", 1)[1].split("?")[0]
         with contextlib.suppress(Exception), psycopg.connect(self.admin, autocommit=True) as c:
             c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
@@ -168,7 +170,9 @@ class Reader:
 
 
 # -- processes -------------------------------------------------------------------------------------
-def start_worker(url: str, app_ref: str, concurrency: int, logfile: Path, env: dict[str, str] | None = None):
+def start_worker(
+    url: str, app_ref: str, concurrency: int, logfile: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     environ = dict(os.environ if env is None else env)
     environ["PYTHONPATH"] = str(HERE) + os.pathsep + environ.get("PYTHONPATH", "")
     out = open(logfile, "ab")  # noqa: SIM115 - closed with the process
@@ -189,7 +193,9 @@ def start_worker(url: str, app_ref: str, concurrency: int, logfile: Path, env: d
 
 
 @contextlib.contextmanager
-def workers(url: str, n: int, app_ref: str, concurrency: int, work: Path, env: dict[str, str] | None = None):
+def workers(
+    url: str, n: int, app_ref: str, concurrency: int, work: Path, env: dict[str, str] | None = None
+) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(n):
@@ -203,7 +209,7 @@ def workers(url: str, n: int, app_ref: str, concurrency: int, work: Path, env: d
             stop_process(p)
 
 
-def wait_until(check: Callable[[], Any], timeout: float, every: float = 0.02, procs: Any = ()) -> Any:
+def wait_until(check: Callable[[], T | None], timeout: float, every: float = 0.02, procs: Any = ()) -> T:
     end = time.monotonic() + timeout
     while True:
         got = check()
@@ -1234,7 +1240,9 @@ def main() -> int:
             peer_py[name] = py
             res.peer_status[name] = {"status": "ok", "version": peer_versions(py, name)}
 
-    def measure(key: dict[str, Any], rep: int, fn: Callable[[], dict[str, Any]]) -> None:
+    # fn is called with no arguments; `...` because the lambdas below bind loop variables as
+    # defaults, which mypy cannot match against `[]`.
+    def measure(key: dict[str, Any], rep: int, fn: Callable[..., dict[str, Any]]) -> None:
         label = " ".join(f"{k}={v}" for k, v in key.items())
         log(f"rep {rep}: {label}")
         try:

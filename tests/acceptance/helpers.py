@@ -136,7 +136,7 @@ def assert_one_error_line(r: Result, code: int = 2) -> str:
     return line
 
 
-def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
+def wait_until(pred: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
     """Poll ``pred`` until it returns something truthy (returned); fail clearly at the deadline."""
     end = time.monotonic() + timeout
     while True:

@@ -153,7 +153,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
 def refused_and_unchanged(db: Db, *args: str | bytes, **kw: object) -> str:
     """Run a bad command: exit 2 with one clear line, and the store exactly as it was."""
     before = db.snapshot()
-    r = db.sw(*args, timeout=30, **kw)  # type: ignore[arg-type]
+    r = db.sw(*args, timeout=30, **kw)
     line = assert_one_error_line(r)
     assert len(line) < 400, f"an error line must be short, not echo the input: {line[:200]}..."
     assert db.snapshot() == before, f"a refused command changed the store\n{r}"

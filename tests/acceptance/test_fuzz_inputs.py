@@ -478,12 +478,12 @@ def test_api_submission_succeeds_or_refuses_clearly_and_writes_nothing_when_refu
 
 
 # kind -> (build it from a name, complete_by and on_error; which names SPEC allows; do the Step's
-# complete_by and on_error matter)
+# complete_by and on_error matter). on_error is any str on purpose ("", "ERROR"), hence the ignores.
 MAKERS: dict[str, tuple[Callable[[str, float, str], object], Callable[[object], bool], bool]] = {
-    "Step name": (lambda n, cb, oe: Step(n, "svc.op", complete_by=cb, on_error=oe), good_ident, True),
-    "Step operation": (lambda n, cb, oe: Step("s", n, complete_by=cb, on_error=oe), good_ref, True),
+    "Step name": (lambda n, cb, oe: Step(n, "svc.op", complete_by=cb, on_error=oe), good_ident, True),  # type: ignore[arg-type]
+    "Step operation": (lambda n, cb, oe: Step("s", n, complete_by=cb, on_error=oe), good_ref, True),  # type: ignore[arg-type]
     "Step compensate": (
-        lambda n, cb, oe: Step("s", "svc.op", complete_by=cb, compensate=n, on_error=oe),
+        lambda n, cb, oe: Step("s", "svc.op", complete_by=cb, compensate=n, on_error=oe),  # type: ignore[arg-type]
         good_ref,
         True,
     ),

@@ -19,6 +19,7 @@ from test_store import ME, Factory, run, submit
 
 from stepwarden.clock import FakeClock
 from stepwarden.store import Store
+from stepwarden.store.postgres import PostgresStore
 
 CHANNEL = "stepwarden_requests"
 TASKS = "stepwarden_tasks"
@@ -194,8 +195,9 @@ def test_a_submission_inside_a_caller_s_transaction_always_hints(
     wf = make_workflow()
     submit(store, wf, {"n": 1})  # waiting, fresh
     hints(task_listener, pg_url, TASKS)
+    assert isinstance(store, PostgresStore)
     with psycopg.connect(pg_url) as conn:
-        tx = store.tx_on(conn)  # type: ignore[attr-defined]
+        tx = store.tx_on(conn)
         t.submit(tx, wf, '{"n": 2}', correlation_id=None, idempotency_key=None, priority=0, reply_to=None)
         tx.flush()
         tx.send_notifications()

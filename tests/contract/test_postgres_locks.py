@@ -263,9 +263,11 @@ def test_an_own_reply_is_recorded_as_received_when_the_batch_read_it_not_when_it
             th.join(timeout=10)
         assert done and done[0].accepted == 1
         with psycopg.connect(pg_url) as conn:
-            received, applied = conn.execute(
+            row = conn.execute(
                 "SELECT received_at, applied_at FROM replies WHERE request_id = %s", (msg.id,)
             ).fetchone()
+            assert row is not None
+            received, applied = row
         assert applied - received >= 0.3, (received, applied)
     finally:
         store.close()

@@ -109,9 +109,9 @@ def test_a_caller_s_own_transaction_keeps_the_planner_as_it_is(pg_url: str, pool
     the setting is for the store's statements on its pool, not for the caller's."""
     store = open_store(pg_url + pooler)
     try:
-        conn = store.connect()  # type: ignore[attr-defined]
+        conn = store.connect()
         try:
-            store.begin(conn)  # type: ignore[attr-defined]
+            store.begin(conn)
             assert conn.execute("SHOW enable_seqscan").fetchone()[0] == "on"
             conn.rollback()
         finally:

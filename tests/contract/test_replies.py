@@ -59,7 +59,7 @@ def run_to_end(store: Store, outcome: str = "ok") -> None:
 
 
 def queue(store: Store, name: str = "web-1", consumer: str | None = None, after: int | None = 0) -> list[Any]:
-    return store.transact_sync(read, name, consumer, after, 1000)[1]  # type: ignore[no-any-return]
+    return store.transact_sync(read, name, consumer, after, 1000)[1]
 
 
 def kinds(msgs: list[ReplyMessage]) -> list[tuple[int, str, str | None]]:

@@ -54,7 +54,7 @@ import random
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 from hypothesis import HealthCheck, note, settings
@@ -101,9 +101,20 @@ SETTINGS = settings(
 Key = tuple[int, int, int]  # (task id, step index, attempt)
 
 
+class AgentMove(TypedDict):
+    """The strategies of an agent rule's arguments, by name."""
+
+    take: st.SearchStrategy[bool]
+    limit: st.SearchStrategy[int]
+    i: st.SearchStrategy[int]
+    outcome: st.SearchStrategy[str]
+    slow: st.SearchStrategy[str]
+
+
 def backoff(n: int) -> float:
     """The model's back-off before retry ``n``: 5 s, 10 s, then 20 s."""
-    return min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (n - 1))
+    growth: float = 2 ** (n - 1)
+    return min(BACKOFF_MAX, BACKOFF_INITIAL * growth)
 
 
 # -- the model ---------------------------------------------------------------------------------------
@@ -541,7 +552,7 @@ class StoreMachine(RuleBasedStateMachine):
     slowness = st.sampled_from(
         ["fast", "fast", "fast", "fast", "fast", "until complete-by", "past complete-by"]
     )
-    agent_move = {
+    agent_move: AgentMove = {
         "take": st.booleans(),
         "limit": st.integers(1, 3),
         "i": st.integers(0, 7),
@@ -1119,6 +1130,7 @@ def test_store_matches_the_model_under_random_interleavings(store_url: str, cloc
         store = open_store(store_url, clock=clock)
     budget = settings(SETTINGS, max_examples=EXAMPLES[store.dialect])
     try:
-        run_state_machine_as_test(lambda: StoreMachine(store, clock), settings=budget)
+        # A factory, as Hypothesis documents (a class or a function), though its hint says a class.
+        run_state_machine_as_test(lambda: StoreMachine(store, clock), settings=budget)  # type: ignore[arg-type]
     finally:
         store.close()

@@ -8,7 +8,6 @@ import io
 import json
 import logging
 import warnings
-from typing import Any
 
 import httpx
 import pytest
@@ -27,16 +26,19 @@ with warnings.catch_warnings():
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 
 
-def parse(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
+
+
+def parse(text: str) -> Samples:
     """``{sample name: {sorted labels: value}}`` via the official parser (which must accept it all)."""
-    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    out: Samples = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
     return out
 
 
-def value(m: dict[str, Any], name: str, **labels: str) -> float:
+def value(m: Samples, name: str, **labels: str) -> float:
     return m[name][tuple(sorted(labels.items()))]
 
 

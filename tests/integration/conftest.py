@@ -36,10 +36,10 @@ T = TypeVar("T")
 STOP_DEADLINE = 10.0
 
 
-def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+def wait_until(pred: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll ``pred`` until it returns something truthy (returned); fail clearly at the deadline."""
     end = time.monotonic() + timeout
-    last: Any = None
+    last: T | None = None
     while True:
         last = pred()
         if last:
@@ -171,10 +171,10 @@ class Cluster:
             if w.expect_alive and not w.alive():
                 pytest.fail(f"worker {w.name} died unexpectedly (exit {w.popen.returncode}):\n{w.log_text()}")
 
-    def wait(self, pred: Callable[[], T], timeout: float, what: str) -> T:
+    def wait(self, pred: Callable[[], T | None], timeout: float, what: str) -> T:
         """``wait_until`` that also fails at once if a worker that should be running has died."""
 
-        def check() -> T:
+        def check() -> T | None:
             self.check_alive()
             return pred()
 
@@ -259,7 +259,8 @@ class Cluster:
         return str(self.one("SELECT state FROM tasks WHERE id = ?", task_id)["state"])
 
     def events(self, task_id: int | None = None, kind: str | None = None) -> list[dict[str, Any]]:
-        where, params = [], []
+        where: list[str] = []
+        params: list[Any] = []
         if task_id is not None:
             where.append("task_id = ?")
             params.append(task_id)

@@ -110,6 +110,7 @@ def instances(cluster: Cluster) -> dict[str, dict[str, Any]]:
 
 
 def breaker(cluster: Cluster) -> dict[str, Any]:
+    b: dict[str, Any]
     [b] = cluster.cli("agents", "--json")["breakers"]
     return b
 

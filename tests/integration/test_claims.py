@@ -33,7 +33,8 @@ def test_three_workers_claim_dispatch_and_run_each_step_exactly_once(cluster: Cl
         time.sleep(rng.uniform(0.05, 0.35))  # pacing the submissions, not waiting for an outcome
 
     def all_processed() -> bool:
-        return cluster.one("SELECT COUNT(*) AS n FROM tasks WHERE state = 'processed'")["n"] == TASKS
+        n: int = cluster.one("SELECT COUNT(*) AS n FROM tasks WHERE state = 'processed'")["n"]
+        return n == TASKS
 
     cluster.wait(all_processed, 60, f"all {TASKS} tasks to be processed")
     states = Counter(r["state"] for r in cluster.sql("SELECT state FROM tasks"))

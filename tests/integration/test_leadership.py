@@ -115,12 +115,14 @@ def test_paused_leader_is_fenced_and_does_not_come_back(cluster: Cluster) -> Non
     # And it is alive and well: its heartbeat moves on after it was continued.
     def beat_after_resume() -> bool:
         row = cluster.one("SELECT heartbeat_at FROM workers WHERE id = ?", old.identity)
-        return row["heartbeat_at"] > resumed
+        beat: float = row["heartbeat_at"]
+        return beat > resumed
 
     cluster.wait(beat_after_resume, 10, f"{old.name} to beat again after SIGCONT")
     assert old.alive() and new.alive()
     assert f"stops leading term {old_term}" in old.log_text()
-    assert lease(cluster)["holder"] == new.identity
+    last = lease(cluster)
+    assert last is not None and last["holder"] == new.identity
 
 
 def test_sigterm_resigns_the_lease_and_a_successor_takes_over_at_once(cluster: Cluster) -> None:

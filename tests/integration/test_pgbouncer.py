@@ -179,11 +179,12 @@ def test_pooled_store_leaves_nothing_in_the_server_session(
 
         def inside(tx: Any) -> dict[str, Any]:
             tx.one("task_by_key", key="k")  # a query of the store's own, as the hot path runs them
-            return tx.sql(
+            row: dict[str, Any] = tx.sql(
                 "SELECT pg_backend_pid() AS pid, current_setting('lock_timeout') AS lock,"
                 " current_setting('idle_in_transaction_session_timeout') AS idle,"
                 " (SELECT COUNT(*) FROM pg_prepared_statements) AS prepared"
             )[0]
+            return row
 
         # A statement that fails inside a transaction: rolled back, and the one
         # server session goes back to the pool rather than staying "idle in transaction (aborted)".

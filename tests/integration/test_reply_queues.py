@@ -94,7 +94,11 @@ def test_a_consumer_killed_mid_stream_receives_every_message_in_order(
             seen = len(consumers.lines())
             # kill it after a few messages, later and later in the stream
             want = seen + 5 + 8 * r
-            cluster.wait(lambda n=want: len(consumers.lines()) >= n, 30, "the consumer to read on")
+
+            def read_on(n: int = want) -> bool:
+                return len(consumers.lines()) >= n
+
+            cluster.wait(read_on, 30, "the consumer to read on")
             current.send_signal(signal.SIGKILL)
             current.wait(timeout=10)
             done = consumers.lines()[-1]["seq"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -22,7 +22,7 @@ def final_state(cluster: Cluster, task: int) -> str | None:
     return state if state in FINAL else None
 
 
-def step_row(cluster: Cluster, task: int, idx: int = 0) -> dict:
+def step_row(cluster: Cluster, task: int, idx: int = 0) -> dict[str, Any]:
     row = cluster.one("SELECT * FROM steps WHERE task_id = ? AND idx = ?", task, idx)
     row["result"] = json.loads(row["result"]) if row["result"] else None
     return row

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 import pytest
@@ -19,6 +19,15 @@ from stepwarden.demo.ledger import OrderOutcome, check_ledger, fetch_ledger
 from stepwarden.demo.services import FakeServices, main, serve_in_thread
 
 Start = Callable[..., str]
+
+
+class Rates(TypedDict, total=False):
+    """FakeServices' failure rates, passed as keywords."""
+
+    transient_rate: float
+    hang_rate: float
+    permanent_rate: float
+
 
 # One shared client: building a fresh one per request costs tens of milliseconds of TLS setup.
 CLIENT = httpx.Client(timeout=5)
@@ -54,7 +63,7 @@ def ledger(url: str) -> dict[str, dict[str, Any]]:
     return effects
 
 
-def find_key(seed: int, want: list[tuple[str, int, bool, str]], rates: dict[str, float]) -> str:
+def find_key(seed: int, want: list[tuple[str, int, bool, str]], rates: Rates) -> str:
     """A key whose seeded decisions are exactly ``want`` (op, call number, forward, decision)."""
     services = FakeServices(seed=seed, **rates)
     for i in range(10_000):
@@ -90,7 +99,7 @@ def test_transient_returns_503_without_effect(start: Start) -> None:
 
 
 def test_permanent_refusal_is_sticky(start: Start) -> None:
-    rates = {"permanent_rate": 0.5}
+    rates: Rates = {"permanent_rate": 0.5}
     key = find_key(3, [("charge", 1, True, "permanent"), ("charge", 2, True, "ok")], rates)
     url = start(seed=3, **rates)
     for _ in range(2):
@@ -143,7 +152,7 @@ def test_undo_before_apply_tombstones_the_key(start: Start) -> None:
 
 
 def test_hung_undo_still_undoes(start: Start) -> None:
-    rates = {"hang_rate": 0.5}
+    rates: Rates = {"hang_rate": 0.5}
     key = find_key(5, [("reserve", 1, True, "ok"), ("release", 1, False, "hang")], rates)
     url = start(seed=5, hang_seconds=0.5, **rates)
     assert post(url, "/inventory/reserve", key).status_code == 200

@@ -120,7 +120,10 @@ def terms(store: Any) -> list[tuple[int, str, float | None, float | None]]:
 
 
 def lease_row(store: Any) -> dict[str, Any]:
-    return store.transact_sync(lambda tx: tx.sql("SELECT * FROM leases WHERE name = ?", (LEASE,)))[0]
+    row: dict[str, Any] = store.transact_sync(
+        lambda tx: tx.sql("SELECT * FROM leases WHERE name = ?", (LEASE,))
+    )[0]
+    return row
 
 
 def event_kinds(store: Any) -> list[str]:
@@ -383,7 +386,7 @@ def test_terms_are_recorded_without_overlap(tracked_store: Any, clock: FakeClock
             assert [t for t, _, _, _ in recorded] == [1, 2, 3]
             assert len({h for _, h, _, _ in recorded}) == 3  # each keeper led once, then stopped
             for (_, _, _, ended), (_, _, acquired, _) in itertools.pairwise(recorded):
-                assert ended is not None and ended <= acquired
+                assert ended is not None and acquired is not None and ended <= acquired
             assert recorded[-1][3] is not None
             assert not any(k.is_leader for k in keepers)
         finally:

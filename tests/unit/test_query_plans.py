@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ PARAMS = {"me": "w:1:a", "limit": 10, "agent": "inventory", "own": "[]"}
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> SQLiteStore:
+def store(tmp_path: Path) -> Iterator[SQLiteStore]:
     s = SQLiteStore(str(tmp_path / "plans.db"))
     yield s
     s.close()

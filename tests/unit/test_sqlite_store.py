@@ -9,12 +9,12 @@ import pytest
 
 from stepwarden.clock import FakeClock
 from stepwarden.errors import MigrationError
-from stepwarden.store import SQLiteStore, open_store
+from stepwarden.store import SQLiteStore, Store, open_store
 from stepwarden.store import transitions as t
 from stepwarden.store.sql import load_migrations
 
 
-def q(store: Any, sql: str) -> list[dict[str, Any]]:
+def q(store: Store, sql: str) -> list[dict[str, Any]]:
     return store.transact_sync(lambda tx: tx.sql(sql))
 
 

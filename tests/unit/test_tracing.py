@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -96,9 +96,12 @@ def test_attempts_and_the_task_are_spans_of_one_trace_linked_across_retries(
     assert state[0]["state"] == "processed"
 
     spans: list[ReadableSpan] = list(exporter.get_finished_spans())
-    attempts = sorted(
-        (s for s in spans if s.name == "attempt svc.do_s"), key=lambda s: s.attributes["stepwarden.attempt"]
-    )  # type: ignore[index]
+
+    def attempt_number(s: ReadableSpan) -> int:
+        assert s.attributes is not None
+        return cast(int, s.attributes["stepwarden.attempt"])
+
+    attempts = sorted((s for s in spans if s.name == "attempt svc.do_s"), key=attempt_number)
     [task] = [s for s in spans if s.name == "stepwarden.task"]
     assert len(attempts) == 2
     # one trace per task, derived from the task id: the same in any process
