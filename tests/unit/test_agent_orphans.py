@@ -40,18 +40,21 @@ def both_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     s.close()
 
 
-class CommitsThenFails:
-    """The store, except that the first reply batch commits and then raises, as when the
-    connection is lost while COMMIT's answer is on its way: its takes are lost to the caller."""
+class LosesReplyBatches:
+    """The store, except for its reply batches. ``committed``: the first one commits, then
+    raises, as when the connection is lost while COMMIT's answer is on its way (its takes are lost
+    to the caller). Otherwise every one fails before committing (the database is gone)."""
 
-    def __init__(self, store: Store) -> None:
-        self.store, self.calls = store, 0
+    def __init__(self, store: Store, *, committed: bool) -> None:
+        self.store, self.committed, self.calls = store, committed, 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
     async def send_replies_and_take(self, *args: Any, **kw: Any) -> Any:
         self.calls += 1
+        if not self.committed:
+            raise ConnectionError("server closed the connection unexpectedly")
         out = await self.store.send_replies_and_take(*args, **kw)
         if self.calls == 1:
             raise ConnectionError("server closed the connection unexpectedly (during COMMIT)")
@@ -74,7 +77,7 @@ def test_requests_a_lost_commit_took_are_released_at_once_with_no_failure_counte
     async def do_s(req: Request) -> None:
         ran.append((req.task_id, req.attempt))
 
-    store = CommitsThenFails(rt_store)
+    store = LosesReplyBatches(rt_store, committed=True)
 
     def processed() -> int:
         return len(_rows(rt_store, "SELECT id FROM tasks WHERE state = 'processed'"))
@@ -204,20 +207,6 @@ class _InstantBackoff(SystemClock):
         await asyncio.sleep(0)
 
 
-class _NoReplies:
-    """The store, except that every reply batch fails (the database is gone for the sender)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store, self.calls = store, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
-
-    async def send_replies_and_take(self, *args: Any, **kw: Any) -> Any:
-        self.calls += 1
-        raise ConnectionError("server closed the connection unexpectedly")
-
-
 def test_a_call_that_ran_but_whose_reply_never_got_through_is_not_released(
     rt_store: Store, make_workflow: Factory
 ) -> None:
@@ -231,7 +220,7 @@ def test_a_call_that_ran_but_whose_reply_never_got_through_is_not_released(
     async def do_s(req: Request) -> None:
         ran.append(req.task_id)
 
-    store = _NoReplies(rt_store)
+    store = LosesReplyBatches(rt_store, committed=False)
 
     async def body() -> None:
         settings = AgentSettings(apply_replies=True)
