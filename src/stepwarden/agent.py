@@ -35,15 +35,15 @@ Handler = Callable[["Request"], Any]
 # What a graceful stop waits for once its grace is over, each step bounded: the cancelled calls to
 # end, the replies already made to commit, and each of its own writes (the release of the
 # unfinished attempts, the instances' stop record; the worker's stop record too).
+CANCELLED_WAIT = 1.0
+REPLIES_WAIT = 5.0
+STOP_WRITE_WAIT = 5.0
 # The sweep for lost takes waits this long for the transactions that hold reservations.
 SWEEP_WAIT = 1.0
 # An unanswered call's request is remembered this long past its complete-by: the agent's own
 # deadline (monotonic) and the store's clock may disagree by a little.
 UNANSWERED_MARGIN = 5.0
 UNANSWERED_KEPT = 1024  # past this many, the expired ones are forgotten at once
-CANCELLED_WAIT = 1.0
-REPLIES_WAIT = 5.0
-STOP_WRITE_WAIT = 5.0
 F = TypeVar("F", bound=Handler)
 
 
@@ -324,15 +324,12 @@ class AgentRole:
         probe: bool = False,
         span: AttemptSpan | NoAttempt = NO_ATTEMPT,
     ) -> None:
-        expires = self.clock.monotonic() + msg.remaining + UNANSWERED_MARGIN
         try:
             with span:
                 await self._execute(agent, msg, trial, span)
         finally:
             if msg.id in self._held:  # a committed reply would have given its slot back already
-                self._unanswered[msg.id] = expires
-                if len(self._unanswered) > UNANSWERED_KEPT:
-                    self._forget_unanswered()
+                self._remember_unanswered(msg)
             self._release(msg.id)
             self.wake.set()
             if probe:
@@ -546,8 +543,9 @@ class AgentRole:
             ids = await self.store.requests_taken_by(self.me)
             lost = [i for i in ids if i not in known]
             if lost:
-                why = "taken in a transaction whose commit was not confirmed; never started"
-                await self.store.send_replies(self.me, [(i, "released", None, why) for i in lost])
+                await self._release_requests(
+                    lost, "taken in a transaction whose commit was not confirmed; never started"
+                )
                 log.warning(
                     "agent %s: released %d request(s) taken by a transaction that failed after "
                     "committing: %s",
@@ -560,9 +558,21 @@ class AgentRole:
         finally:
             self._sweeping = False
 
+    def _remember_unanswered(self, msg: RequestMsg) -> None:
+        """Counted from the call's end, not its start: off the path of calls that reply, and
+        only longer than needed by the call's own duration."""
+        self._unanswered[msg.id] = self.clock.monotonic() + msg.remaining + UNANSWERED_MARGIN
+        if len(self._unanswered) > UNANSWERED_KEPT:
+            self._forget_unanswered()
+
     def _forget_unanswered(self) -> None:
         now = self.clock.monotonic()
         self._unanswered = {i: t for i, t in self._unanswered.items() if t > now}
+
+    async def _release_requests(self, ids: list[int], why: str) -> None:
+        """Hand attempts back without counting a failure (a ``released`` reply, applied by a
+        scheduler): one transaction for all of them."""
+        await self.store.send_replies(self.me, [(i, "released", None, why) for i in ids])
 
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
@@ -599,10 +609,9 @@ class AgentRole:
                 await asyncio.wait({self._sender}, timeout=REPLIES_WAIT)
             unsent = [running[t].id for t in pending if running[t].id not in self._replied]
             if unsent:
-                why = "agent stopped before the call finished"
-                try:  # one transaction for all of them, bounded: a stop has a deadline
+                try:  # bounded: a stop has a deadline
                     await asyncio.wait_for(
-                        self.store.send_replies(self.me, [(i, "released", None, why) for i in unsent]),
+                        self._release_requests(unsent, "agent stopped before the call finished"),
                         STOP_WRITE_WAIT,
                     )
                 except Exception as e:
