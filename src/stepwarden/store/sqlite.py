@@ -257,41 +257,45 @@ class SQLiteStore(Store):
         loop = asyncio.get_running_loop()
         done = threading.Event()
 
+        # Failed connections (or reads) in the current outage; 0 while the watch works.
+        outage = 0
+
         def watch() -> None:
-            delay = self.watch_interval
-            failing = False
+            nonlocal outage
             while not done.is_set():
                 try:
                     conn = self._watch_connection()
-                except sqlite3.Error as e:
-                    failing = _watch_failed(failing, e)
-                else:
                     try:
-                        last = conn.execute("PRAGMA data_version").fetchone()[0]
-                        opened = time.monotonic()
-                        if failing:
-                            wake_all()  # a commit may have come while it was down
-                        while not done.wait(self.watch_interval):
-                            now = conn.execute("PRAGMA data_version").fetchone()[0]
-                            if now != last:
-                                last = now
-                                wake_all()
-                            if failing and time.monotonic() - opened >= WATCH_SETTLED:
-                                # Only a connection that keeps working ends the outage: one that
-                                # fails again after a few reads must not reset the back-off.
-                                log.info("data_version watcher: working again")
-                                failing = False
-                                delay = self.watch_interval
-                    except sqlite3.Error as e:
-                        failing = _watch_failed(failing, e)
-                    except RuntimeError:  # the event loop closed under us: the worker is leaving
-                        return
+                        follow(conn)
                     finally:
                         conn.close()
+                except sqlite3.Error as e:
+                    if outage == 0:  # once per outage: the roles still poll, work only starts later
+                        log.warning("data_version watcher failed, the roles poll until it is back: %r", e)
+                    outage += 1
+                except RuntimeError:  # the event loop closed under us: the worker is leaving
+                    return
                 # Until the watch works again the roles poll at their idle interval (as with
-                # watch_interval=0); retried with back-off, on a fresh connection.
-                delay = min(WATCH_RETRY_MAX, max(delay * 2, 0.05))
-                done.wait(delay)
+                # watch_interval=0); retried on a fresh connection, 0.05 s apart, doubling to 2 s.
+                done.wait(min(WATCH_RETRY_MAX, 0.05 * 2 ** min(outage - 1, 10)))
+
+        def follow(conn: sqlite3.Connection) -> None:
+            """Wake the roles whenever ``data_version`` moves, until ``done``; raises on an error."""
+            nonlocal outage
+            last = conn.execute("PRAGMA data_version").fetchone()[0]
+            opened = time.monotonic()
+            if outage:
+                wake_all()  # a commit may have come while it was down
+            while not done.wait(self.watch_interval):
+                now = conn.execute("PRAGMA data_version").fetchone()[0]
+                if now != last:
+                    last = now
+                    wake_all()
+                if outage and time.monotonic() - opened >= WATCH_SETTLED:
+                    # Only a connection that keeps working ends the outage: one that fails again
+                    # after a few reads must not restart the back-off or the warnings.
+                    log.info("data_version watcher: working again")
+                    outage = 0
 
         def wake_all() -> None:
             for channel in WORK_CHANNELS if channels is None else channels:
@@ -325,10 +329,3 @@ class SQLiteStore(Store):
 
 WATCH_RETRY_MAX = 2.0  # seconds between the watcher's attempts to come back after an error
 WATCH_SETTLED = 1.0  # seconds a new watch connection must keep working to end an outage
-
-
-def _watch_failed(failing: bool, e: sqlite3.Error) -> bool:
-    """Log a broken watch once per outage (the roles still poll, so work is only slower to start)."""
-    if not failing:
-        log.warning("data_version watcher failed, the roles poll until it is back: %r", e)
-    return True
