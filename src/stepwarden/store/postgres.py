@@ -396,7 +396,6 @@ class PostgresStore(Store):
         self.options = opts = pg_options(url, listen=listen, prepare=prepare, pool_size=pool_size)
         conninfo = opts.conninfo
         self.url = url
-        self.conninfo = conninfo
         self.clock = clock
         self.listen_enabled = opts.listen
         self.prepare = opts.prepare
@@ -405,10 +404,14 @@ class PostgresStore(Store):
             k: _to_psycopg(v)
             for k, v in load_queries("postgres", FAKE_NOW if self.fake_time else SYSTEM_NOW).items()
         }
+        _first_connection(conninfo)
+        # What every connection of the store is opened with: the URL's settings and the TCP
+        # defaults it leaves unset (conninfo stays the user's, for messages, redacted).
+        self.dsn = psycopg.conninfo.make_conninfo(conninfo, **dict(opts.tcp))
         size = opts.pool_size
         self.threads = size
         self.pool = ConnectionPool(
-            conninfo,
+            self.dsn,
             min_size=1,
             max_size=size,
             open=False,
@@ -417,7 +420,6 @@ class PostgresStore(Store):
             configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
         )
-        _first_connection(conninfo)
         # The pool retries with a warning per try; our one-line error says it all, so its own
         # log lines are held back while it opens (a server still starting is waited for).
         quiet = _Quiet()
@@ -433,7 +435,6 @@ class PostgresStore(Store):
             self.migrate()
 
     def _connect_kwargs(self, **kw: Any) -> dict[str, Any]:
-        kw.update(self.options.tcp)
         kw["autocommit"] = False
         if not self.prepare:
             kw["prepare_threshold"] = None  # never prepare, not even psycopg's automatic ones
@@ -575,7 +576,7 @@ class PostgresStore(Store):
 
     def connect(self) -> Any:
         """A new connection for a caller's own transaction (``app.transaction()``)."""
-        conn = psycopg.connect(self.conninfo, **self._connect_kwargs())
+        conn = psycopg.connect(self.dsn, **self._connect_kwargs())
         if not self.options.pooled:
             _configure(conn, CALLER_SESSIONS)
         return conn
@@ -647,9 +648,7 @@ class PostgresStore(Store):
         delay = 0.2
         while not stop.is_set():
             try:
-                aconn = await psycopg.AsyncConnection.connect(
-                    psycopg.conninfo.make_conninfo(self.conninfo, **dict(self.options.tcp)), autocommit=True
-                )
+                aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
                 async with aconn:
                     for ch in wanted:
                         await aconn.execute(f"LISTEN {ch}")
