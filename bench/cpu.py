@@ -1,4 +1,4 @@
-"""CPU time spent by the processes of one measurement, read from ``/proc`` (Linux).
+"""CPU time spent by the processes of one measurement (``psutil``).
 
 Throughput on a 2-core machine is bounded by the CPU that each task costs across every process
 it touches: the submitting harness, the workers and the database server. These figures say where
@@ -7,65 +7,50 @@ are all busy is only made faster by spending less CPU per task, not by waiting l
 
 A PostgreSQL server's CPU is its postmaster's own, plus its live children's, plus what its
 children that have exited (backends of closed connections) spent, which the kernel adds to the
-postmaster's ``cutime``/``cstime`` once it has reaped them. Off Linux, or for a server this
-harness did not start, the figures are ``None``.
+postmaster's children times once it has reaped them. For a server this harness did not start,
+the figures are ``None``.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-PROC = Path("/proc")
-try:
-    TICK = float(os.sysconf("SC_CLK_TCK"))
-except (AttributeError, ValueError, OSError):  # not a POSIX system
-    TICK = 100.0
-
-
-def _stat(pid: int) -> tuple[int, float, float] | None:
-    """``(ppid, own CPU s, reaped children's CPU s)`` of a live process, or None."""
-    try:
-        text = (PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces and parentheses: fields start after its last ')'
-    fields = text[text.rindex(")") + 2 :].split()
-    ppid = int(fields[1])
-    utime, stime, cutime, cstime = (int(x) / TICK for x in fields[11:15])
-    return ppid, utime + stime, cutime + cstime
+import psutil
 
 
 def process_cpu(pids: Iterable[int]) -> float | None:
     """CPU seconds of these processes so far (their own, not their children's)."""
     total = 0.0
     for pid in pids:
-        st = _stat(pid)
-        if st is None:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
             return None
-        total += st[1]
+        total += t.user + t.system
     return total
 
 
 def tree_cpu(root: int) -> float | None:
     """CPU seconds of ``root``, its live children and its reaped children: a PostgreSQL server,
     whose postmaster forks a backend per connection."""
-    for _ in range(5):
-        st = _stat(root)
-        if st is None:
-            return None
-        total = st[1] + st[2]
-        for entry in PROC.iterdir():
-            if entry.name.isdigit():
-                child = _stat(int(entry.name))
-                if child is not None and child[0] == root:
-                    total += child[1]
-        again = _stat(root)
-        # A child reaped during the scan would be in neither sum: read again until none was.
-        if again is not None and again[2] == st[2]:
-            return total
+    try:
+        server = psutil.Process(root)
+        for _ in range(5):
+            t = server.cpu_times()
+            total = t.user + t.system + t.children_user + t.children_system
+            for child in server.children():
+                with contextlib.suppress(psutil.NoSuchProcess):  # gone meanwhile: see below
+                    c = child.cpu_times()
+                    total += c.user + c.system
+            again = server.cpu_times()
+            # A child reaped during the scan would be in neither sum: read again until none was.
+            if (again.children_user, again.children_system) == (t.children_user, t.children_system):
+                return total
+    except psutil.Error:
+        return None
     return None
 
 

@@ -106,20 +106,18 @@ class Databases:
         with contextlib.suppress(Exception), psycopg.connect(self.admin, autocommit=True) as c:
             c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
-    def server_cpu(self) -> Callable[[], float | None] | None:
-        """How to read the CPU of the PostgreSQL server this harness started (None for SQLite's
-        in-process store, or a server given with ``--postgres``, whose processes are not ours)."""
+    def server_cpu(self) -> float | None:
+        """CPU seconds of the PostgreSQL server this harness started (None for a server given
+        with ``--postgres``, whose processes are not ours)."""
         pid = cpu.postmaster_pid(self.server.data_dir) if self.server is not None else None
-        if pid is None:
-            return None
-        return lambda: cpu.tree_cpu(pid)
+        return cpu.tree_cpu(pid) if pid is not None else None
 
     def meter(self, store: str, **groups: Callable[[], float | None]) -> cpu.CpuMeter:
-        """CPU of the harness (which submits), of ``groups``, and of the server on PostgreSQL."""
+        """CPU of the harness (which submits), of ``groups``, and of the server on PostgreSQL
+        (on SQLite the store works inside the other processes)."""
         named = {"cpu_submitter": cpu.harness, **{f"cpu_{k}": v for k, v in groups.items()}}
-        server = self.server_cpu() if store == "postgres" else None
         if store == "postgres":
-            named["cpu_server"] = server or (lambda: None)
+            named["cpu_server"] = self.server_cpu
         return cpu.CpuMeter(named)
 
     def pg_version(self) -> str | None:
@@ -932,11 +930,7 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
                 f"| — | — | {fmt(figure(s, 'submit_rate'))} | {len(errs) or ''} |"
             )
             continue
-        label = (
-            s["system"]
-            + (f" (+{s['prefill']:,} finished)" if s.get("prefill") else "")
-            + (f" (synchronous={s['sync']})" if s.get("sync") else "")
-        )
+        label = series_label(s)
         lines.append(
             f"| {label} | {s['store']} | {s['workload'].upper()} | {s.get('workers', 1)} "
             f"| {fmt(figure(s, 'rate'))} | {fmt(figure(s, 'steps_per_s'))} | {fmt(figure(s, 'submit_rate'))} "
@@ -1011,6 +1005,15 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def series_label(s: dict[str, Any]) -> str:
+    """A series' system, with what sets it apart: a prefilled store, a non-default SQLite sync."""
+    return (
+        str(s["system"])
+        + (f" (+{s['prefill']:,} finished)" if s.get("prefill") else "")
+        + (f" (synchronous={s['sync']})" if s.get("sync") else "")
+    )
+
+
 def cpu_table(res: Results, cores: int | None) -> list[str]:
     """Where each task's CPU goes (harness that submits, workers, PostgreSQL server) and how many
     of the machine's cores a run kept busy; then, per store, the most CPU a task may cost if issue
@@ -1027,7 +1030,7 @@ def cpu_table(res: Results, cores: int | None) -> list[str]:
         "",
         "## CPU per task (ms) and cores busy",
         "",
-        "CPU time from /proc over the measured interval, divided by the tasks. *submitter*: the "
+        "CPU time (psutil) over the measured interval, divided by the tasks. *submitter*: the "
         "harness process, which submits (and polls the store for the end, every 20 ms); *workers' CPU*: "
         "the worker (or raw-floor consumer) processes; *server*: the PostgreSQL server's processes "
         "(on SQLite the store's work is inside the other two). *cores busy*: the total over the wall "
@@ -1037,8 +1040,7 @@ def cpu_table(res: Results, cores: int | None) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in rows:
-        label = s["system"] + (f" (+{s['prefill']:,} finished)" if s.get("prefill") else "")
-        label += f" (synchronous={s['sync']})" if s.get("sync") else ""
+        label = series_label(s)
         what = "W1's submissions, no worker" if s["workload"] == "submit" else s["workload"].upper()
         lines.append(
             f"| {label} | {s['store']} | {what} | {s.get('workers', 1)} "
