@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_agent_role import ME, Factory, dispatch, make_role, until
+from test_agent_role import ME, Factory, LostCommits, dispatch, make_role, until
 
 from stepwarden.agent import Agent, AgentSettings, Request
 from stepwarden.clock import SystemClock
@@ -40,27 +40,6 @@ def both_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     s.close()
 
 
-class LosesReplyBatches:
-    """The store, except for its reply batches. ``committed``: the first one commits, then
-    raises, as when the connection is lost while COMMIT's answer is on its way (its takes are lost
-    to the caller). Otherwise every one fails before committing (the database is gone)."""
-
-    def __init__(self, store: Store, *, committed: bool) -> None:
-        self.store, self.committed, self.calls = store, committed, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
-
-    async def send_replies_and_take(self, *args: Any, **kw: Any) -> Any:
-        self.calls += 1
-        if not self.committed:
-            raise ConnectionError("server closed the connection unexpectedly")
-        out = await self.store.send_replies_and_take(*args, **kw)
-        if self.calls == 1:
-            raise ConnectionError("server closed the connection unexpectedly (during COMMIT)")
-        return out
-
-
 def _rows(store: Store, sql: str) -> list[dict[str, Any]]:
     return store.transact_sync(lambda tx: tx.sql(sql))
 
@@ -77,7 +56,7 @@ def test_requests_a_lost_commit_took_are_released_at_once_with_no_failure_counte
     async def do_s(req: Request) -> None:
         ran.append((req.task_id, req.attempt))
 
-    store = LosesReplyBatches(rt_store, committed=True)
+    store = LostCommits(rt_store, "send_replies_and_take", fail=1, committed=True)
 
     def processed() -> int:
         return len(_rows(rt_store, "SELECT id FROM tasks WHERE state = 'processed'"))
@@ -181,20 +160,9 @@ class _Local:
         self.accepted.append(failed)
 
 
-class _FailingRounds:
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
-
-    async def schedule_and_take(self, *args: Any) -> Any:
-        raise ConnectionError("server closed the connection unexpectedly (during COMMIT)")
-
-
 def test_a_scheduler_round_that_fails_tells_its_agents_the_take_is_unknown(rt_store: Store) -> None:
     local = _Local()
-    role = SchedulerRole(_FailingRounds(rt_store), "sched", local=local)  # type: ignore[arg-type]
+    role = SchedulerRole(LostCommits(rt_store, "schedule_and_take", fail=1), "sched", local=local)  # type: ignore[arg-type]
     with pytest.raises(ConnectionError):
         asyncio.run(role.tick())
     assert local.accepted == [True]
@@ -220,7 +188,7 @@ def test_a_call_that_ran_but_whose_reply_never_got_through_is_not_released(
     async def do_s(req: Request) -> None:
         ran.append(req.task_id)
 
-    store = LosesReplyBatches(rt_store, committed=False)
+    store = LostCommits(rt_store, "send_replies_and_take", fail=5)  # every try of the sender
 
     async def body() -> None:
         settings = AgentSettings(apply_replies=True)
@@ -269,26 +237,87 @@ def test_the_sweep_waits_for_a_take_in_flight_and_holds_new_ones_back(
     asyncio.run(body())
 
 
-def test_a_pull_that_failed_marks_its_take_unknown(rt_store: Store) -> None:
+def test_a_pull_that_failed_marks_its_take_unknown(rt_store: Store, make_workflow: Factory) -> None:
+    """The agent's own pull, lost after its commit: what it took is released by the sweep."""
+    (task,) = dispatch(rt_store, make_workflow, 1, budget=60.0)
     agent = Agent("svc", concurrency=1)
 
-    class _FailingPull:
-        def __init__(self, store: Store) -> None:
-            self.store = store
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        return None
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.store, name)
+    def the_pull(fn: Any, *args: Any, **kw: Any) -> bool:
+        return getattr(fn, "__name__", "") == "pull"  # the agent's own take (store/agents.py)
 
-        async def transact(self, fn: Any, *args: Any, **kw: Any) -> Any:
-            if getattr(fn, "__name__", "") == "pull":  # the agent's own take (store/agents.py)
-                raise ConnectionError("server closed the connection unexpectedly (during COMMIT)")
-            return await self.store.transact(fn, *args, **kw)
+    store = LostCommits(rt_store, "transact", fail=1, committed=True, when=the_pull)
 
     async def body() -> None:
-        role = make_role(_FailingPull(rt_store), agent)  # type: ignore[arg-type]
+        role = make_role(store, agent)  # type: ignore[arg-type]
         await role.health.register({"svc": 1})
         with pytest.raises(ConnectionError):
             await role.pull()
         assert role._takes_unknown
+        assert not role.tasks  # taken in the store, run by nobody here
+        await role._release_unknown_takes()
 
     asyncio.run(body())
+    released = _rows(rt_store, "SELECT task_id, outcome FROM replies")
+    assert released == [{"task_id": task, "outcome": "released"}]
+
+
+def test_requests_a_lost_scheduler_round_took_are_released_and_run_with_no_failure_counted(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """A worker that schedules and runs: its round claims, dispatches and takes for its own
+    agent, commits, and the answer is lost. The agent releases what the round took; the next
+    rounds dispatch and run them as attempt 2, with no failure counted."""
+    wf = make_workflow("s", budget=60.0, compensate=False)
+    ids = [
+        rt_store.transact_sync(
+            t.submit, wf, "{}", correlation_id=None, idempotency_key=None, priority=0, reply_to=None
+        )[0]
+        for _ in range(2)
+    ]
+    agent = Agent("svc", concurrency=2)
+    ran: list[tuple[int, int]] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        ran.append((req.task_id, req.attempt))
+
+    store = LostCommits(rt_store, "schedule_and_take", fail=1, committed=True)
+
+    def processed() -> int:
+        return len(_rows(rt_store, "SELECT id FROM tasks WHERE state = 'processed'"))
+
+    async def body() -> None:
+        settings = AgentSettings(apply_replies=True, poll_interval=0.01, idle_poll_max=0.02)
+        role = make_role(store, agent, settings=settings)  # type: ignore[arg-type]
+        await role.health.register({"svc": 2})
+        sched = SchedulerRole(store, ME, local=role)  # type: ignore[arg-type]  # one worker: one name
+        with pytest.raises(ConnectionError):
+            await sched.tick()  # claimed, dispatched and took both, committed; the answer lost
+        assert role._takes_unknown and not role.tasks
+        stop = asyncio.Event()
+        running = asyncio.create_task(role.run(stop))
+        try:
+            deadline = asyncio.get_running_loop().time() + 15
+            while processed() < 2:
+                assert asyncio.get_running_loop().time() < deadline, ran
+                await sched.tick()
+                await asyncio.sleep(0.01)
+            await until(lambda: not role.tasks and not role._outbox, timeout=5)
+        finally:
+            stop.set()
+            await running
+
+    asyncio.run(body())
+    assert sorted(ran) == [(i, 2) for i in ids]  # each ran once, as a new attempt
+    tasks = _rows(rt_store, "SELECT failure_count FROM tasks ORDER BY id")
+    assert [r["failure_count"] for r in tasks] == [0, 0]
+    assert [
+        r["outcome"] for r in _rows(rt_store, "SELECT outcome FROM replies WHERE outcome = 'released'")
+    ] == [
+        "released",
+        "released",
+    ]

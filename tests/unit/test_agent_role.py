@@ -482,20 +482,51 @@ def test_the_role_loop_serves_requests_until_stopped(rt_store: Store, make_workf
     assert sorted(r["result"] for r in replies(rt_store)) == [str(i) for i in range(6)]
 
 
-class FailingTakes:
-    """The store, except that the first ``fail`` reply batches are lost with the connection."""
+class WrappedStore:
+    """The store, with the methods a test defines in a subclass in place of its own."""
 
-    def __init__(self, store: Store, fail: int) -> None:
-        self.store, self.fail, self.calls = store, fail, 0
+    def __init__(self, store: Store) -> None:
+        self.store = store
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
-    async def send_replies_and_take(self, *args: Any, **kw: Any) -> Any:
-        self.calls += 1
-        if self.calls <= self.fail:
+
+class LostCommits(WrappedStore):
+    """The store, except that the first ``fail`` calls of ``method`` (those ``when`` picks) are
+    lost with the connection: before they commit or, with ``committed``, after (COMMIT's answer
+    lost on its way back, which leaves the caller not knowing what was written)."""
+
+    def __init__(
+        self,
+        store: Store,
+        method: str,
+        fail: int,
+        *,
+        committed: bool = False,
+        when: Callable[..., bool] = lambda *args, **kw: True,
+    ) -> None:
+        super().__init__(store)
+        self.method, self.fail, self.committed, self.when = method, fail, committed, when
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self.store, name)
+        if name != self.method:
+            return real
+
+        async def lossy(*args: Any, **kw: Any) -> Any:
+            if not self.when(*args, **kw):
+                return await real(*args, **kw)
+            self.calls += 1
+            if self.calls > self.fail:
+                return await real(*args, **kw)
+            if self.committed:
+                await real(*args, **kw)
+                raise ConnectionError("server closed the connection unexpectedly (during COMMIT)")
             raise ConnectionError("server closed the connection unexpectedly")
-        return await self.store.send_replies_and_take(*args, **kw)
+
+        return lossy
 
 
 def test_a_reply_batch_refills_the_slots_it_frees_and_a_lost_one_gives_its_reservation_back(
@@ -512,7 +543,7 @@ def test_a_reply_batch_refills_the_slots_it_frees_and_a_lost_one_gives_its_reser
     async def do_s(req: Request) -> None:
         ran.append(req.task_id)
 
-    flaky = FailingTakes(rt_store, fail=1)
+    flaky = LostCommits(rt_store, "send_replies_and_take", fail=1)
 
     async def body() -> None:
         role = make_role(flaky, agent, settings=AgentSettings(apply_replies=True))  # type: ignore[arg-type]
@@ -529,16 +560,13 @@ def test_a_reply_batch_refills_the_slots_it_frees_and_a_lost_one_gives_its_reser
     assert {r["taken_by"] for r in taken} == {ME}
 
 
-class CountingTakes:
+class CountingTakes(WrappedStore):
     """The store, recording each reply batch: (replies sent, slots offered for the take, requests
     this worker holds once the batch has committed: taken and not yet replied to)."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
+        super().__init__(store)
         self.batches: list[tuple[int, int, int]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
 
     async def send_replies_and_take(self, me: str, replies: Any, take: Any, apply: bool = True) -> Any:
         out = await self.store.send_replies_and_take(me, replies, take, apply)
@@ -674,15 +702,12 @@ def test_bookkeeping_that_fails_after_a_commit_does_not_send_the_batch_again(
     assert "after a reply batch committed" in caplog.text
 
 
-class SilentStore:
+class SilentStore(WrappedStore):
     """The store, except that its reply transactions never answer (a partitioned database)."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
+        super().__init__(store)
         self.release_tries = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
 
     async def send_replies(self, *args: Any, **kw: Any) -> Any:
         self.release_tries += 1
