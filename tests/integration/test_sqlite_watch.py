@@ -6,9 +6,10 @@ that waited for a role's idle poll."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,20 @@ async def _until(what: Any, seconds: float, why: str) -> None:
         await asyncio.sleep(0.005)
 
 
+@contextlib.asynccontextmanager
+async def _listening(
+    store: SQLiteStore, woken: list[str], channels: list[str] | None = None
+) -> AsyncIterator[None]:
+    """The store's watch running for the block; stopped (and waited for, bounded) after it."""
+    stop = asyncio.Event()
+    listening = asyncio.create_task(store.listen(woken.append, stop, channels))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(listening, 5)
+
+
 def _run(store: SQLiteStore, main: Coroutine[Any, Any, None], caplog: pytest.LogCaptureFixture) -> None:
     try:
         with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -107,22 +122,21 @@ def test_the_watch_comes_back_after_an_error_and_wakes_for_the_next_commit(
     woken: list[str] = []
 
     async def main() -> None:
-        stop = asyncio.Event()
-        listening = asyncio.create_task(store.listen(woken.append, stop))
-        # it fails (at connect `refuse` times, then at its third read), reconnects, and wakes the
-        # roles once, for whatever was committed while it was down
-        await _until(lambda: len(store.watches) == 2 and store.watches[1].reads >= 2, 10, "never came back")
-        # (one round of wake-ups per connection opened during the outage: with refused connects
-        # first, the one that broke was one of them)
-        rounds = 1 if refuse == 0 else 2
-        await _until(lambda: len(woken) == rounds * len(WORK_CHANNELS), 2, "no wake-up once back")
-        woken.clear()
-        _commit_elsewhere(path)
-        await _until(lambda: woken, 2, "a commit after the error woke nobody")
-        assert set(woken) == set(WORK_CHANNELS)
-        await _until(lambda: _logged(caplog, logging.INFO, "working again"), 5, "never said it is back")
-        stop.set()
-        await listening
+        async with _listening(store, woken):
+            # it fails (at connect `refuse` times, then at its third read), reconnects, and wakes the
+            # roles once, for whatever was committed while it was down
+            await _until(
+                lambda: len(store.watches) == 2 and store.watches[1].reads >= 2, 10, "never came back"
+            )
+            # (one round of wake-ups per connection opened during the outage: with refused connects
+            # first, the one that broke was one of them)
+            rounds = 1 if refuse == 0 else 2
+            await _until(lambda: len(woken) == rounds * len(WORK_CHANNELS), 2, "no wake-up once back")
+            woken.clear()
+            _commit_elsewhere(path)
+            await _until(lambda: woken, 2, "a commit after the error woke nobody")
+            assert set(woken) == set(WORK_CHANNELS)
+            await _until(lambda: _logged(caplog, logging.INFO, "working again"), 5, "never said it is back")
 
     _run(store, main(), caplog)
     # once per outage, not per retry: refused connects and the connection that broke after them
@@ -143,12 +157,9 @@ def test_a_watch_that_keeps_breaking_backs_off_and_says_so_once(
     woken: list[str] = []
 
     async def main() -> None:
-        stop = asyncio.Event()
-        listening = asyncio.create_task(store.listen(woken.append, stop, ["stepwarden_tasks"]))
-        await _until(lambda: store.attempts >= 4, 10, "it stopped trying")
-        await asyncio.sleep(1.0)  # the span that is checked: pauses of 0.4 s and more by now
-        stop.set()
-        await listening
+        async with _listening(store, woken, ["stepwarden_tasks"]):
+            await _until(lambda: store.attempts >= 4, 10, "it stopped trying")
+            await asyncio.sleep(1.0)  # the span that is checked: pauses of 0.4 s and more by now
 
     _run(store, main(), caplog)
     assert len(_logged(caplog, logging.WARNING, "")) == 1
@@ -175,17 +186,14 @@ def test_a_watch_that_works_wakes_once_per_commit_and_stops_with_its_worker(tmp_
     woken: list[str] = []
 
     async def main() -> None:
-        stop = asyncio.Event()
-        listening = asyncio.create_task(store.listen(woken.append, stop, ["stepwarden_tasks"]))
-        await _until(lambda: store.watches and store.watches[0].reads >= 2, 10, "the watch never read")
-        assert woken == []  # nothing committed yet
-        _commit_elsewhere(path)
-        await _until(lambda: woken, 2, "a commit woke nobody")
-        reads = store.watches[0].reads
-        await _until(lambda: store.watches[0].reads >= reads + 3, 10, "the watch stopped reading")
-        assert woken == ["stepwarden_tasks"]  # a few more reads: still one wake-up for one commit
-        stop.set()
-        await asyncio.wait_for(listening, 2)
+        async with _listening(store, woken, ["stepwarden_tasks"]):
+            await _until(lambda: store.watches and store.watches[0].reads >= 2, 10, "the watch never read")
+            assert woken == []  # nothing committed yet
+            _commit_elsewhere(path)
+            await _until(lambda: woken, 2, "a commit woke nobody")
+            reads = store.watches[0].reads
+            await _until(lambda: store.watches[0].reads >= reads + 3, 10, "the watch stopped reading")
+            assert woken == ["stepwarden_tasks"]  # a few more reads: still one wake-up for one commit
 
     try:
         asyncio.run(main())

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_agent_role import ME, Factory, LostCommits, dispatch, make_role, until
 
-from stepwarden.agent import Agent, AgentSettings, Request
+from stepwarden.agent import Agent, AgentRole, AgentSettings, Request
 from stepwarden.clock import SystemClock
 from stepwarden.scheduler import SchedulerRole
 from stepwarden.store import Store, open_store
@@ -40,6 +41,45 @@ def both_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     s.close()
 
 
+# A worker that schedules too (its replies applied in their own transaction), polling briskly.
+BUSY = AgentSettings(apply_replies=True, poll_interval=0.01, idle_poll_max=0.02)
+
+
+def _recording_agent(concurrency: int) -> tuple[Agent, list[tuple[int, int]]]:
+    """Agent ``svc`` whose no-op operation records (task, attempt) of every call."""
+    agent = Agent("svc", concurrency=concurrency)
+    ran: list[tuple[int, int]] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        ran.append((req.task_id, req.attempt))
+
+    return agent, ran
+
+
+def _processed(store: Store) -> int:
+    return len(_rows(store, "SELECT id FROM tasks WHERE state = 'processed'"))
+
+
+async def _run_until_processed(
+    role: AgentRole, store: Store, n: int, schedule: Callable[[], Awaitable[object]]
+) -> None:
+    """Run the agent role, and a scheduler round after round, until ``n`` tasks are processed and
+    the role has nothing left running or to send (15 s at most)."""
+    stop = asyncio.Event()
+    running = asyncio.create_task(role.run(stop))
+    try:
+        deadline = asyncio.get_running_loop().time() + 15
+        while _processed(store) < n:
+            assert asyncio.get_running_loop().time() < deadline, _rows(store, "SELECT * FROM requests")
+            await schedule()
+            await asyncio.sleep(0.01)
+        await until(lambda: not role.tasks and not role._outbox, timeout=5)
+    finally:
+        stop.set()
+        await running
+
+
 def _rows(store: Store, sql: str) -> list[dict[str, Any]]:
     return store.transact_sync(lambda tx: tx.sql(sql))
 
@@ -49,42 +89,20 @@ def test_requests_a_lost_commit_took_are_released_at_once_with_no_failure_counte
 ) -> None:
     rt_store = both_stores
     ids = dispatch(rt_store, make_workflow, 4, budget=60.0)  # complete-by far beyond the test
-    agent = Agent("svc", concurrency=2)
-    ran: list[tuple[int, int]] = []
-
-    @agent.operation
-    async def do_s(req: Request) -> None:
-        ran.append((req.task_id, req.attempt))
+    agent, ran = _recording_agent(2)
 
     store = LostCommits(rt_store, "send_replies_and_take", fail=1, committed=True)
 
-    def processed() -> int:
-        return len(_rows(rt_store, "SELECT id FROM tasks WHERE state = 'processed'"))
-
     async def body() -> None:
-        settings = AgentSettings(apply_replies=True, poll_interval=0.01, idle_poll_max=0.02)
-        role = make_role(store, agent, settings=settings)  # type: ignore[arg-type]
-        stop = asyncio.Event()
-        running = asyncio.create_task(role.run(stop))
+        role = make_role(store, agent, settings=BUSY)  # type: ignore[arg-type]
         rng = random.Random(0)
-        try:
-            # The first two run; their reply batch takes the other two and commits, and its
-            # answer is lost. The scheduler (here: by hand) applies what the agent releases.
-            async def settled() -> bool:
-                await asyncio.to_thread(rt_store.transact_sync, t.schedule, "sched", 100, rng)
-                return processed() == 4
 
-            deadline = asyncio.get_running_loop().time() + 15
-            while not await settled():
-                assert asyncio.get_running_loop().time() < deadline, (
-                    ran,
-                    _rows(rt_store, "SELECT * FROM requests"),
-                )
-                await asyncio.sleep(0.01)
-            await until(lambda: not role.tasks and not role._outbox, timeout=5)
-        finally:
-            stop.set()
-            await running
+        async def schedule() -> None:  # the scheduler, by hand: it applies what the agent releases
+            await asyncio.to_thread(rt_store.transact_sync, t.schedule, "sched", 100, rng)
+
+        # The first two run; their reply batch takes the other two and commits, and its answer
+        # is lost.
+        await _run_until_processed(role, rt_store, 4, schedule)
 
     asyncio.run(body())
     assert store.calls >= 2
@@ -278,38 +296,18 @@ def test_requests_a_lost_scheduler_round_took_are_released_and_run_with_no_failu
         )[0]
         for _ in range(2)
     ]
-    agent = Agent("svc", concurrency=2)
-    ran: list[tuple[int, int]] = []
-
-    @agent.operation
-    async def do_s(req: Request) -> None:
-        ran.append((req.task_id, req.attempt))
+    agent, ran = _recording_agent(2)
 
     store = LostCommits(rt_store, "schedule_and_take", fail=1, committed=True)
 
-    def processed() -> int:
-        return len(_rows(rt_store, "SELECT id FROM tasks WHERE state = 'processed'"))
-
     async def body() -> None:
-        settings = AgentSettings(apply_replies=True, poll_interval=0.01, idle_poll_max=0.02)
-        role = make_role(store, agent, settings=settings)  # type: ignore[arg-type]
+        role = make_role(store, agent, settings=BUSY)  # type: ignore[arg-type]
         await role.health.register({"svc": 2})
         sched = SchedulerRole(store, ME, local=role)  # type: ignore[arg-type]  # one worker: one name
         with pytest.raises(ConnectionError):
             await sched.tick()  # claimed, dispatched and took both, committed; the answer lost
         assert role._takes_unknown and not role.tasks
-        stop = asyncio.Event()
-        running = asyncio.create_task(role.run(stop))
-        try:
-            deadline = asyncio.get_running_loop().time() + 15
-            while processed() < 2:
-                assert asyncio.get_running_loop().time() < deadline, ran
-                await sched.tick()
-                await asyncio.sleep(0.01)
-            await until(lambda: not role.tasks and not role._outbox, timeout=5)
-        finally:
-            stop.set()
-            await running
+        await _run_until_processed(role, rt_store, 2, sched.tick)
 
     asyncio.run(body())
     assert sorted(ran) == [(i, 2) for i in ids]  # each ran once, as a new attempt
