@@ -1,14 +1,18 @@
-"""The raw-SQL floor for W1: a hand-written job queue in Python with no framework, the same driver
-as stepwarden (``sqlite3`` / ``psycopg``), for comparison in the same run.
+"""The raw-SQL floor for W1 and W2: a hand-written job queue in Python with no framework, the same
+driver as stepwarden (``sqlite3`` / ``psycopg``), for comparison in the same run.
 
 - One producer (the caller of :func:`produce`, in bench/run.py's process) inserts the jobs one per
-  call, one committed transaction each, as an application would.
+  call, one committed transaction each, as an application would. A job is the first step of a
+  chain of ``steps`` (1 for W1, 3 for W2).
 - Consumers (``python bench/floor.py consume ...``, one or more processes of one or more threads)
   claim and complete each job in ONE transaction: on PostgreSQL ``SELECT ... FOR UPDATE SKIP
   LOCKED`` then ``UPDATE``; on SQLite ``BEGIN IMMEDIATE``, ``SELECT``, ``UPDATE`` (WAL,
-  ``synchronous=FULL``). An idle consumer checks for work with a plain read and sleeps 1 ms.
+  ``synchronous=FULL``). A job that is not its chain's last step also inserts the next step's job
+  in that transaction, queued behind the jobs already waiting: the least a durable pipeline can do
+  (W2: one insert and three claim-and-complete transactions per workflow). An idle consumer checks
+  for work with a plain read and sleeps 1 ms.
 - Elapsed: from just before the first insert to the last ``done_at`` (host clock, written by the
-  consumer at completion).
+  consumer at completion) of a chain's last step.
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ from typing import Any
 
 SQLITE_SCHEMA = [
     "CREATE TABLE IF NOT EXISTS jobs (id INTEGER PRIMARY KEY, state TEXT NOT NULL, payload TEXT NOT NULL,"
+    " step INTEGER NOT NULL DEFAULT 0, steps INTEGER NOT NULL DEFAULT 1,"
     " created_at REAL NOT NULL, done_at REAL)",
     "CREATE INDEX IF NOT EXISTS jobs_queued ON jobs (id) WHERE state = 'queued'",
 ]
 PG_SCHEMA = [
     "CREATE TABLE IF NOT EXISTS jobs (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
     " state TEXT NOT NULL,"
-    " payload TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL, done_at DOUBLE PRECISION)",
+    " payload TEXT NOT NULL, step INTEGER NOT NULL DEFAULT 0, steps INTEGER NOT NULL DEFAULT 1,"
+    " created_at DOUBLE PRECISION NOT NULL, done_at DOUBLE PRECISION)",
     "CREATE INDEX IF NOT EXISTS jobs_queued ON jobs (id) WHERE state = 'queued'",
 ]
 
@@ -59,30 +65,38 @@ def setup(url: str) -> None:
     conn.close()
 
 
-def produce(url: str, n: int, payload: str = "{}") -> tuple[float, float]:
-    """Insert ``n`` jobs, one committed transaction per call; returns (start, end) on the host clock."""
+def produce(url: str, n: int, payload: str = "{}", steps: int = 1) -> tuple[float, float]:
+    """Insert ``n`` jobs (chains of ``steps``), one committed transaction per call; returns (start,
+    end) on the host clock."""
     conn = connect(url)
-    sql = (
-        "INSERT INTO jobs (state, payload, created_at) VALUES ('queued', %s, %s)"
-        if is_pg(url)
-        else "INSERT INTO jobs (state, payload, created_at) VALUES ('queued', ?, ?)"
-    )
+    sql = _param(url, "INSERT INTO jobs (state, payload, steps, created_at) VALUES ('queued', ?, ?, ?)")
     t0 = time.time()
     for _ in range(n):
-        conn.execute(sql, (payload, time.time()))
+        conn.execute(sql, (payload, steps, time.time()))
     t1 = time.time()
     conn.close()
     return t0, t1
 
 
-def progress(url: str) -> tuple[int, float | None]:
-    """(jobs done, last done_at)."""
-    conn = connect(url)
-    try:
-        row = conn.execute("SELECT count(*), max(done_at) FROM jobs WHERE state = 'done'").fetchone()
-        return int(row[0]), (float(row[1]) if row[1] is not None else None)
-    finally:
-        conn.close()
+# How many chains are finished (their last step done), and when the last of them finished.
+FINISHED = "SELECT count(*) FROM jobs WHERE state = 'done' AND step = steps - 1"
+LAST_DONE = "SELECT max(done_at) FROM jobs WHERE state = 'done' AND step = steps - 1"
+
+CLAIM = "SELECT id, payload, step, steps FROM jobs WHERE state = 'queued' ORDER BY id LIMIT 1"
+COMPLETE = "UPDATE jobs SET state = 'done', done_at = ? WHERE id = ?"
+NEXT = "INSERT INTO jobs (state, payload, step, steps, created_at) VALUES ('queued', ?, ?, ?, ?)"
+
+
+def _param(url: str, sql: str) -> str:
+    return sql.replace("?", "%s") if is_pg(url) else sql
+
+
+def _complete(conn: Any, url: str, row: Any) -> None:
+    """Complete the claimed job ``row`` and queue its chain's next step, in the caller's transaction."""
+    job, payload, step, steps = row
+    conn.execute(_param(url, COMPLETE), (time.time(), job))
+    if step + 1 < steps:
+        conn.execute(_param(url, NEXT), (payload, step + 1, steps, time.time()))
 
 
 def _consume_pg(url: str, stop: threading.Event, done: list[int]) -> None:
@@ -90,14 +104,9 @@ def _consume_pg(url: str, stop: threading.Event, done: list[int]) -> None:
     n = 0
     while not stop.is_set():
         with conn.transaction():
-            row = conn.execute(
-                "SELECT id, payload FROM jobs WHERE state = 'queued' ORDER BY id LIMIT 1"
-                " FOR UPDATE SKIP LOCKED"
-            ).fetchone()
+            row = conn.execute(CLAIM + " FOR UPDATE SKIP LOCKED").fetchone()
             if row is not None:
-                conn.execute(
-                    "UPDATE jobs SET state = 'done', done_at = %s WHERE id = %s", (time.time(), row[0])
-                )
+                _complete(conn, url, row)
         if row is None:
             time.sleep(0.001)
         else:
@@ -115,13 +124,9 @@ def _consume_sqlite(url: str, stop: threading.Event, done: list[int]) -> None:
             continue
         conn.execute("BEGIN IMMEDIATE")
         try:
-            row = conn.execute(
-                "SELECT id, payload FROM jobs WHERE state = 'queued' ORDER BY id LIMIT 1"
-            ).fetchone()
+            row = conn.execute(CLAIM).fetchone()
             if row is not None:
-                conn.execute(
-                    "UPDATE jobs SET state = 'done', done_at = ? WHERE id = ?", (time.time(), row[0])
-                )
+                _complete(conn, url, row)
         except BaseException:
             conn.execute("ROLLBACK")
             raise

@@ -1,5 +1,6 @@
 """The benchmark harness's summary: the ratios the performance doc quotes are taken per repetition,
-and issue 5's W1 goal is set against the rate of submission alone in the same repetition."""
+and issue 5's goals are set against the ceilings measured in the same repetition (submission alone,
+the raw-SQL floors of W1 and W2)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -108,6 +110,59 @@ def test_the_table_shows_submission_alone_and_the_goal(bench: ModuleType, tmp_pa
         in text
     )
     assert "| issue 5's W1 goal (4x procrastinate) / submission alone | postgres | — | 1 |" in text
+
+
+def test_each_goal_and_stepwarden_are_set_against_the_floor_of_their_own_workload(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    res = results(
+        bench,
+        tmp_path,
+        [
+            ({"system": "procrastinate", "store": "postgres", "workload": "w1", "workers": 1}, [500, 600]),
+            ({"system": "procrastinate", "store": "postgres", "workload": "w2", "workers": 1}, [150, 200]),
+            ({"system": "floor", "store": "postgres", "workload": "w1", "workers": 1}, [2500, 2000]),
+            ({"system": "floor", "store": "postgres", "workload": "w2", "workers": 1}, [1000, 800]),
+            ({"system": "stepwarden", "store": "postgres", "workload": "w1", "workers": 1}, [1250, 1200]),
+            ({"system": "stepwarden", "store": "postgres", "workload": "w2", "workers": 1}, [600, 400]),
+        ],
+    )
+    s = bench.summarise(res)
+    g1 = by_what(s, "issue 5's W1 goal (4x procrastinate) / raw floor", "postgres")
+    assert (g1["min"], g1["max"], g1["n"]) == (0.8, 1.2, 2)  # 4 x 500/2500, 4 x 600/2000
+    g2 = by_what(s, "issue 5's W2 goal (4x procrastinate) / raw floor", "postgres")
+    assert (g2["min"], g2["max"], g2["n"]) == (0.6, 1.0, 2)  # 4 x 150/1000, 4 x 200/800
+    w2 = by_what(s, "stepwarden w2 / raw floor", "postgres")
+    assert (w2["min"], w2["max"]) == (0.5, 0.6)  # 600/1000, 400/800: W2's floor, not W1's
+    w1 = by_what(s, "stepwarden w1 / raw floor", "postgres")
+    assert (w1["min"], w1["max"]) == (0.5, 0.6)
+    # no submission-alone run: that goal is left out, the others stand
+    assert not [r for r in s["ratios"] if r["what"].endswith("submission alone")]
+
+
+def test_the_floor_runs_each_chain_of_steps_to_its_end_once(bench: ModuleType, tmp_path: Path) -> None:
+    """W2's raw floor: each job queues its chain's next step in the transaction that completes it,
+    so three-step chains end with three done jobs each, and the finished count sees only the ends."""
+    floor = sys.modules["floor"]
+    url = f"sqlite:///{tmp_path / 'floor.db'}"
+    floor.setup(url)
+    floor.produce(url, 5, steps=3)
+    floor.produce(url, 2)  # W1's one-step jobs
+    proc = subprocess.Popen([sys.executable, str(BENCH.parent / "floor.py"), "consume", "--db", url])
+    conn = floor.connect(url)
+    try:
+        deadline = time.monotonic() + 30
+        while conn.execute(floor.FINISHED).fetchone()[0] < 7:
+            assert time.monotonic() < deadline, "the floor's consumer did not finish 7 chains in 30 s"
+            time.sleep(0.02)
+        rows = conn.execute(
+            "SELECT steps, step, state, count(*) FROM jobs GROUP BY 1, 2, 3 ORDER BY 1, 2"
+        ).fetchall()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+        conn.close()
+    assert rows == [(1, 0, "done", 2), (3, 0, "done", 5), (3, 1, "done", 5), (3, 2, "done", 5)]
 
 
 @pytest.fixture(scope="module")
