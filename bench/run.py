@@ -491,6 +491,7 @@ def stepwarden_rescue(
     if "benchapp_slow" in sys.modules and budget != sys.modules["benchapp_slow"].BUDGET:
         raise RuntimeError("benchapp_slow was imported with another budget")
     app, store = open_app(url, "benchapp_slow")
+    sys.modules["benchapp_slow"].prepare_ledger(str(ledger))
     reader = Reader(url)
     first = start_worker(url, "benchapp_slow:app", concurrency, work / "worker-killed.log", env)
     second = None
@@ -554,6 +555,26 @@ def stepwarden_rescue(
                 (lo, hi),
             )
         )
+        # A lost task's own account, for the results: its state and error, and its events in order.
+        unfinished = [
+            {
+                "task_id": int(task_id),
+                "state": state,
+                "last_error": last_error,
+                "events": [
+                    f"{kind} attempt={attempt} by={actor} {detail or ''}".strip()
+                    for kind, attempt, actor, detail in reader.all(
+                        "SELECT kind, attempt, actor, detail FROM events WHERE task_id = ? ORDER BY id",
+                        (task_id,),
+                    )
+                ],
+            }
+            for task_id, state, last_error in reader.all(
+                "SELECT id, state, last_error FROM tasks WHERE id BETWEEN ? AND ? AND state <> 'processed' "
+                "ORDER BY id LIMIT 5",
+                (lo, hi),
+            )
+        ]
     finally:
         reader.close()
         if second is not None:
@@ -584,6 +605,7 @@ def stepwarden_rescue(
         "duplicated_executions": dup_exec,
         "duplicated_completions": int(accepted_twice) + max(0, completed_events.get("step_completed", 0) - n),
         "executions_started": started,
+        "unfinished_tasks": unfinished,
         "executions_not_finished": interrupted,
         "orphaned_steps": len(orphans),
         "rescued": len(rescue),
@@ -999,6 +1021,20 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
                 f"| {fmt(sub('first'))} | {fmt(sub('median'))} | {fmt(sub('last'))} "
                 f"| {fmt(figure(s, 'all_final_after_kill_s'))} |"
             )
+        lost = [
+            (s["store"], r["rep"], u) for s in w3 for r in s["runs"] for u in r.get("unfinished_tasks", [])
+        ]
+        if lost:
+            lines += [
+                "",
+                "Tasks that did not end `processed` (up to 5 per run): store, repetition, task, its events:",
+                "",
+            ]
+            for store, rep, u in lost:
+                events = "; ".join(u["events"])
+                lines.append(
+                    f"- {store}, rep {rep}: task {u['task_id']} `{u['state']}` ({u['last_error']}): {events}"
+                )
     if res.peer_status:
         lines += [
             "",
