@@ -33,8 +33,8 @@ def prepare_ledger(path: str) -> None:
     """Create the ledger, in WAL mode, before any worker runs. Not in :func:`record`: the switch to
     WAL takes an exclusive lock that SQLite may refuse at once ("database is locked", without
     waiting out the busy timeout) to connections opening a new file together, as a worker's 8 slots
-    do; in W3 that made a task's first execution fail, and the task end in ``error`` (1 run in 24;
-    8 threads opening fresh files: 5 failures in 1,600)."""
+    do. In W3 that made a task's first execution fail and the task end in ``error`` (one repetition
+    of round s24); 8 threads opening fresh files together: 5 failures in 1,600."""
     conn = sqlite3.connect(path, timeout=30, isolation_level=None)
     try:
         conn.execute("PRAGMA journal_mode=WAL")  # kept by the file: every later connection uses it
