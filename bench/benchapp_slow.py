@@ -2,7 +2,8 @@
 own (the "remote service's" ledger), so a benchmark can count lost and duplicated executions.
 
 Configured by the environment, read at import (the worker and the submitter import it alike):
-``STEPWARDEN_BENCH_LEDGER`` (the ledger file), ``STEPWARDEN_BENCH_SLOW_SECONDS`` (0.2),
+``STEPWARDEN_BENCH_LEDGER`` (the ledger file, made first by :func:`prepare_ledger`: the
+operation only inserts into it), ``STEPWARDEN_BENCH_SLOW_SECONDS`` (0.2),
 ``STEPWARDEN_BENCH_SLOW_BUDGET`` (the step's complete-by in seconds, 30).
 """
 

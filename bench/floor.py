@@ -85,18 +85,20 @@ LAST_DONE = "SELECT max(done_at) FROM jobs WHERE state = 'done' AND step = steps
 CLAIM = "SELECT id, payload, step, steps FROM jobs WHERE state = 'queued' ORDER BY id LIMIT 1"
 COMPLETE = "UPDATE jobs SET state = 'done', done_at = ? WHERE id = ?"
 NEXT = "INSERT INTO jobs (state, payload, step, steps, created_at) VALUES ('queued', ?, ?, ?, ?)"
+# psycopg's placeholders, made once rather than per job
+PG_COMPLETE, PG_NEXT = COMPLETE.replace("?", "%s"), NEXT.replace("?", "%s")
 
 
 def _param(url: str, sql: str) -> str:
     return sql.replace("?", "%s") if is_pg(url) else sql
 
 
-def _complete(conn: Any, url: str, row: Any) -> None:
+def _complete(conn: Any, row: Any, complete: str, next_step: str) -> None:
     """Complete the claimed job ``row`` and queue its chain's next step, in the caller's transaction."""
     job, payload, step, steps = row
-    conn.execute(_param(url, COMPLETE), (time.time(), job))
+    conn.execute(complete, (time.time(), job))
     if step + 1 < steps:
-        conn.execute(_param(url, NEXT), (payload, step + 1, steps, time.time()))
+        conn.execute(next_step, (payload, step + 1, steps, time.time()))
 
 
 def _consume_pg(url: str, stop: threading.Event, done: list[int]) -> None:
@@ -106,7 +108,7 @@ def _consume_pg(url: str, stop: threading.Event, done: list[int]) -> None:
         with conn.transaction():
             row = conn.execute(CLAIM + " FOR UPDATE SKIP LOCKED").fetchone()
             if row is not None:
-                _complete(conn, url, row)
+                _complete(conn, row, PG_COMPLETE, PG_NEXT)
         if row is None:
             time.sleep(0.001)
         else:
@@ -126,7 +128,7 @@ def _consume_sqlite(url: str, stop: threading.Event, done: list[int]) -> None:
         try:
             row = conn.execute(CLAIM).fetchone()
             if row is not None:
-                _complete(conn, url, row)
+                _complete(conn, row, COMPLETE, NEXT)
         except BaseException:
             conn.execute("ROLLBACK")
             raise

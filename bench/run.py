@@ -811,13 +811,17 @@ def figure(series: dict[str, Any] | None, field: str) -> dict[str, float] | None
     return stat([r[field] for r in series["runs"] if field in r and r[field] is not None])
 
 
-def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, field: str = "rate") -> dict[str, float] | None:
-    """a / b, per repetition (the same run's figures), then median and range."""
+def per_rep(a: dict[str, Any] | None, b: dict[str, Any] | None, field: str = "rate") -> list[float]:
+    """a / b in each repetition that measured both (the same run's figures)."""
     if a is None or b is None:
-        return None
+        return []
     bx = {r["rep"]: r.get(field) for r in b["runs"] if r.get(field)}
-    vals = [r[field] / bx[r["rep"]] for r in a["runs"] if r.get(field) and r["rep"] in bx]
-    return stat(vals)
+    return [r[field] / bx[r["rep"]] for r in a["runs"] if r.get(field) and r["rep"] in bx]
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, field: str = "rate") -> dict[str, float] | None:
+    """a / b, per repetition, then median and range."""
+    return stat(per_rep(a, b, field))
 
 
 def goal_over(
@@ -825,31 +829,29 @@ def goal_over(
 ) -> dict[str, Any] | None:
     """Issue 5's goal for ``workload`` on store ``st`` (a multiple of a peer's figure) over a ceiling
     ``base`` measured in the same repetition (submission alone, or the raw-SQL floor): above 1, the
-    goal asks for more than that ceiling reaches on this machine."""
+    goal asks for more than that ceiling reaches on this machine. Scaled per repetition, then
+    summarised, so that the rounding is not multiplied."""
     peer, times = GOALS.get(st, ("", 0.0))
-    r = ratio(res.find(system=peer, store=st, workload=workload), base)
+    r = stat([v * times for v in per_rep(res.find(system=peer, store=st, workload=workload), base)])
     if r is None:
         return None
-    scaled = {k: round(v * times, 2) for k, v in r.items() if k != "n"}
     return {
         "what": f"issue 5's {workload.upper()} goal ({times:g}x {peer}) / {name}",
         "store": st,
         "workers": 0,
-        **scaled,
-        "n": r["n"],
+        **r,
     }
 
 
 def goals(res: Results, st: str) -> list[dict[str, Any]]:
     """Each of issue 5's goals on ``st`` set against the ceilings measured in the same run: W1's
     against submission alone (W1 ends when its last submission is processed) and the floor, W2's
-    against its floor."""
+    against its floor; the floor with one consumer process, as the peers run one worker."""
+    submit = res.find(system="stepwarden", store=st, workload="submit")
     out = [
-        goal_over(
-            res, st, "w1", res.find(system="stepwarden", store=st, workload="submit"), "submission alone"
-        ),
-        goal_over(res, st, "w1", res.find(system="floor", store=st, workload="w1"), "raw floor"),
-        goal_over(res, st, "w2", res.find(system="floor", store=st, workload="w2"), "raw floor"),
+        goal_over(res, st, "w1", submit, "submission alone"),
+        goal_over(res, st, "w1", res.find(system="floor", store=st, workload="w1", workers=1), "raw floor"),
+        goal_over(res, st, "w2", res.find(system="floor", store=st, workload="w2", workers=1), "raw floor"),
     ]
     return [g for g in out if g]
 
@@ -1258,7 +1260,8 @@ def main() -> int:
         "timing": "from just before the first submit to the last `processed` event (database clock)",
         "floor": f"same number of consumer processes as stepwarden workers, "
         f"{a.floor_threads or '1 (SQLite) / 4 (PostgreSQL)'} thread(s) each; one transaction per job "
-        "(claim + complete); producer inserts one job per call",
+        "(claim + complete; W2: + insert of the chain's next job); producer inserts one job (W2: one "
+        "three-job chain's first) per call",
         "peers": f"one worker process with {a.concurrency} concurrent slots each, "
         "own venv under bench/.peers/",
         "L1": f"bench/latency.py's procedure, {l1_tasks} tasks per run, one worker with default settings",
@@ -1322,31 +1325,25 @@ def main() -> int:
                                 dbs, st, "w1", a.tasks, k, a.concurrency
                             ),
                         )
-                    for w in ("w1", "w2"):
-                        # the floor of each of W1 and W2 that runs (W1's also with --workloads floor alone)
-                        if "floor" in workloads and (w in workloads or w == "w1"):
-                            threads = a.floor_threads or (4 if st == "postgres" else 1)
-                            measure(
-                                {
-                                    "system": "floor",
-                                    "store": st,
-                                    "workload": w,
-                                    "workers": k,
-                                    "threads": threads,
-                                },
-                                rep,
-                                lambda st=st, w=w, k=k, t=threads: floor_throughput(
-                                    dbs, st, w, a.tasks, k, t
-                                ),
-                            )
-                        if w == "w2" and "w2" in workloads:
-                            measure(
-                                {"system": "stepwarden", "store": st, "workload": "w2", "workers": k},
-                                rep,
-                                lambda st=st, k=k: stepwarden_throughput(
-                                    dbs, st, "w2", a.tasks, k, a.concurrency
-                                ),
-                            )
+                    # The floor: W1's whenever it is asked for, W2's when W2 runs too.
+                    floors = [
+                        w for w in ("w1", "w2") if "floor" in workloads and (w == "w1" or w in workloads)
+                    ]
+                    for w in floors:
+                        threads = a.floor_threads or (4 if st == "postgres" else 1)
+                        measure(
+                            {"system": "floor", "store": st, "workload": w, "workers": k, "threads": threads},
+                            rep,
+                            lambda st=st, w=w, k=k, t=threads: floor_throughput(dbs, st, w, a.tasks, k, t),
+                        )
+                    if "w2" in workloads:
+                        measure(
+                            {"system": "stepwarden", "store": st, "workload": "w2", "workers": k},
+                            rep,
+                            lambda st=st, k=k: stepwarden_throughput(
+                                dbs, st, "w2", a.tasks, k, a.concurrency
+                            ),
+                        )
                     if st == "sqlite" and a.sqlite_normal:
                         for w in ("w1", "w2"):
                             if w in workloads:

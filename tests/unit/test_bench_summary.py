@@ -140,6 +140,19 @@ def test_each_goal_and_stepwarden_are_set_against_the_floor_of_their_own_workloa
     assert not [r for r in s["ratios"] if r["what"].endswith("submission alone")]
 
 
+def test_a_goal_is_scaled_in_each_repetition_before_it_is_rounded(bench: ModuleType, tmp_path: Path) -> None:
+    res = results(
+        bench,
+        tmp_path,
+        [
+            ({"system": "procrastinate", "store": "postgres", "workload": "w1", "workers": 1}, [533]),
+            ({"system": "floor", "store": "postgres", "workload": "w1", "workers": 1}, [2693]),
+        ],
+    )
+    goal = by_what(bench.summarise(res), "issue 5's W1 goal (4x procrastinate) / raw floor", "postgres")
+    assert goal["median"] == 0.79  # 4 x 533 / 2693 = 0.7917; rounding 533 / 2693 first gave 4 x 0.20
+
+
 def test_the_floor_runs_each_chain_of_steps_to_its_end_once(bench: ModuleType, tmp_path: Path) -> None:
     """W2's raw floor: each job queues its chain's next step in the transaction that completes it,
     so three-step chains end with three done jobs each, and the finished count sees only the ends."""
@@ -160,8 +173,9 @@ def test_the_floor_runs_each_chain_of_steps_to_its_end_once(bench: ModuleType, t
         ).fetchall()
     finally:
         proc.terminate()
-        assert proc.wait(30) == 0
+        code = proc.wait(30)
         conn.close()
+    assert code == 0  # it stops on SIGTERM, as the harness stops it
     assert rows == [(1, 0, "done", 2), (3, 0, "done", 5), (3, 1, "done", 5), (3, 2, "done", 5)]
 
 
