@@ -189,10 +189,12 @@ class App:
     def transaction(self, connection: Any = None) -> Iterator[AppTransaction]:
         """A transaction in which business rows and tasks commit together, or not at all (SUB2).
 
-        Without ``connection``: a new connection to the store's database, committed when the block
-        ends and rolled back if it raises. With ``connection`` (your own ``sqlite3`` or psycopg
-        connection to the same database, already inside your transaction): tasks are written in
-        your transaction, and you commit or roll back as usual.
+        Without ``connection``: a connection the store lends (on PostgreSQL from a small pool of
+        its own, on SQLite this thread's), committed when the block ends and rolled back if it
+        raises; on PostgreSQL, settings your SQL changes with ``SET`` do not outlive the block.
+        With ``connection`` (your own ``sqlite3`` or psycopg connection to the same database,
+        already inside your transaction): tasks are written in your transaction, and you commit
+        or roll back as usual.
         """
         store = self.store
         if connection is not None:
@@ -202,8 +204,7 @@ class App:
             if hasattr(tx, "send_notifications"):
                 tx.send_notifications()  # delivered when the caller commits
             return
-        conn = store.connect()
-        try:
+        with store.lend() as conn:
             store.begin(conn)
             tx = store.tx_on(conn)
             try:
@@ -212,8 +213,6 @@ class App:
                 store.rollback(conn)
                 raise
             store.commit(conn, tx)
-        finally:
-            conn.close()
 
     # -- results -------------------------------------------------------------------------------
     def task(self, task_id: int) -> dict[str, Any]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .. import liveness
@@ -43,6 +44,17 @@ class Store:
     def connect(self) -> Any:
         """A new connection of this dialect's driver, for a caller's own transaction (SUB2)."""
         raise NotImplementedError
+
+    @contextmanager
+    def lend(self) -> Iterator[Any]:
+        """A connection for one caller's transaction (``app.transaction()``), given back after it.
+        Here a new one, closed after; the dialects keep theirs, because opening a connection costs
+        more than the transaction (see each dialect's ``lend``)."""
+        conn = self.connect()
+        try:
+            yield conn
+        finally:
+            conn.close()
 
     def tx_on(self, conn: Any) -> Tx:
         """Our named queries on the caller's connection, inside the caller's transaction."""

@@ -25,8 +25,10 @@ import contextlib
 import logging
 import re
 import select
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -98,6 +100,9 @@ PLANNER_SETTINGS = (("enable_seqscan", "off"),)
 # as usual; a caller's own connection (``tx_on``) gets nothing.
 OUR_SESSIONS = SESSION_LIMITS + PLANNER_SETTINGS
 CALLER_SESSIONS = SESSION_LIMITS
+# Connections that app.transaction() borrows at once from one process (each opened on demand,
+# closed after a minute idle); a caller past them waits for one to be given back, up to 30 s.
+CALLER_POOL_MAX = 16
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
@@ -404,6 +409,8 @@ class PostgresStore(Store):
             k: _to_psycopg(v)
             for k, v in load_queries("postgres", FAKE_NOW if self.fake_time else SYSTEM_NOW).items()
         }
+        self._caller_pool: Any = None  # app.transaction()'s connections, opened when first asked
+        self._callers_lock = threading.Lock()
         _first_connection(conninfo)
         # What every connection of the store is opened with: the URL's settings and the TCP
         # defaults it leaves unset (conninfo stays the user's, for messages, redacted).
@@ -581,6 +588,40 @@ class PostgresStore(Store):
             _configure(conn, CALLER_SESSIONS)
         return conn
 
+    @contextmanager
+    def lend(self) -> Iterator[Any]:
+        """A connection for a caller's transaction, borrowed from a pool of its own: a new
+        connection per ``app.transaction()`` cost a new server process, which then loaded its
+        caches and planned every statement afresh (136 one-task blocks a second, against 775 with
+        the pool: docs/performance.md, "A caller's transaction"). Kept apart from the
+        roles' pool because the caller's SQL is planned as usual (``CALLER_SESSIONS``). A
+        connection found dead when lent is replaced; one given back has the settings the
+        caller's SQL changed set back (``RESET ALL``), so no ``SET`` outlives its block."""
+        with self._callers().connection() as conn:
+            yield conn
+
+    def _callers(self) -> Any:
+        with self._callers_lock:
+            if self._caller_pool is None:
+                pooled = self.options.pooled
+                pool = ConnectionPool(
+                    self.dsn,
+                    min_size=0,  # nothing opened until a caller's transaction asks
+                    max_size=CALLER_POOL_MAX,
+                    open=False,
+                    name="stepwarden-callers",
+                    kwargs=self._connect_kwargs(),
+                    configure=None if pooled else lambda conn: _configure(conn, CALLER_SESSIONS),
+                    reset=None if pooled else _reset_caller_session,
+                    check=_check_live,
+                    timeout=30.0,
+                    max_idle=60.0,
+                    num_workers=1,
+                )
+                pool.open()
+                self._caller_pool = pool
+            return self._caller_pool
+
     def tx_on(self, conn: Any) -> PgTx:
         """A :class:`Tx` over the caller's psycopg connection, inside the caller's transaction (SUB2)."""
         if psycopg is None or not isinstance(conn, psycopg.Connection):
@@ -678,6 +719,10 @@ class PostgresStore(Store):
     def close(self) -> None:
         super().close()
         self.pool.close()
+        with self._callers_lock:
+            if self._caller_pool is not None:
+                self._caller_pool.close()
+                self._caller_pool = None
 
 
 def _run_to_commit(
@@ -754,6 +799,22 @@ _TRANSIENT_FATAL = ("starting up", "shutting down", "recovery mode", "too many",
 def _first_line(e: BaseException) -> str:
     text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
     return text[:400] or type(e).__name__
+
+
+def _check_live(conn: Any) -> None:
+    """The caller pool's check when it lends a connection: a dead one is replaced, not lent."""
+    if _stale(conn):
+        raise psycopg.OperationalError("the pooled connection was closed by the server")
+
+
+def _reset_caller_session(conn: Any) -> None:
+    """A caller's connection given back: what its SQL set with ``SET`` is set back, and our
+    ``CALLER_SESSIONS`` set again, in one round trip outside any transaction."""
+    conn.autocommit = True
+    try:
+        conn.execute("RESET ALL; " + "; ".join(f"SET {name} = '{value}'" for name, value in CALLER_SESSIONS))
+    finally:
+        conn.autocommit = False
 
 
 def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:

@@ -17,7 +17,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -138,12 +139,46 @@ class SQLiteStore(Store):
         conn = sqlite3.connect(
             self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
         )
+        conn.execute("PRAGMA journal_mode=WAL")
+        self._settle(conn)
+        return conn
+
+    def _settle(self, conn: sqlite3.Connection) -> None:
+        """The settings of a connection of ours that live on the connection, not in the file."""
         conn.row_factory = _dict_row
         conn.create_function("sw_now", 0, self.clock.wall)
-        conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         conn.execute("PRAGMA foreign_keys=ON")
-        return conn
+
+    @contextmanager
+    def lend(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection (the one ``App.submit`` uses), not a new one per transaction:
+        opening one and setting its pragmas cost about as much as the submission itself (see
+        docs/performance.md, "A caller's transaction"). A thread whose connection is
+        already inside a transaction gets a new one, as before; a connection left inside one
+        (its COMMIT or ROLLBACK failed) is closed, so it cannot keep holding the write lock."""
+        conn = self._conn()
+        if conn.in_transaction:
+            with contextlib.closing(self.connect()) as fresh:
+                yield fresh
+            return
+        try:
+            yield conn
+        finally:
+            if conn.in_transaction:
+                self._drop(conn)
+            else:  # what the caller's SQL may have changed on it, as connect() set it
+                self._settle(conn)
+
+    def _drop(self, conn: sqlite3.Connection) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            conn.rollback()
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+        with self._lock:
+            self._all = [c for c in self._all if c is not conn]
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
