@@ -189,9 +189,12 @@ class App:
     def transaction(self, connection: Any = None) -> Iterator[AppTransaction]:
         """A transaction in which business rows and tasks commit together, or not at all (SUB2).
 
-        Without ``connection``: a connection the store lends (on PostgreSQL from a small pool of
-        its own, on SQLite this thread's), committed when the block ends and rolled back if it
-        raises; on PostgreSQL, settings your SQL changes with ``SET`` do not outlive the block.
+        Without ``connection``: a connection the store lends from a few it keeps for this,
+        committed when the block ends and rolled back if it raises. What the block leaves on it
+        (settings, temporary tables, locks) does not reach the next block: it is set back or the
+        connection closed. Leave the driver's connection object itself as it is (its handlers and
+        adapters); for that, pass a connection of your own.
+
         With ``connection`` (your own ``sqlite3`` or psycopg connection to the same database,
         already inside your transaction): tasks are written in your transaction, and you commit
         or roll back as usual.
@@ -310,7 +313,13 @@ class AppTransaction:
         self._tx = tx
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
-        """Your SQL in this transaction, with the driver's placeholders (``?`` sqlite3, ``%s`` psycopg)."""
+        """Your SQL in this transaction, with the driver's placeholders (``?`` sqlite3, ``%s`` psycopg).
+
+        On PostgreSQL it is never prepared on the server: a lent session outlives the block, and
+        a statement psycopg had prepared on it would fail ("cached plan must not change result
+        type") once your schema changed under it."""
+        if self.app.store.dialect == "postgres":
+            return self.connection.execute(sql, params, prepare=False)
         return self.connection.execute(sql, params)
 
     def submit(

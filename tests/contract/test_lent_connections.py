@@ -1,28 +1,26 @@
-"""``app.transaction()`` without a connection of the caller's: the store lends one (PostgreSQL:
-from a pool of its own; SQLite: the thread's) instead of opening one per block, and a lent
-connection carries nothing from one block into the next: not a setting, not a dead session, not
-an open transaction."""
+"""``app.transaction()`` without a connection of the caller's: the store lends one from a few it
+keeps for callers (PostgreSQL: a pool of its own; SQLite: a short list apart from its own
+connections) instead of opening one per block, and a lent connection carries nothing from one
+block into the next: not a setting, a role, a temporary table, a lock, a dead session or an open
+transaction."""
 
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 from test_transactions import make_app  # the same one-step order app
 
-from stepwarden import App
-
-
-@pytest.fixture
-def pg_app(pg_url: str) -> Iterator[App]:
-    app = make_app(pg_url)
-    yield app
-    app.close()
+from stepwarden import App, InputError
+from stepwarden.store import postgres
 
 
 def one(tx: Any, sql: str) -> Any:
@@ -35,19 +33,57 @@ def states(app: App) -> list[str]:
     ]
 
 
-def test_postgres_lends_the_same_session_block_after_block_with_the_callers_settings(pg_app: App) -> None:
+def wait_gone(admin: Any, pid: int) -> None:
+    """Until the server process ``pid`` has exited (a session ends a moment after it is told to)."""
+    deadline = time.monotonic() + 10
+    while admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+        assert time.monotonic() < deadline, f"server process {pid} did not exit in 10 s"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def pg_app(pg_url: str) -> Iterator[App]:
+    app = make_app(pg_url)
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def role(pg_url: str) -> Iterator[str]:
+    name = f"sw_probe_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {name}")
+        admin.execute(f"GRANT {name} TO CURRENT_USER")
+    yield name
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(f"DROP ROLE {name}")
+
+
+def test_postgres_lends_one_session_and_the_next_block_finds_nothing_of_the_last(
+    pg_app: App, role: str
+) -> None:
     with pg_app.transaction() as tx:
         first = one(tx, "SELECT pg_backend_pid()")
+        me = one(tx, "SELECT current_user")
         tx.execute("SET statement_timeout = '1234ms'")
-        tx.execute("SET enable_seqscan = off")
+        tx.execute("CREATE TEMP TABLE staging (x int)")
+        tx.execute("SELECT pg_advisory_lock(42)")
+        tx.connection.row_factory = dict_row
         tx.submit("order", {"n": 1})
+        tx.execute(f"SET ROLE {role}")
     with pg_app.transaction() as tx:
         assert one(tx, "SELECT pg_backend_pid()") == first, "a new server session per block"
-        assert one(tx, "SHOW statement_timeout") == "0", "a SET of the previous block outlived it"
+        assert one(tx, "SELECT current_user") == me
+        assert one(tx, "SHOW statement_timeout") == "0"
+        assert one(tx, "SELECT to_regclass('pg_temp.staging') IS NULL") is True
+        assert (
+            one(tx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()")
+            == 0
+        )
         assert one(tx, "SHOW enable_seqscan") == "on"  # the caller's SQL is planned as usual
         assert one(tx, "SHOW lock_timeout") == "10s"  # our limits for a caller's session hold
         assert one(tx, "SHOW idle_in_transaction_session_timeout") == "5s"
-        tx.submit("order", {"n": 2})
+        tx.submit("order", {"n": 2})  # our statement, prepared again after the discard
     assert states(pg_app) == ["pending", "pending"]
 
 
@@ -56,35 +92,77 @@ def test_postgres_replaces_a_lent_session_the_server_ended(pg_app: App, pg_url: 
         first = one(tx, "SELECT pg_backend_pid()")
     with psycopg.connect(pg_url, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (first,))
-        # The session has ended while idle (as a server restart or an idle timeout ends it)
-        # before the next block asks for one: wait until its process is gone.
-        deadline = time.monotonic() + 10
-        while admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (first,)).fetchone():
-            assert time.monotonic() < deadline, "the terminated backend did not exit in 10 s"
-            time.sleep(0.01)
+        wait_gone(admin, first)  # ended while idle, as a server restart or an idle timeout ends it
     with pg_app.transaction() as tx:  # the dead session is not lent: no error, a new one
         assert one(tx, "SELECT pg_backend_pid()") != first
         task_id = tx.submit("order", {"n": 1})
     assert pg_app.task(task_id)["state"] == "pending"
 
 
-def test_postgres_a_failed_block_gives_back_a_usable_session(pg_app: App) -> None:
+def test_postgres_a_failed_block_gives_back_its_session_rolled_back(pg_app: App) -> None:
     with pytest.raises(psycopg.errors.DivisionByZero), pg_app.transaction() as tx:
+        first = one(tx, "SELECT pg_backend_pid()")
         tx.submit("order", {"n": 1})
         tx.execute("SELECT 1 / 0")
     with pg_app.transaction() as tx:
+        assert one(tx, "SELECT pg_backend_pid()") == first
         tx.submit("order", {"n": 2})
     assert states(pg_app) == ["pending"]  # the failed block's task rolled back, the next one stands
+
+
+def test_postgres_blocks_after_a_refused_submission_find_their_statements(pg_app: App) -> None:
+    """Found by the fuzz test: a block that ran none of our statements, then blocks that did.
+    When a lent session was set back with DISCARD ALL, psycopg missed one (it looks only at
+    statements new to it) and named a statement the server had forgotten ("prepared statement
+    _pg3_2 does not exist")."""
+    with pytest.raises(InputError), pg_app.transaction() as tx:
+        tx.submit("order", {"n": object()})  # refused before any statement: not JSON
+    for n in range(1, 8):
+        with pg_app.transaction() as tx:
+            tx.submit("order", {"n": n}, idempotency_key=f"k{n % 2}")
+    assert states(pg_app) == ["pending", "pending"]
+
+
+def test_postgres_the_callers_sql_meets_no_plan_cached_before_their_schema_changed(
+    pg_app: App, pg_url: str
+) -> None:
+    with pg_app.transaction() as tx:
+        tx.execute("CREATE TABLE orders (id int, total int)")
+    with pg_app.transaction() as tx:
+        first = one(tx, "SELECT pg_backend_pid()")
+        for _ in range(8):  # past psycopg's threshold for preparing a statement
+            tx.execute("SELECT * FROM orders").fetchall()
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("ALTER TABLE orders ALTER COLUMN total TYPE bigint")
+    with pg_app.transaction() as tx:
+        assert one(tx, "SELECT pg_backend_pid()") == first  # the same session, lent again
+        assert tx.execute("SELECT * FROM orders").fetchall() == []
+
+
+def test_postgres_a_block_that_finds_every_session_lent_opens_its_own(
+    pg_app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(postgres, "CALLER_POOL_MAX", 1)
+    monkeypatch.setattr(postgres, "CALLER_POOL_WAIT", 0.05)
+    with pg_app.transaction() as outer:
+        outer_pid = one(outer, "SELECT pg_backend_pid()")
+        outer.submit("order", {"n": 1})
+        with pg_app.transaction() as inner:  # a block inside a block: no deadlock, no timeout
+            assert one(inner, "SELECT pg_backend_pid()") != outer_pid
+            inner.submit("order", {"n": 2})
+    assert states(pg_app) == ["pending", "pending"]
 
 
 def test_postgres_closing_the_app_ends_the_lent_sessions(pg_url: str) -> None:
     app = make_app(pg_url)
     with app.transaction() as tx:
         pid = one(tx, "SELECT pg_backend_pid()")
-    app.close()
     with psycopg.connect(pg_url, autocommit=True) as admin:
-        alive = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
-    assert alive is not None and alive[0] == 0
+        assert admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone(), "kept"
+        app.close()
+        wait_gone(admin, pid)
+    with app.transaction() as tx:  # after close, as before: a connection of its own
+        tx.submit("order", {"n": 1})
 
 
 @pytest.fixture
@@ -94,17 +172,29 @@ def sqlite_app(tmp_path: Path) -> Iterator[App]:
     app.close()
 
 
-def test_sqlite_lends_the_threads_connection_and_sets_back_what_the_block_changed(sqlite_app: App) -> None:
+def test_sqlite_lends_a_kept_connection_apart_from_the_stores_own(sqlite_app: App) -> None:
     with sqlite_app.transaction() as tx:
         lent = tx.connection
-        tx.connection.row_factory = None  # the caller's own change to the connection
+        tx.connection.text_factory = bytes  # the caller's own change to the connection
+        tx.connection.row_factory = None
         tx.submit("order", {"n": 1})
+    sqlite_app.submit("order", {"n": 2})  # the store's own connection never saw the change
+    assert states(sqlite_app) == ["pending", "pending"]
     with sqlite_app.transaction() as tx:
         assert tx.connection is lent, "a new connection per block"
-        assert tx.execute("PRAGMA synchronous").fetchone() == {"synchronous": 2}  # rows as ours, FULL
-        tx.submit("order", {"n": 2})
-    sqlite_app.submit("order", {"n": 3})  # the same connection, in the same thread
+        assert tx.execute("PRAGMA synchronous").fetchone() == {"synchronous": 2}  # our rows, FULL
+        assert tx.execute("SELECT state FROM tasks LIMIT 1").fetchone() == {"state": "pending"}
+        tx.submit("order", {"n": 3})
     assert states(sqlite_app) == ["pending"] * 3
+
+
+def test_sqlite_a_connection_left_with_a_temporary_table_is_not_lent_again(sqlite_app: App) -> None:
+    with sqlite_app.transaction() as tx:
+        lent = tx.connection
+        tx.execute("CREATE TEMP TABLE staging (x)")
+    with sqlite_app.transaction() as tx:
+        assert tx.connection is not lent
+        tx.execute("CREATE TEMP TABLE staging (x)")  # the name is free: a clean connection
 
 
 def test_sqlite_a_failed_block_leaves_no_transaction_open(sqlite_app: App, tmp_path: Path) -> None:
@@ -112,7 +202,6 @@ def test_sqlite_a_failed_block_leaves_no_transaction_open(sqlite_app: App, tmp_p
         tx.submit("order", {"n": 1})
         tx.execute("SELECT * FROM no_such_table")
     free_write_lock(tmp_path / "store.db")
-    assert states(sqlite_app) == []
     with sqlite_app.transaction() as tx:
         tx.submit("order", {"n": 2})
     assert states(sqlite_app) == ["pending"]
@@ -138,6 +227,31 @@ def test_sqlite_a_connection_whose_rollback_failed_is_closed_not_lent_again(
         assert tx.connection is not lent
         tx.submit("order", {"n": 2})
     assert states(sqlite_app) == ["pending"]
+
+
+def test_sqlite_a_connection_the_block_closed_is_not_lent_again(sqlite_app: App) -> None:
+    with pytest.raises(sqlite3.ProgrammingError), sqlite_app.transaction() as tx:
+        lent = tx.connection
+        tx.connection.close()
+    with sqlite_app.transaction() as tx:
+        assert tx.connection is not lent
+        tx.submit("order", {"n": 1})
+    assert states(sqlite_app) == ["pending"]
+
+
+def test_sqlite_keeps_a_few_connections_whatever_the_number_of_threads(sqlite_app: App) -> None:
+    def block(n: int) -> None:
+        with sqlite_app.transaction() as tx:
+            tx.submit("order", {"n": n})
+
+    threads = [threading.Thread(target=block, args=(n,)) for n in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert states(sqlite_app) == ["pending"] * 20
+    kept = sqlite_app.store._idle  # type: ignore[attr-defined]
+    assert 1 <= len(kept) <= 4
 
 
 def free_write_lock(path: Path) -> None:

@@ -41,9 +41,9 @@ from .sql import load_queries, pending_migrations
 
 try:
     import psycopg
-    from psycopg.rows import dict_row
+    from psycopg.rows import dict_row, tuple_row
     from psycopg.types.json import Jsonb
-    from psycopg_pool import ConnectionPool
+    from psycopg_pool import ConnectionPool, PoolTimeout
 except ImportError:  # pragma: no cover - exercised only without the extra
     psycopg = None  # type: ignore[assignment]
 
@@ -100,9 +100,11 @@ PLANNER_SETTINGS = (("enable_seqscan", "off"),)
 # as usual; a caller's own connection (``tx_on``) gets nothing.
 OUR_SESSIONS = SESSION_LIMITS + PLANNER_SETTINGS
 CALLER_SESSIONS = SESSION_LIMITS
-# Connections that app.transaction() borrows at once from one process (each opened on demand,
-# closed after a minute idle); a caller past them waits for one to be given back, up to 30 s.
+# Connections kept for app.transaction() in one process (each opened on demand; idle ones are
+# closed one a minute). A block that finds them all lent for CALLER_POOL_WAIT seconds (a block
+# inside a block, or more blocks at once than this) opens a connection of its own, as before.
 CALLER_POOL_MAX = 16
+CALLER_POOL_WAIT = 0.5
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
@@ -411,6 +413,7 @@ class PostgresStore(Store):
         }
         self._caller_pool: Any = None  # app.transaction()'s connections, opened when first asked
         self._callers_lock = threading.Lock()
+        self._closed = False
         _first_connection(conninfo)
         # What every connection of the store is opened with: the URL's settings and the TCP
         # defaults it leaves unset (conninfo stays the user's, for messages, redacted).
@@ -592,18 +595,30 @@ class PostgresStore(Store):
     def lend(self) -> Iterator[Any]:
         """A connection for a caller's transaction, borrowed from a pool of its own: a new
         connection per ``app.transaction()`` cost a new server process, which then loaded its
-        caches and planned every statement afresh (136 one-task blocks a second, against 775 with
-        the pool: docs/performance.md, "A caller's transaction"). Kept apart from the
-        roles' pool because the caller's SQL is planned as usual (``CALLER_SESSIONS``). A
-        connection found dead when lent is replaced; one given back has the settings the
-        caller's SQL changed set back (``RESET ALL``), so no ``SET`` outlives its block."""
-        with self._callers().connection() as conn:
+        caches and planned every statement afresh (136 one-task blocks a second, against 898 with
+        the pool: docs/performance.md, "A caller's transaction"). Kept apart from the roles' pool
+        because the caller's SQL is planned as usual (``CALLER_SESSIONS``). A connection found
+        dead is replaced before it is lent; one given back is set back as it was lent
+        (:func:`_settle_caller`) or closed. When all are lent (or the store is closed), a block
+        gets a new connection of its own, as before."""
+        pool = self._callers()
+        conn = None
+        if pool is not None:
+            with contextlib.suppress(PoolTimeout):
+                conn = pool.getconn(timeout=CALLER_POOL_WAIT)
+        if pool is None or conn is None:
+            with super().lend() as own:
+                yield own
+            return
+        try:
             yield conn
+        finally:
+            _settle_caller(conn, self.options.pooled)
+            pool.putconn(conn)
 
     def _callers(self) -> Any:
         with self._callers_lock:
-            if self._caller_pool is None:
-                pooled = self.options.pooled
+            if self._caller_pool is None and not self._closed:
                 pool = ConnectionPool(
                     self.dsn,
                     min_size=0,  # nothing opened until a caller's transaction asks
@@ -611,10 +626,8 @@ class PostgresStore(Store):
                     open=False,
                     name="stepwarden-callers",
                     kwargs=self._connect_kwargs(),
-                    configure=None if pooled else lambda conn: _configure(conn, CALLER_SESSIONS),
-                    reset=None if pooled else _reset_caller_session,
+                    configure=None if self.options.pooled else lambda conn: _configure(conn, CALLER_SESSIONS),
                     check=_check_live,
-                    timeout=30.0,
                     max_idle=60.0,
                     num_workers=1,
                 )
@@ -720,6 +733,7 @@ class PostgresStore(Store):
         super().close()
         self.pool.close()
         with self._callers_lock:
+            self._closed = True
             if self._caller_pool is not None:
                 self._caller_pool.close()
                 self._caller_pool = None
@@ -807,14 +821,35 @@ def _check_live(conn: Any) -> None:
         raise psycopg.OperationalError("the pooled connection was closed by the server")
 
 
-def _reset_caller_session(conn: Any) -> None:
-    """A caller's connection given back: what its SQL set with ``SET`` is set back, and our
-    ``CALLER_SESSIONS`` set again, in one round trip outside any transaction."""
-    conn.autocommit = True
+# What DISCARD ALL does but DEALLOCATE ALL: the statements prepared on a lent session (ours,
+# and psycopg's of the caller's SQL) stay, because psycopg keeps its own list of them, and a
+# DISCARD ALL it does not notice (it looks only at statements new to it) left it naming one the
+# server had forgotten. Every part runs inside a transaction block, so the whole is one round trip.
+CALLER_RESET = (
+    "CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; RESET ROLE; UNLISTEN *;"
+    " SELECT pg_advisory_unlock_all(); DISCARD TEMP; DISCARD SEQUENCES; "
+)
+
+
+def _settle_caller(conn: Any, pooled: bool) -> None:
+    """A caller's connection given back, set back as it was lent: its transaction ended, the
+    driver's per-connection options as opened, and (on a session of ours alone) the server
+    session's settings, role, cursors, LISTENs, advisory locks, temporary tables and sequence
+    state discarded (:data:`CALLER_RESET`), then ``CALLER_SESSIONS`` set again. Statements the
+    caller PREPAREd by hand stay, as prepared statements do. A connection that cannot be set
+    back is closed: the pool replaces it. Behind a transaction pooler the session is not ours to
+    discard, nor kept between blocks."""
     try:
-        conn.execute("RESET ALL; " + "; ".join(f"SET {name} = '{value}'" for name, value in CALLER_SESSIONS))
-    finally:
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()
+        conn.row_factory = tuple_row
+        conn.isolation_level = conn.read_only = conn.deferrable = None
+        if not pooled:
+            conn.autocommit = True
+            conn.execute(CALLER_RESET + "; ".join(f"SET {k} = '{v}'" for k, v in CALLER_SESSIONS))
         conn.autocommit = False
+    except psycopg.Error:
+        conn.close()
 
 
 def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:

@@ -130,6 +130,8 @@ class SQLiteStore(Store):
         self.queries = load_queries("sqlite", "sw_now()")
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
+        self._idle: list[sqlite3.Connection] = []  # kept for callers' transactions (lend)
+        self._closed = False
         self._lock = threading.Lock()
         if migrate:
             self.migrate()
@@ -152,33 +154,50 @@ class SQLiteStore(Store):
 
     @contextmanager
     def lend(self) -> Iterator[sqlite3.Connection]:
-        """This thread's connection (the one ``App.submit`` uses), not a new one per transaction:
-        opening one and setting its pragmas cost about as much as the submission itself (see
-        docs/performance.md, "A caller's transaction"). A thread whose connection is
-        already inside a transaction gets a new one, as before; a connection left inside one
-        (its COMMIT or ROLLBACK failed) is closed, so it cannot keep holding the write lock."""
-        conn = self._conn()
-        if conn.in_transaction:
-            with contextlib.closing(self.connect()) as fresh:
-                yield fresh
-            return
+        """A connection for a caller's transaction from a few kept for it, not a new one per
+        block: opening one and setting its pragmas cost about as much as the submission itself
+        (docs/performance.md, "A caller's transaction"). They are apart from the store's own, and
+        one comes back into use only as :meth:`connect` made it: anything the caller's block left
+        on it that we cannot set back (an open transaction, a temporary table, an attached
+        database, an exclusive locking mode, a closed connection) closes it instead."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self.connect()
         try:
             yield conn
         finally:
-            if conn.in_transaction:
-                self._drop(conn)
-            else:  # what the caller's SQL may have changed on it, as connect() set it
-                self._settle(conn)
+            if not self._keep(conn):
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
 
-    def _drop(self, conn: sqlite3.Connection) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            conn.rollback()
-        with contextlib.suppress(sqlite3.Error):
-            conn.close()
+    def _keep(self, conn: sqlite3.Connection) -> bool:
+        """Set ``conn`` back as it was lent and keep it for the next caller, if it can be."""
+        try:
+            if conn.in_transaction:  # first: setting isolation_level would COMMIT it
+                return False
+            conn.row_factory = _dict_row
+            conn.text_factory = str
+            if conn.isolation_level is not None:
+                conn.isolation_level = None
+            conn.set_authorizer(None)
+            conn.set_progress_handler(None, 0)
+            conn.set_trace_callback(None)
+            if (
+                conn.execute("SELECT 1 FROM temp.sqlite_master LIMIT 1").fetchone()
+                or [r for r in conn.execute("PRAGMA database_list") if r["name"] not in ("main", "temp")]
+                or conn.execute("PRAGMA locking_mode").fetchone()["locking_mode"] != "normal"
+            ):
+                return False
+            conn.execute("PRAGMA query_only = 0")
+            self._settle(conn)
+        except sqlite3.Error:  # closed by the caller, or broken: not lent again
+            return False
         with self._lock:
-            self._all = [c for c in self._all if c is not conn]
-        if getattr(self._local, "conn", None) is conn:
-            self._local.conn = None
+            if self._closed or len(self._idle) >= CALLER_IDLE_MAX:
+                return False
+            self._idle.append(conn)
+        return True
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -355,12 +374,15 @@ class SQLiteStore(Store):
     def close(self) -> None:
         super().close()
         with self._lock:
-            for conn in self._all:
+            self._closed = True
+            for conn in self._all + self._idle:
                 with contextlib.suppress(sqlite3.ProgrammingError):
                     conn.close()
             self._all.clear()
+            self._idle.clear()
         self._local = threading.local()
 
 
+CALLER_IDLE_MAX = 4  # connections kept for callers' transactions between their blocks
 WATCH_RETRY_MAX = 2.0  # seconds between the watcher's attempts to come back after an error
 WATCH_SETTLED = 1.0  # seconds a new watch connection must keep working to end an outage
