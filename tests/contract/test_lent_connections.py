@@ -83,8 +83,27 @@ def test_postgres_lends_one_session_and_the_next_block_finds_nothing_of_the_last
         assert one(tx, "SHOW enable_seqscan") == "on"  # the caller's SQL is planned as usual
         assert one(tx, "SHOW lock_timeout") == "10s"  # our limits for a caller's session hold
         assert one(tx, "SHOW idle_in_transaction_session_timeout") == "5s"
-        tx.submit("order", {"n": 2})  # our statement, prepared again after the discard
+        tx.submit("order", {"n": 2})
+        tx.execute("LISTEN news")
+        tx.execute("NOTIFY news, 'for this block only'")  # delivered to this session at commit
+        tx.execute("DECLARE kept CURSOR WITH HOLD FOR SELECT 1")
+        tx.execute(f"SET SESSION AUTHORIZATION {role}")
+    with pg_app.transaction() as tx:
+        assert one(tx, "SELECT pg_backend_pid()") == first
+        assert one(tx, "SELECT session_user") == me
+        assert one(tx, "SELECT count(*) FROM pg_listening_channels()") == 0
+        assert list(tx.connection.notifies(timeout=0)) == []
+        assert one(tx, "SELECT count(*) FROM pg_cursors") == 0
     assert states(pg_app) == ["pending", "pending"]
+
+
+def test_postgres_a_session_with_a_statement_the_caller_prepared_is_not_lent_again(pg_app: App) -> None:
+    with pg_app.transaction() as tx:
+        first = one(tx, "SELECT pg_backend_pid()")
+        tx.execute("PREPARE mine AS SELECT 1")
+    with pg_app.transaction() as tx:
+        assert one(tx, "SELECT pg_backend_pid()") != first
+        tx.execute("PREPARE mine AS SELECT 1")  # the name is free: a session without it
 
 
 def test_postgres_replaces_a_lent_session_the_server_ended(pg_app: App, pg_url: str) -> None:
@@ -195,6 +214,18 @@ def test_sqlite_a_connection_left_with_a_temporary_table_is_not_lent_again(sqlit
     with sqlite_app.transaction() as tx:
         assert tx.connection is not lent
         tx.execute("CREATE TEMP TABLE staging (x)")  # the name is free: a clean connection
+
+
+def test_sqlite_a_connection_with_a_setting_changed_is_not_lent_again(sqlite_app: App) -> None:
+    with sqlite_app.transaction() as tx:
+        tx.execute("CREATE TABLE IF NOT EXISTS paid (amount INTEGER CHECK (amount > 0))")
+    with sqlite_app.transaction() as tx:
+        lent = tx.connection
+        tx.execute("PRAGMA ignore_check_constraints = ON")
+    with sqlite_app.transaction() as tx:
+        assert tx.connection is not lent
+        with pytest.raises(sqlite3.IntegrityError):  # the CHECK holds for the next block
+            tx.execute("INSERT INTO paid VALUES (-5)")
 
 
 def test_sqlite_a_failed_block_leaves_no_transaction_open(sqlite_app: App, tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ try:
     import psycopg
     from psycopg.rows import dict_row, tuple_row
     from psycopg.types.json import Jsonb
-    from psycopg_pool import ConnectionPool, PoolTimeout
+    from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 except ImportError:  # pragma: no cover - exercised only without the extra
     psycopg = None  # type: ignore[assignment]
 
@@ -604,7 +604,7 @@ class PostgresStore(Store):
         pool = self._callers()
         conn = None
         if pool is not None:
-            with contextlib.suppress(PoolTimeout):
+            with contextlib.suppress(PoolTimeout, PoolClosed):  # all lent, or the store closing
                 conn = pool.getconn(timeout=CALLER_POOL_WAIT)
         if pool is None or conn is None:
             with super().lend() as own:
@@ -613,8 +613,10 @@ class PostgresStore(Store):
         try:
             yield conn
         finally:
-            _settle_caller(conn, self.options.pooled)
-            pool.putconn(conn)
+            try:
+                _settle_caller(conn, self.options.pooled)
+            finally:
+                pool.putconn(conn)
 
     def _callers(self) -> Any:
         with self._callers_lock:
@@ -825,9 +827,12 @@ def _check_live(conn: Any) -> None:
 # and psycopg's of the caller's SQL) stay, because psycopg keeps its own list of them, and a
 # DISCARD ALL it does not notice (it looks only at statements new to it) left it naming one the
 # server had forgotten. Every part runs inside a transaction block, so the whole is one round trip.
+# The first statement counts the statements the caller PREPAREd by hand (psycopg's are named
+# _pg3_*): a connection with one is closed rather than lent again with it.
 CALLER_RESET = (
-    "CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; RESET ROLE; UNLISTEN *;"
-    " SELECT pg_advisory_unlock_all(); DISCARD TEMP; DISCARD SEQUENCES; "
+    r"SELECT count(*) FROM pg_prepared_statements WHERE name !~ '^_pg3_';"
+    " CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; RESET ROLE; UNLISTEN *;"
+    " SELECT pg_advisory_unlock_all(); DISCARD PLANS; DISCARD TEMP; DISCARD SEQUENCES; "
 )
 
 
@@ -835,10 +840,10 @@ def _settle_caller(conn: Any, pooled: bool) -> None:
     """A caller's connection given back, set back as it was lent: its transaction ended, the
     driver's per-connection options as opened, and (on a session of ours alone) the server
     session's settings, role, cursors, LISTENs, advisory locks, temporary tables and sequence
-    state discarded (:data:`CALLER_RESET`), then ``CALLER_SESSIONS`` set again. Statements the
-    caller PREPAREd by hand stay, as prepared statements do. A connection that cannot be set
-    back is closed: the pool replaces it. Behind a transaction pooler the session is not ours to
-    discard, nor kept between blocks."""
+    state discarded (:data:`CALLER_RESET`), then ``CALLER_SESSIONS`` set again, and the
+    notifications a LISTEN of the block received dropped. A connection that cannot be set back,
+    or holds a statement the caller PREPAREd by hand, is closed: the pool replaces it. Behind a
+    transaction pooler the session is not ours to discard, nor kept between blocks."""
     try:
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             conn.rollback()
@@ -846,7 +851,12 @@ def _settle_caller(conn: Any, pooled: bool) -> None:
         conn.isolation_level = conn.read_only = conn.deferrable = None
         if not pooled:
             conn.autocommit = True
-            conn.execute(CALLER_RESET + "; ".join(f"SET {k} = '{v}'" for k, v in CALLER_SESSIONS))
+            cur = conn.execute(CALLER_RESET + "; ".join(f"SET {k} = '{v}'" for k, v in CALLER_SESSIONS))
+            if cur.fetchone()[0]:
+                conn.close()
+                return
+            for _ in conn.notifies(timeout=0):  # what a LISTEN of the block received meanwhile
+                pass
         conn.autocommit = False
     except psycopg.Error:
         conn.close()

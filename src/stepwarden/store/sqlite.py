@@ -131,6 +131,7 @@ class SQLiteStore(Store):
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._idle: list[sqlite3.Connection] = []  # kept for callers' transactions (lend)
+        self._pristine: tuple[Any, ...] | None = None  # CALLER_PRAGMAS of a new connection
         self._closed = False
         self._lock = threading.Lock()
         if migrate:
@@ -158,12 +159,15 @@ class SQLiteStore(Store):
         block: opening one and setting its pragmas cost about as much as the submission itself
         (docs/performance.md, "A caller's transaction"). They are apart from the store's own, and
         one comes back into use only as :meth:`connect` made it: anything the caller's block left
-        on it that we cannot set back (an open transaction, a temporary table, an attached
-        database, an exclusive locking mode, a closed connection) closes it instead."""
+        on it that we do not set back (an open transaction, a temporary table, an attached
+        database, a setting of :data:`CALLER_PRAGMAS` unlike a new connection's, a closed
+        connection) closes it instead."""
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = self.connect()
+            if self._pristine is None:
+                self._pristine = _pragmas(conn)
         try:
             yield conn
         finally:
@@ -186,10 +190,9 @@ class SQLiteStore(Store):
             if (
                 conn.execute("SELECT 1 FROM temp.sqlite_master LIMIT 1").fetchone()
                 or [r for r in conn.execute("PRAGMA database_list") if r["name"] not in ("main", "temp")]
-                or conn.execute("PRAGMA locking_mode").fetchone()["locking_mode"] != "normal"
+                or _pragmas(conn) != self._pristine
             ):
                 return False
-            conn.execute("PRAGMA query_only = 0")
             self._settle(conn)
         except sqlite3.Error:  # closed by the caller, or broken: not lent again
             return False
@@ -384,5 +387,37 @@ class SQLiteStore(Store):
 
 
 CALLER_IDLE_MAX = 4  # connections kept for callers' transactions between their blocks
+# The settings that live on a connection and that a caller's block could change (locking_mode
+# EXCLUSIVE would keep the write lock; ignore_check_constraints would let the next block break a
+# CHECK): read back when it is given back, each must be as on a new connection of ours.
+CALLER_PRAGMAS = (
+    "automatic_index",
+    "busy_timeout",
+    "cache_size",
+    "cache_spill",
+    "cell_size_check",
+    "foreign_keys",
+    "ignore_check_constraints",
+    "journal_size_limit",
+    "legacy_alter_table",
+    "locking_mode",
+    "mmap_size",
+    "query_only",
+    "recursive_triggers",
+    "reverse_unordered_selects",
+    "secure_delete",
+    "synchronous",
+    "temp_store",
+    "threads",
+    "trusted_schema",
+    "wal_autocheckpoint",
+    "writable_schema",
+)
+
+
+def _pragmas(conn: sqlite3.Connection) -> tuple[Any, ...]:
+    return tuple(tuple(conn.execute(f"PRAGMA {name}").fetchone().values()) for name in CALLER_PRAGMAS)
+
+
 WATCH_RETRY_MAX = 2.0  # seconds between the watcher's attempts to come back after an error
 WATCH_SETTLED = 1.0  # seconds a new watch connection must keep working to end an outage
