@@ -595,7 +595,7 @@ class PostgresStore(Store):
     def lend(self) -> Iterator[Any]:
         """A connection for a caller's transaction, borrowed from a pool of its own: a new
         connection per ``app.transaction()`` cost a new server process, which then loaded its
-        caches and planned every statement afresh (136 one-task blocks a second, against 898 with
+        caches and planned every statement afresh (136 one-task blocks a second, against 750 with
         the pool: docs/performance.md, "A caller's transaction"). Kept apart from the roles' pool
         because the caller's SQL is planned as usual (``CALLER_SESSIONS``). A connection found
         dead is replaced before it is lent; one given back is set back as it was lent
@@ -823,16 +823,18 @@ def _check_live(conn: Any) -> None:
         raise psycopg.OperationalError("the pooled connection was closed by the server")
 
 
-# What DISCARD ALL does but DEALLOCATE ALL: the statements prepared on a lent session (ours,
-# and psycopg's of the caller's SQL) stay, because psycopg keeps its own list of them, and a
-# DISCARD ALL it does not notice (it looks only at statements new to it) left it naming one the
-# server had forgotten. Every part runs inside a transaction block, so the whole is one round trip.
+# What DISCARD ALL does but DEALLOCATE ALL and DISCARD PLANS (which would have our statements
+# planned again in every block: 523 one-task blocks/s with it, 750 without). The statements prepared on a
+# lent session (ours, and psycopg's of the caller's SQL) stay, because psycopg keeps its own list
+# of them, and a DISCARD ALL it does not notice (it looks only at statements new to it) left it
+# naming one the server had forgotten. Every part runs inside a transaction block, so the whole
+# is one round trip.
 # The first statement counts the statements the caller PREPAREd by hand (psycopg's are named
 # _pg3_*): a connection with one is closed rather than lent again with it.
 CALLER_RESET = (
     r"SELECT count(*) FROM pg_prepared_statements WHERE name !~ '^_pg3_';"
     " CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; RESET ROLE; UNLISTEN *;"
-    " SELECT pg_advisory_unlock_all(); DISCARD PLANS; DISCARD TEMP; DISCARD SEQUENCES; "
+    " SELECT pg_advisory_unlock_all(); DISCARD TEMP; DISCARD SEQUENCES; "
 )
 
 
