@@ -606,7 +606,7 @@ class PostgresStore(Store):
         if pool is not None:
             with contextlib.suppress(PoolTimeout, PoolClosed):  # all lent, or the store closing
                 conn = pool.getconn(timeout=CALLER_POOL_WAIT)
-        if pool is None or conn is None:
+        if conn is None:
             with super().lend() as own:
                 yield own
             return
@@ -823,18 +823,20 @@ def _check_live(conn: Any) -> None:
         raise psycopg.OperationalError("the pooled connection was closed by the server")
 
 
-# What DISCARD ALL does but DEALLOCATE ALL and DISCARD PLANS (which would have our statements
-# planned again in every block: 523 one-task blocks/s with it, 750 without). The statements prepared on a
-# lent session (ours, and psycopg's of the caller's SQL) stay, because psycopg keeps its own list
-# of them, and a DISCARD ALL it does not notice (it looks only at statements new to it) left it
-# naming one the server had forgotten. Every part runs inside a transaction block, so the whole
-# is one round trip.
-# The first statement counts the statements the caller PREPAREd by hand (psycopg's are named
-# _pg3_*): a connection with one is closed rather than lent again with it.
+# How a lent session is set back, in one round trip (every part runs inside a transaction
+# block): what DISCARD ALL does but DEALLOCATE ALL and DISCARD PLANS, then CALLER_SESSIONS again.
+# - Prepared statements stay (ours, and psycopg's of the caller's SQL): psycopg keeps its own list
+#   of them, and a DISCARD ALL it does not notice (it looks only at statements new to it) left it
+#   naming one the server had forgotten.
+# - DISCARD PLANS would have our statements planned again in every block (523 one-task blocks/s
+#   with it, 750 without).
+# - The first statement counts the statements the caller PREPAREd by hand (psycopg's are named
+#   _pg3_*): a session with one is closed rather than lent again with it.
 CALLER_RESET = (
     r"SELECT count(*) FROM pg_prepared_statements WHERE name !~ '^_pg3_';"
     " CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; RESET ROLE; UNLISTEN *;"
     " SELECT pg_advisory_unlock_all(); DISCARD TEMP; DISCARD SEQUENCES; "
+    + "; ".join(f"SET {name} = '{value}'" for name, value in CALLER_SESSIONS)
 )
 
 
@@ -853,7 +855,7 @@ def _settle_caller(conn: Any, pooled: bool) -> None:
         conn.isolation_level = conn.read_only = conn.deferrable = None
         if not pooled:
             conn.autocommit = True
-            cur = conn.execute(CALLER_RESET + "; ".join(f"SET {k} = '{v}'" for k, v in CALLER_SESSIONS))
+            cur = conn.execute(CALLER_RESET)
             if cur.fetchone()[0]:
                 conn.close()
                 return
