@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import psycopg_pool
 import pytest
 from psycopg.rows import dict_row
 from test_transactions import make_app  # the same one-step order app
@@ -156,6 +157,36 @@ def test_postgres_the_callers_sql_meets_no_plan_cached_before_their_schema_chang
     with pg_app.transaction() as tx:
         assert one(tx, "SELECT pg_backend_pid()") == first  # the same session, lent again
         assert tx.execute("SELECT * FROM orders").fetchall() == []
+
+
+def test_postgres_a_session_lost_in_a_block_fails_that_block_only(pg_app: App) -> None:
+    """The connection dies under the block (its server process ended mid-transaction): the block
+    fails, its task is not written, and the session is not lent again."""
+    with pytest.raises(psycopg.OperationalError), pg_app.transaction() as tx:
+        first = one(tx, "SELECT pg_backend_pid()")
+        tx.submit("order", {"n": 1})
+        tx.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    with pg_app.transaction() as tx:
+        assert one(tx, "SELECT pg_backend_pid()") != first
+        tx.submit("order", {"n": 2})
+    assert states(pg_app) == ["pending"]
+
+
+def test_postgres_a_block_that_meets_the_pool_closing_opens_its_own(
+    pg_app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pg_app.transaction() as tx:
+        first = one(tx, "SELECT pg_backend_pid()")
+    pool = pg_app.store._callers()  # type: ignore[attr-defined]
+
+    def closing(timeout: float | None = None) -> Any:
+        raise psycopg_pool.PoolClosed("the store is closing")
+
+    monkeypatch.setattr(pool, "getconn", closing)
+    with pg_app.transaction() as tx:
+        assert one(tx, "SELECT pg_backend_pid()") != first
+        tx.submit("order", {"n": 1})
+    assert states(pg_app) == ["pending"]
 
 
 def test_postgres_a_block_that_finds_every_session_lent_opens_its_own(
