@@ -39,6 +39,13 @@ def results(bench: ModuleType, tmp_path: Path, series: list[tuple[dict[str, Any]
     return res
 
 
+def render(bench: ModuleType, res: Any) -> str:
+    """The run's Markdown, as bench/run.py writes it, with a made-up machine."""
+    machine = {"cores": 2, "cpu": "x", "memory_gib": 1, "platform": "p", "python": "3", "sqlite": "3"}
+    res.meta.update(date="d", command="c", settings={}, machine={**machine, "load_start": 0, "note": ""})
+    return str(bench.markdown(res, {**res.meta, "summary": bench.summarise(res)}))
+
+
 def by_what(summary: dict[str, Any], what: str, store: str) -> dict[str, Any]:
     found: list[dict[str, Any]] = [r for r in summary["ratios"] if r["what"] == what and r["store"] == store]
     assert len(found) == 1, summary["ratios"]
@@ -89,22 +96,7 @@ def test_the_table_shows_submission_alone_and_the_goal(bench: ModuleType, tmp_pa
             ({"system": "stepwarden", "store": "postgres", "workload": "submit", "workers": 0}, [2160]),
         ],
     )
-    res.meta.update(
-        date="d",
-        command="c",
-        settings={},
-        machine={
-            "cores": 2,
-            "cpu": "x",
-            "memory_gib": 1,
-            "platform": "p",
-            "python": "3",
-            "sqlite": "3",
-            "load_start": 0,
-            "note": "",
-        },
-    )
-    text = bench.markdown(res, {**res.meta, "summary": bench.summarise(res)})
+    text = render(bench, res)
     assert (
         "| stepwarden (submission alone, no worker) | postgres | W1's submissions | 0 | — | — | 2160 |"
         in text
@@ -177,6 +169,32 @@ def test_the_floor_runs_each_chain_of_steps_to_its_end_once(bench: ModuleType, t
         conn.close()
     assert code == 0  # it stops on SIGTERM, as the harness stops it
     assert rows == [(1, 0, "done", 2), (3, 0, "done", 5), (3, 1, "done", 5), (3, 2, "done", 5)]
+
+
+def test_a_task_w3_did_not_process_is_listed_with_its_events(bench: ModuleType, tmp_path: Path) -> None:
+    res = results(bench, tmp_path, [])
+    unfinished = {
+        "task_id": 17,
+        "state": "error",
+        "last_error": "OperationalError: database is locked",
+        "events": ["received", "claimed by=w1", "error attempt=1 by=w1"],
+    }
+    run = {
+        "rep": 3,
+        "lost": 1,
+        "duplicated_executions": 0,
+        "duplicated_completions": 0,
+        "orphaned_steps": 8,
+        "rescue_s": {"first": 0.3, "median": 0.3, "last": 0.3},
+        "all_final_after_kill_s": 4.7,
+        "unfinished_tasks": [unfinished],
+    }
+    key = {"system": "stepwarden", "store": "postgres", "workload": "w3", "workers": 1}
+    res.series["w3"] = {**key, "runs": [run]}
+    assert (
+        "- postgres, rep 3: task 17 `error` (OperationalError: database is locked): "
+        "received; claimed by=w1; error attempt=1 by=w1"
+    ) in render(bench, res)
 
 
 @pytest.fixture(scope="module")
