@@ -554,6 +554,7 @@ class AgentRole:
                     ", ".join(map(str, lost)),
                 )
                 self.on_reply()  # a scheduler has replies to apply
+            await self.health.return_unknown_trials()
             self._takes_unknown = False
         finally:
             self._sweeping = False

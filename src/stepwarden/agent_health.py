@@ -96,6 +96,9 @@ class AgentHealth:
         self.instances = {n: InstanceHealth() for n in agents}
         self.registered = False
         self._background: set[asyncio.Task[None]] = set()
+        # Agents whose trial a failed pull may have won in the store (its commit unconfirmed),
+        # until return_unknown_trials() gives such trials back.
+        self.trials_unknown: set[str] = set()
 
     def _rules(self, agent: str) -> sa.HealthRules:
         cool = self.agents[agent].breaker_cool_off
@@ -151,7 +154,11 @@ class AgentHealth:
             wants[name] = sa.Want(room, may_trial=b.state != "closed" and now >= b.retry_at)
         if not wants:
             return [], set(), set(), {}
-        got = await self.store.transact(sa.pull, self.me, wants, self.rules, with_workflows)
+        try:
+            got = await self.store.transact(sa.pull, self.me, wants, self.rules, with_workflows)
+        except Exception:
+            self.trials_unknown |= {name for name, w in wants.items() if w.may_trial}
+            raise
         now = self.clock.monotonic()
         for name, b in self.breakers.items():
             b.update(got.breakers.get(name), now)
@@ -163,6 +170,18 @@ class AgentHealth:
             self.instances[name].probing = True
             log.info("agent %s: probing this unhealthy instance with one request", name)
         return got.requests, got.trials, probes & taken, got.workflows
+
+    async def return_unknown_trials(self) -> None:
+        """After a pull whose commit was not confirmed, and once the requests it may have taken
+        are handed back: give back any trial it won, unrun (see ``store.agents.return_trials``).
+        A trial this instance knows it holds (a later pull's, running) is left alone."""
+        agents = sorted(n for n in self.trials_unknown if not self.breakers[n].trial)
+        if agents:
+            why = "won by a pull whose commit was not confirmed; its request was handed back unrun"
+            returned = await self.store.transact(sa.return_trials, self.me, agents, why)
+            for name in returned:
+                log.warning("agent %s: gave back a breaker trial %s", name, why)
+        self.trials_unknown.clear()
 
     # -- calls ---------------------------------------------------------------------------------------
     def may_call(self, agent: str) -> str | None:

@@ -15,7 +15,8 @@ import pytest
 from test_agent_role import ME, Factory, LostCommits, dispatch, make_role, until
 
 from stepwarden.agent import Agent, AgentRole, AgentSettings, Request
-from stepwarden.clock import SystemClock
+from stepwarden.clock import FakeClock, SystemClock
+from stepwarden.errors import Transient
 from stepwarden.scheduler import SchedulerRole
 from stepwarden.store import Store, open_store
 from stepwarden.store import transitions as t
@@ -264,10 +265,7 @@ def test_a_pull_that_failed_marks_its_take_unknown(rt_store: Store, make_workflo
     async def do_s(req: Request) -> None:
         return None
 
-    def the_pull(fn: Any, *args: Any, **kw: Any) -> bool:
-        return getattr(fn, "__name__", "") == "pull"  # the agent's own take (store/agents.py)
-
-    store = LostCommits(rt_store, "transact", fail=1, committed=True, when=the_pull)
+    store = LostCommits(rt_store, "transact", fail=1, committed=True, when=_the_pull)
 
     async def body() -> None:
         role = make_role(store, agent)  # type: ignore[arg-type]
@@ -281,6 +279,92 @@ def test_a_pull_that_failed_marks_its_take_unknown(rt_store: Store, make_workflo
     asyncio.run(body())
     released = _rows(rt_store, "SELECT task_id, outcome FROM replies")
     assert released == [{"task_id": task, "outcome": "released"}]
+
+
+def _the_pull(fn: Any, *args: Any, **kw: Any) -> bool:
+    return getattr(fn, "__name__", "") == "pull"  # the agent's own take (store/agents.py)
+
+
+def _breaker(store: Store) -> dict[str, Any]:
+    (row,) = _rows(store, "SELECT state, trial_by FROM agent_breakers WHERE agent = 'svc'")
+    return row
+
+
+def test_a_trial_won_by_a_pull_whose_commit_was_lost_is_given_back_at_once(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """After the cool-off, a pull wins the half-open trial and takes one request for it; its
+    commit goes through, the answer is lost. The sweep hands the request back unrun, and the
+    trial with it: another instance tries the service at once, not after ``trial_ttl``."""
+    dispatch(store, make_workflow, 1, budget=600.0, tries=1)
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+    calls: list[str] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(req.idempotency_key)
+        if len(calls) == 1:
+            raise Transient("down")
+        return "up"
+
+    lossy = LostCommits(store, "transact", fail=1, committed=True, when=_the_pull)
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock)
+        other = AgentRole(store, {"svc": agent}, "agent-2:2:def", clock=clock)
+        await role.health.register({"svc": 8})
+        assert await role.pull() == 1
+        await until(lambda: not role.tasks)
+        assert _breaker(store)["state"] == "open"
+        await other.health.register({"svc": 8})
+        assert await other.pull() == 0  # it reads the shared breaker: open, cool-off running
+        (trial_task,) = dispatch(store, make_workflow, 1, budget=600.0, tries=1)
+        clock.advance(10.0)
+        role.store = role.health.store = lossy  # type: ignore[assignment]
+        with pytest.raises(ConnectionError):
+            await role.pull()  # won the trial and took its request; the answer lost
+        assert _breaker(store) == {"state": "half_open", "trial_by": ME}
+        assert not role.tasks and role.health.trials_unknown == {"svc"}
+        await role._release_unknown_takes()
+        assert _breaker(store) == {"state": "open", "trial_by": None}
+        assert not role.health.trials_unknown
+        # the request is back (a released reply, applied by a scheduler): the trial is anyone's
+        store.transact_sync(t.schedule, "sched", 100, random.Random(0))
+        assert await other.pull() == 1
+        await until(lambda: not other.tasks)
+        assert other.breakers["svc"].state == "closed"
+        assert calls[-1] == f"{trial_task}:s"
+
+    asyncio.run(body())
+    assert "breaker_trial_returned" in [
+        r["kind"] for r in _rows(store, "SELECT kind FROM events ORDER BY id")
+    ]
+
+
+def test_a_trial_the_instance_knows_it_holds_is_not_given_back(store: Store, clock: FakeClock) -> None:
+    """The sweep can run after a later pull won a trial of the same agent (the sweep waited out a
+    reservation, the pull went on): that trial is running here and keeps its claim."""
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock)
+        await role.health.register({"svc": 8})
+        store.transact_sync(
+            lambda tx: tx.sql(
+                "UPDATE agent_breakers SET state = 'half_open', trial_by = ?, retry_at = sw_now() + 60",
+                (ME,),
+            )
+        )
+        role.health.trials_unknown = {"svc"}
+        role.breakers["svc"].trial = True  # won by the later pull, running
+        await role.health.return_unknown_trials()
+        assert _breaker(store) == {"state": "half_open", "trial_by": ME}
+        role.breakers["svc"].trial = False  # not known here: given back
+        role.health.trials_unknown = {"svc"}
+        await role.health.return_unknown_trials()
+        assert _breaker(store) == {"state": "open", "trial_by": None}
+
+    asyncio.run(body())
 
 
 def test_requests_a_lost_scheduler_round_took_are_released_and_run_with_no_failure_counted(

@@ -173,6 +173,20 @@ def pull(
     return out
 
 
+def return_trials(tx: Tx, me: str, agents: Sequence[str], why: str) -> list[str]:
+    """Give back the half-open trials ``me`` holds for ``agents``, unrun: open to any instance at
+    once. For a pull whose commit was not confirmed (its connection lost with COMMIT's answer): it
+    may have won a trial the instance does not know it holds, and the request it took for it was
+    handed back unrun, so the trial said nothing about the service. Left alone, no instance could
+    try the service until ``trial_ttl`` passed. Returns the agents whose trial was given back."""
+    out: list[str] = []
+    for agent in agents:
+        if tx.run("agent_breaker_untrial", agent=agent, me=me):
+            event(tx, "breaker_trial_returned", None, me, agent=agent, reason=why)
+            out.append(agent)
+    return out
+
+
 def report(tx: Tx, me: str, r: Report, threshold: int, cool_off: float, rules: HealthRules) -> Verdict:
     """Record one call's outcome and apply the rules in the module docstring."""
     if r.ok:
