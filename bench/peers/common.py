@@ -84,6 +84,15 @@ def report(**fields: Any) -> None:
     sys.stdout.flush()
 
 
+def publish(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` for a process that polls for it: written whole beside it, then
+    renamed into place, so the reader never finds the file before its content (with a plain write
+    it may see it empty, between the open that creates it and the write)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 def tail(path: Path, n: int = 1500) -> str:
     try:
         return path.read_text(errors="replace")[-n:]

@@ -40,6 +40,8 @@ def w_three() -> None:
 
 
 def serve() -> None:
+    from common import publish
+
     url = os.environ["DBOS_BENCH_DB"]
     DBOS(config={"name": "stepwarden-bench", "system_database_url": url, "log_level": "WARNING"})
     DBOS.launch()
@@ -52,7 +54,7 @@ def serve() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    Path(os.environ["DBOS_BENCH_READY"]).write_text("ready")
+    publish(Path(os.environ["DBOS_BENCH_READY"]), "ready")
     while not stop.wait(0.5):
         pass
     DBOS.destroy()

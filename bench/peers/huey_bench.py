@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from common import publish
 from huey import SqliteHuey, signals
 
 huey = SqliteHuey("bench", filename=os.environ.get("HUEY_BENCH_DB", ":memory:"), results=False)
@@ -55,7 +56,7 @@ def _completed(signal: str, task: object) -> None:
     with _lock:
         _count[m] += 1
         if _count[m] == _EXPECT[m] and _DONE:
-            Path(f"{_DONE}.{m}").write_text(repr(time.time()))
+            publish(Path(f"{_DONE}.{m}"), repr(time.time()))
 
 
 def drive() -> None:
