@@ -6,6 +6,7 @@ transaction."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -105,13 +106,30 @@ def test_postgres_lends_one_session_and_the_next_block_finds_nothing_of_the_last
     assert states(pg_app) == ["pending", "pending"]
 
 
-def test_postgres_a_session_with_a_statement_the_caller_prepared_is_not_lent_again(pg_app: App) -> None:
+def set_aside_lines(caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[str]]:
+    """The store's own lines about a connection it closed instead of lending it again, and the
+    pool's warnings (which it would log for every closed connection given back)."""
+    ours = [r.getMessage() for r in caplog.records if r.name == "stepwarden.postgres"]
+    pools = [
+        r.getMessage() for r in caplog.records if r.name == "psycopg.pool" and r.levelno >= logging.WARNING
+    ]
+    return [m for m in ours if "not lent again" in m], pools
+
+
+def test_postgres_a_session_with_a_statement_the_caller_prepared_is_not_lent_again(
+    pg_app: App, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     with pg_app.transaction() as tx:
         first = one(tx, "SELECT pg_backend_pid()")
         tx.execute("PREPARE mine AS SELECT 1")
     with pg_app.transaction() as tx:
         assert one(tx, "SELECT pg_backend_pid()") != first
         tx.execute("PREPARE mine AS SELECT 1")  # the name is free: a session without it
+    # said by the store, as a decision, once per block (each PREPAREd): no warning from the pool
+    ours, pools = set_aside_lines(caplog)
+    assert len(ours) == 2 and all("PREPAREd" in m for m in ours)
+    assert pools == []
 
 
 def test_postgres_replaces_a_lent_session_the_server_ended(pg_app: App, pg_url: str) -> None:
@@ -164,15 +182,21 @@ def test_postgres_the_callers_sql_meets_no_plan_cached_before_their_schema_chang
         assert tx.execute("SELECT * FROM orders").fetchall() == []
 
 
-def test_postgres_a_session_lost_in_a_block_fails_that_block_only(pg_app: App) -> None:
+def test_postgres_a_session_lost_in_a_block_fails_that_block_only(
+    pg_app: App, caplog: pytest.LogCaptureFixture
+) -> None:
     """The connection dies under the block (its server process ended mid-transaction): the block
     fails, its task is not written, and the session is not lent again."""
+    caplog.set_level(logging.INFO)
     with pytest.raises(psycopg.OperationalError), pg_app.transaction() as tx:
         first = one(tx, "SELECT pg_backend_pid()")
         tx.submit("order", {"n": 1})
         tx.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     submits_on_another_session(pg_app, first)
     assert states(pg_app) == ["pending"]
+    ours, pools = set_aside_lines(caplog)  # the block's error is the caller's; the log says why once
+    assert len(ours) == 1 and "could not be set back" in ours[0]
+    assert pools == []
 
 
 def test_postgres_a_block_that_meets_the_pool_closing_opens_its_own(

@@ -27,6 +27,7 @@ import re
 import select
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -633,6 +634,7 @@ class PostgresStore(Store):
                     max_idle=60.0,
                     num_workers=1,
                 )
+                _quiet_deliberate_discards()
                 pool.open()
                 self._caller_pool = pool
             return self._caller_pool
@@ -840,6 +842,33 @@ CALLER_RESET = (
 )
 
 
+# The callers' connections that _settle_caller closed instead of lending them again. The pool
+# warns of each closed connection given back ("discarding closed connection"), as of a fault;
+# for these the store has decided, and says why itself (at INFO).
+_SET_ASIDE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class _NotForSetAside(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (
+            str(record.msg).startswith("discarding closed connection") and args and args[0] in _SET_ASIDE
+        )
+
+
+_NOT_FOR_SET_ASIDE = _NotForSetAside()
+
+
+def _quiet_deliberate_discards() -> None:
+    logging.getLogger("psycopg.pool").addFilter(_NOT_FOR_SET_ASIDE)  # once: filters are a set
+
+
+def _set_aside(conn: Any, why: str) -> None:
+    _SET_ASIDE.add(conn)
+    conn.close()
+    log.info("a connection given back by app.transaction() is closed, not lent again: %s", why)
+
+
 def _settle_caller(conn: Any, pooled: bool) -> None:
     """A caller's connection given back, set back as it was lent: its transaction ended, the
     driver's per-connection options as opened, and (on a session of ours alone) the server
@@ -857,13 +886,13 @@ def _settle_caller(conn: Any, pooled: bool) -> None:
             conn.autocommit = True
             cur = conn.execute(CALLER_RESET)
             if cur.fetchone()[0]:
-                conn.close()
+                _set_aside(conn, "it holds a statement the block PREPAREd")
                 return
             for _ in conn.notifies(timeout=0):  # what a LISTEN of the block received meanwhile
                 pass
         conn.autocommit = False
-    except psycopg.Error:
-        conn.close()
+    except psycopg.Error as e:
+        _set_aside(conn, f"it could not be set back ({_first_line(e)})")
 
 
 def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:
