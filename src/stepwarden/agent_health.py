@@ -124,6 +124,11 @@ class AgentHealth:
     async def stop(self) -> None:
         if self._background:
             await asyncio.wait(set(self._background), timeout=2)
+        if self.trials_unknown:  # a stopping worker sweeps no more: give such trials back now
+            try:
+                await self.return_unknown_trials()
+            except Exception as e:  # they open to others after trial_ttl, as before
+                log.warning("could not give back breaker trials on stopping: %r", e)
         await self.store.transact(sa.stop, self.me)
 
     # -- pulling ------------------------------------------------------------------------------------
@@ -162,6 +167,10 @@ class AgentHealth:
         now = self.clock.monotonic()
         for name, b in self.breakers.items():
             b.update(got.breakers.get(name), now)
+        # A trial won now is the store's only trial for the agent (a claim needs retry_at passed,
+        # so it replaced any earlier one): known here, never given back as unknown, even while
+        # its report is in flight (_send clears `trial` before the report commits).
+        self.trials_unknown -= got.trials
         for name in got.trials:
             self.breakers[name].trial = True
             log.info("agent %s: breaker cool-off over, this instance runs the trial call", name)

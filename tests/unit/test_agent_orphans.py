@@ -367,6 +367,62 @@ def test_a_trial_the_instance_knows_it_holds_is_not_given_back(store: Store, clo
     asyncio.run(body())
 
 
+def _open_past_cool_off(store: Store) -> None:
+    store.transact_sync(
+        lambda tx: tx.sql(
+            "UPDATE agent_breakers SET state = 'open', failures = 1, opened_at = sw_now() - 20,"
+            " retry_at = sw_now() - 1, trial_by = NULL WHERE agent = 'svc'"
+        )
+    )
+
+
+def test_a_trial_a_later_pull_won_is_kept_while_its_report_is_in_flight(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """An unknown trial (a lost pull's) followed by a pull that wins the trial for real: that
+    trial is known, and a sweep made while its report is being written (the mirror's ``trial``
+    already cleared) must not give it back as unrun: its failure must reopen the breaker."""
+    dispatch(store, make_workflow, 1, budget=600.0, tries=1)
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock)
+        await role.health.register({"svc": 8})
+        _open_past_cool_off(store)
+        role.breakers["svc"].state = "open"  # as its last pull read it
+        role.breakers["svc"].retry_at = clock.monotonic()
+        dispatch(store, make_workflow, 1, budget=600.0, tries=1)
+        role.health.trials_unknown = {"svc"}  # a lost pull's, before this one
+        got, trials, _, _ = await role.health.pull({"svc": 8})
+        assert len(got) == 1 and trials == {"svc"}
+        assert role.health.trials_unknown == set()
+        role.breakers["svc"].trial = False  # as _send leaves it while the report is in flight
+        await role.health.return_unknown_trials()
+        assert _breaker(store) == {"state": "half_open", "trial_by": ME}
+
+    asyncio.run(body())
+
+
+def test_a_stopping_agent_gives_back_a_trial_a_lost_pull_may_have_won(store: Store, clock: FakeClock) -> None:
+    """It sweeps no more: the trial is given back when it stops, not after trial_ttl."""
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock)
+        await role.health.register({"svc": 8})
+        store.transact_sync(
+            lambda tx: tx.sql(
+                "UPDATE agent_breakers SET state = 'half_open', trial_by = ?, retry_at = sw_now() + 60",
+                (ME,),
+            )
+        )
+        role.health.trials_unknown = {"svc"}
+        await role.health.stop()
+        assert _breaker(store) == {"state": "open", "trial_by": None}
+
+    asyncio.run(body())
+
+
 def test_requests_a_lost_scheduler_round_took_are_released_and_run_with_no_failure_counted(
     rt_store: Store, make_workflow: Factory
 ) -> None:
