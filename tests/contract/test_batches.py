@@ -198,6 +198,39 @@ def test_a_read_sees_the_deferred_writes_before_it(store: Store, make_workflow: 
     assert row is not None and (row["state"], row["locked_by"]) == ("processing", "x")
 
 
+def test_a_write_that_is_not_deferred_applies_after_the_deferred_ones_before_it(
+    store: Store, make_workflow: Factory
+) -> None:
+    """Deferred writes wait for the next read, commit or other write: a write of another kind made
+    after them must find them done, or it would be overwritten by one made before it."""
+    wf = make_workflow()
+    task_id = submit(store, wf)
+
+    def writes(tx: Any) -> None:
+        tx.put("task_in_flight", task_id=task_id, state="processing", me="x", complete_by=5.0)  # deferred
+        tx.put("release_task", task_id=task_id, state="pending", delay=0, failed=1, error="why")
+
+    store.transact_sync(writes)
+    row = q(store, "SELECT state, locked_by, failure_count, last_error FROM tasks WHERE id = ?", task_id)[0]
+    assert row == {"state": "pending", "locked_by": None, "failure_count": 1, "last_error": "why"}
+
+
+def test_a_count_and_raw_sql_see_the_deferred_writes_before_them(
+    store: Store, make_workflow: Factory
+) -> None:
+    wf = make_workflow()
+    task_id = submit(store, wf)
+
+    def write_then_count(tx: Any) -> tuple[int, list[Any]]:
+        tx.put("task_in_flight", task_id=task_id, state="processing", me="x", complete_by=5.0)
+        n = tx.run("finish_task", task_id=task_id, state="processed", error=None)  # not deferred via run
+        tx.put("task_in_flight", task_id=task_id, state="processing", me="y", complete_by=6.0)
+        return n, tx.sql("SELECT locked_by FROM tasks WHERE id = ?", (task_id,))
+
+    n, rows = store.transact_sync(write_then_count)
+    assert n == 1 and [r["locked_by"] for r in rows] == ["y"]
+
+
 def test_the_set_based_forms_reach_their_rows_by_index_not_by_a_scan(
     pg_url: str, make_workflow: Factory
 ) -> None:

@@ -116,6 +116,26 @@ def set_aside_lines(caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[s
     return [m for m in ours if "not lent again" in m], pools
 
 
+def test_the_pools_warning_is_held_back_only_for_a_connection_the_store_set_aside(pg_url: str) -> None:
+    """A connection the pool itself finds closed is a fault: its warning goes through."""
+    from stepwarden.store import postgres as pg
+
+    def record(conn: Any) -> logging.LogRecord:
+        return logging.LogRecord(
+            "psycopg.pool", logging.WARNING, __file__, 1, "discarding closed connection: %s", (conn,), None
+        )
+
+    with psycopg.connect(pg_url) as mine, psycopg.connect(pg_url) as other:
+        pg._set_aside(mine, "a test")
+        assert not pg._NOT_FOR_SET_ASIDE.filter(record(mine))
+        assert pg._NOT_FOR_SET_ASIDE.filter(record(other))
+        assert pg._NOT_FOR_SET_ASIDE.filter(
+            logging.LogRecord(
+                "psycopg.pool", logging.WARNING, __file__, 1, "something else: %s", (mine,), None
+            )
+        )
+
+
 def test_postgres_a_session_with_a_statement_the_caller_prepared_is_not_lent_again(
     pg_app: App, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -194,8 +214,9 @@ def test_postgres_a_session_lost_in_a_block_fails_that_block_only(
         tx.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     submits_on_another_session(pg_app, first)
     assert states(pg_app) == ["pending"]
-    ours, pools = set_aside_lines(caplog)  # the block's error is the caller's; the log says why once
+    ours, pools = set_aside_lines(caplog)  # a fault: said once, as a warning, by the store
     assert len(ours) == 1 and "could not be set back" in ours[0]
+    assert [r.levelno for r in caplog.records if "not lent again" in r.getMessage()] == [logging.WARNING]
     assert pools == []
 
 

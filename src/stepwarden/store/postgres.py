@@ -36,7 +36,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
 from ..errors import InputError, StoreError
-from .base import AtCommit, Row
+from .base import DEFERRED, AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations
 
@@ -62,24 +62,6 @@ NOTIFY_ON = {
 }
 CHANNELS = sorted(set(NOTIFY_ON.values()))
 REQUESTS = NOTIFY_ON["insert_request"]
-# The hot path's writes a transaction defers, by query, with the parameters that name the row
-# each one changes (none: an insert). A deferred write waits until the next read, commit or other
-# write, and goes out with the others of its query as ONE statement (``<query>__many`` in
-# ``batches.sql``) instead of one each: a round of fifty tasks costs about as many statements as
-# a round of one. Deferring reorders these writes only among themselves, and within one window
-# between reads they touch disjoint rows (a task advances once per window), except an update
-# of the same row twice: then that group goes one by one, in order.
-DEFERRED: dict[str, tuple[str, ...]] = {
-    "start_attempt": ("task_id", "idx"),
-    "complete_step": ("task_id", "idx"),
-    "task_in_flight": ("task_id",),
-    "finish_task": ("task_id",),
-    "mark_reply": ("id",),
-    "finish_request": ("task_id", "idx", "attempt"),
-    "request_replied": ("request_id",),
-    "insert_request": (),
-    "insert_reply": (),
-}
 SYSTEM_NOW = "extract(epoch from statement_timestamp())::float8"
 FAKE_NOW = "COALESCE(NULLIF(current_setting('stepwarden.now', true), '')::float8, " + SYSTEM_NOW + ")"
 # Our transactions never wait on the network, so a session idle inside one belongs to a paused or
@@ -849,6 +831,9 @@ _SET_ASIDE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class _NotForSetAside(logging.Filter):
+    """Drops the pool's "discarding closed connection" record for a connection in ``_SET_ASIDE``
+    only: any other connection's (one found closed by the pool itself) still gets its warning."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         return not (
@@ -860,13 +845,13 @@ _NOT_FOR_SET_ASIDE = _NotForSetAside()
 
 
 def _quiet_deliberate_discards() -> None:
-    logging.getLogger("psycopg.pool").addFilter(_NOT_FOR_SET_ASIDE)  # once: filters are a set
+    logging.getLogger("psycopg.pool").addFilter(_NOT_FOR_SET_ASIDE)  # addFilter skips a repeat
 
 
-def _set_aside(conn: Any, why: str) -> None:
+def _set_aside(conn: Any, why: str, level: int = logging.INFO) -> None:
     _SET_ASIDE.add(conn)
     conn.close()
-    log.info("a connection given back by app.transaction() is closed, not lent again: %s", why)
+    log.log(level, "a connection given back by app.transaction() is closed, not lent again: %s", why)
 
 
 def _settle_caller(conn: Any, pooled: bool) -> None:
@@ -892,7 +877,8 @@ def _settle_caller(conn: Any, pooled: bool) -> None:
                 pass
         conn.autocommit = False
     except psycopg.Error as e:
-        _set_aside(conn, f"it could not be set back ({_first_line(e)})")
+        # A fault, not a choice: the block may have committed and raised nothing.
+        _set_aside(conn, f"it could not be set back ({_first_line(e)})", logging.WARNING)
 
 
 def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:

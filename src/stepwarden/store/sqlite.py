@@ -24,7 +24,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import MigrationError
-from .base import WORK_CHANNELS, AtCommit, Row
+from .base import DEFERRED, WORK_CHANNELS, AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations
 
@@ -51,13 +51,23 @@ class SqliteTx:
         self.caller_managed = caller_managed
         self.q = queries
         self.kept: dict[str, list[dict[str, Any]]] = {}
+        self.deferred: dict[str, list[dict[str, Any]]] = {}  # hot writes: run at the next read
         self.tail: list[tuple[str, dict[str, Any], AtCommit]] = []
         self.dispatched: list[str] = []
 
     def _cur(self) -> sqlite3.Cursor:
+        if self.deferred:
+            self._run_deferred()
         cur = self.conn.cursor()
         cur.row_factory = _dict_row  # whatever the connection's own row factory (SUB2)
         return cur
+
+    def _run_deferred(self) -> None:
+        """The deferred writes (``DEFERRED``: why they may wait and be reordered), each query's
+        rows through one prepared statement, in the order they came."""
+        deferred, self.deferred = self.deferred, {}
+        for query, rows in deferred.items():
+            self.conn.executemany(self.q[query], rows)
 
     def one(self, query: str, /, **params: Any) -> Row | None:
         rows = self._cur().execute(self.q[query], params).fetchall()
@@ -75,6 +85,11 @@ class SqliteTx:
         return self._cur().execute(self.q[query], params).rowcount
 
     def put(self, query: str, /, **params: Any) -> None:
+        if query in DEFERRED:
+            self.deferred.setdefault(query, []).append(params)
+            return
+        if self.deferred:
+            self._run_deferred()
         self.conn.execute(self.q[query], params)
 
     def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
@@ -87,6 +102,8 @@ class SqliteTx:
         self.kept.setdefault(query, []).append(params)
 
     def flush(self) -> None:
+        if self.deferred:
+            self._run_deferred()
         kept, self.kept = self.kept, {}
         for query, rows in kept.items():
             self.conn.executemany(self.q[query], rows)
