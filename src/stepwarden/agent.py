@@ -10,6 +10,7 @@ interrupted; it keeps running in its thread, and its late result is discarded un
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -134,6 +135,17 @@ class AgentSettings:
     success_every: float = 1.0  # write successes at most this often when nothing depends on them
     trial_ttl: float = 60.0  # a half-open trial not reported within this is open to others again
     report_timeout: float = 5.0  # give up waiting for the store to record a call's outcome
+    # Before a reply batch goes out, wait up to this long (real time) for calls still running to
+    # answer, so that they share its transaction. Without it, slots that were refilled at
+    # different moments keep answering in separate groups, one transaction each, for good: with
+    # 8 slots and no-op calls, W2 on PostgreSQL fell into a 6 + 2 split in about one run in
+    # three, at two transactions per cycle (~350 workflows/s against ~520). A call that takes
+    # longer than this is not waited for: its reply costs at most this much extra latency.
+    reply_linger: float = 0.002
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.reply_linger <= 1:
+            raise InputError(f"reply_linger must be between 0 and 1 s, not {self.reply_linger!r}")
 
     @property
     def stop_within(self) -> float:
@@ -187,6 +199,9 @@ class AgentRole:
         self._outbox: list[tuple[tuple[int, str, Any, str | None], asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
+        # Calls started and not yet answered (nor ended): what a reply batch lingers for.
+        self._calling: set[int] = set()
+        self._call_ended = asyncio.Event()
         self._stopping = False  # set by drain(): reply batches take no more requests
         self._drained = False  # drain() has stopped waiting: nothing may start any more
         # Reservations handed out and not yet settled by accept(): a transaction in flight may
@@ -265,6 +280,7 @@ class AgentRole:
         agent = self.agents[msg.agent]
         self.inflight[agent.name] += 1
         self._held[msg.id] = agent.name
+        self._calling.add(msg.id)
         span = self.tracer.attempt(msg, workflow)
         t = asyncio.create_task(self.execute(agent, msg, trial, probe, span), name=f"request-{msg.id}")
         self.tasks[t] = msg
@@ -328,6 +344,7 @@ class AgentRole:
             with span:
                 await self._execute(agent, msg, trial, span)
         finally:
+            self._answered(msg.id)
             if msg.id in self._held:  # a committed reply would have given its slot back already
                 self._remember_unanswered(msg)
             self._release(msg.id)
@@ -380,12 +397,28 @@ class AgentRole:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._replied.add(msg.id)
         self._outbox.append(((msg.id, outcome, result, error), fut))
+        self._answered(msg.id)
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_outbox(), name="agent-replies")
         await asyncio.shield(fut)
 
+    def _answered(self, request_id: int) -> None:
+        if request_id in self._calling:
+            self._calling.discard(request_id)
+            self._call_ended.set()
+
+    async def _linger(self) -> None:
+        """Wait, at most ``reply_linger``, until no call is running (see AgentSettings)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.settings.reply_linger
+        while self._calling and not self._stopping and (left := end - loop.time()) > 0:
+            self._call_ended.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._call_ended.wait(), left)
+
     async def _send_outbox(self) -> None:
         while self._outbox:
+            await self._linger()
             batch, self._outbox = self._outbox, []
             for n in range(1, 6):
                 try:
@@ -578,6 +611,7 @@ class AgentRole:
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
         self._stopping = True  # a reply batch still in flight takes nothing more
+        self._call_ended.set()  # nor waits for calls that may never answer
         loop = asyncio.get_running_loop()
         end = loop.time() + self.settings.shutdown_grace
         running: dict[asyncio.Task[None], RequestMsg] = {}

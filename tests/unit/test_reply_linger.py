@@ -1,0 +1,136 @@
+"""A reply batch waits briefly (``AgentSettings.reply_linger``) for the calls still running, so
+that slots refilled at different moments answer in one transaction instead of drifting into
+groups that each pay a commit per cycle. A call slower than the linger is not waited for."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_agent_role import CountingTakes, Factory, dispatch, make_role, run, until
+
+from stepwarden.agent import Agent, AgentSettings, Request
+from stepwarden.errors import InputError
+from stepwarden.store import Store, open_store
+
+
+@pytest.fixture
+def rt_store(tmp_path: Path) -> Any:
+    """A store on the real clock: the agent's deadlines, and the linger, are real time."""
+    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
+    yield s
+    s.close()
+
+
+def _staggered_agent(late: set[int], yields: int) -> tuple[Agent, list[int]]:
+    """Agent ``svc`` (4 slots) whose call returns at once, or, for the tasks in ``late``, after
+    ``yields`` turns of the event loop: a moment later, as when slots were refilled apart."""
+    agent = Agent("svc", concurrency=4)
+    ran: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        if req.task_id in late:
+            for _ in range(yields):
+                await asyncio.sleep(0)
+        ran.append(req.task_id)
+
+    return agent, ran
+
+
+@pytest.mark.parametrize("linger", [1.0, 0.0])
+def test_calls_that_answer_a_moment_later_share_the_batch(
+    rt_store: Store, make_workflow: Factory, linger: float
+) -> None:
+    """Two calls answer at once and two a few loop turns later. With a linger, the first batch
+    waits for them and carries all four replies; without one (0), the first two go alone."""
+    ids = dispatch(rt_store, make_workflow, 4)
+    agent, ran = _staggered_agent(set(ids[2:]), yields=20)
+    spy = CountingTakes(rt_store)
+
+    async def body() -> None:
+        settings = AgentSettings(apply_replies=True, reply_linger=linger)
+        role = make_role(spy, agent, settings=settings)  # type: ignore[arg-type]
+        assert await role.pull() == 4
+        await until(lambda: len(ran) == 4 and not role.tasks and not role._outbox, timeout=10)
+
+    run(body())
+    sizes = [sent for sent, *_ in spy.batches]
+    assert sum(sizes) == 4
+    assert sizes == ([4] if linger else [2, 2]), spy.batches
+
+
+def test_a_call_slower_than_the_linger_is_not_waited_for(rt_store: Store, make_workflow: Factory) -> None:
+    """One call answers at once, the other only after the first batch has committed: the batch
+    goes out once the linger has passed, with the one reply, and the slow call's reply follows
+    in a batch of its own."""
+    ids = dispatch(rt_store, make_workflow, 2)
+    agent = Agent("svc", concurrency=2)
+    first_committed = asyncio.Event()
+    ran: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        if req.task_id == ids[1]:
+            await first_committed.wait()  # would never end if the batch waited for it
+        ran.append(req.task_id)
+
+    class Spy(CountingTakes):
+        async def send_replies_and_take(self, me: str, replies: Any, take: Any, apply: bool = True) -> Any:
+            out = await super().send_replies_and_take(me, replies, take, apply)
+            first_committed.set()
+            return out
+
+    spy = Spy(rt_store)
+
+    async def body() -> None:
+        settings = AgentSettings(apply_replies=True, reply_linger=0.05)
+        role = make_role(spy, agent, settings=settings)  # type: ignore[arg-type]
+        assert await role.pull() == 2
+        await until(lambda: len(ran) == 2 and not role.tasks and not role._outbox, timeout=10)
+
+    run(body())
+    assert ran == ids
+    assert [sent for sent, *_ in spy.batches] == [1, 1]
+
+
+@pytest.mark.parametrize("linger", [-0.001, 1.5])
+def test_a_linger_out_of_range_is_refused(linger: float) -> None:
+    with pytest.raises(InputError, match="reply_linger must be between 0 and 1 s"):
+        AgentSettings(reply_linger=linger)
+
+
+def test_the_linger_ends_when_the_agent_stops(rt_store: Store, make_workflow: Factory) -> None:
+    """A stopping agent sends the replies it has at once, without lingering for a call that may
+    not answer before the grace period ends."""
+    ids = dispatch(rt_store, make_workflow, 2)
+    agent = Agent("svc", concurrency=2)
+    release = asyncio.Event()
+    ran: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        if req.task_id == ids[1]:
+            await release.wait()
+        ran.append(req.task_id)
+
+    spy = CountingTakes(rt_store)
+
+    async def body() -> None:
+        settings = AgentSettings(apply_replies=True, reply_linger=1.0, shutdown_grace=30.0)
+        role = make_role(spy, agent, settings=settings)  # type: ignore[arg-type]
+        assert await role.pull() == 2
+        await until(lambda: len(ran) == 1 and len(role._outbox) == 1, timeout=10)
+        await asyncio.sleep(0.05)
+        assert spy.batches == []  # lingering for the second call
+        drain = asyncio.create_task(role.drain())
+        await until(lambda: len(spy.batches) == 1, timeout=0.5)  # well before the linger ends
+        assert spy.batches[0][:2] == (1, 0)  # one reply; a stopping agent takes nothing more
+        release.set()
+        await asyncio.wait_for(drain, 10)
+
+    run(body())
+    assert sorted(ran) == ids
+    assert [sent for sent, *_ in spy.batches] == [1, 1]
