@@ -201,7 +201,7 @@ class AgentRole:
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
         # Calls started and not yet answered (nor ended): what a reply batch lingers for.
         self._calling: set[int] = set()
-        self._call_ended = asyncio.Event()
+        self._no_calls = asyncio.Event()  # set when the last of them answers, or the agent stops
         self._stopping = False  # set by drain(): reply batches take no more requests
         self._drained = False  # drain() has stopped waiting: nothing may start any more
         # Reservations handed out and not yet settled by accept(): a transaction in flight may
@@ -403,18 +403,20 @@ class AgentRole:
         await asyncio.shield(fut)
 
     def _answered(self, request_id: int) -> None:
-        if request_id in self._calling:
-            self._calling.discard(request_id)
-            self._call_ended.set()
+        self._calling.discard(request_id)
+        if not self._calling:
+            self._no_calls.set()
 
     async def _linger(self) -> None:
-        """Wait, at most ``reply_linger``, until no call is running (see AgentSettings)."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.settings.reply_linger
-        while self._calling and not self._stopping and (left := end - loop.time()) > 0:
-            self._call_ended.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._call_ended.wait(), left)
+        """Wait, at most ``reply_linger``, until no call is running (see AgentSettings). One
+        wake-up, when the last call answers: not one per call, which would cost a task switch
+        per reply on the hot path."""
+        if not self._calling or self._stopping or self.settings.reply_linger <= 0:
+            return
+        self._no_calls.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.reply_linger):
+                await self._no_calls.wait()
 
     async def _send_outbox(self) -> None:
         while self._outbox:
@@ -611,7 +613,7 @@ class AgentRole:
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
         self._stopping = True  # a reply batch still in flight takes nothing more
-        self._call_ended.set()  # nor waits for calls that may never answer
+        self._no_calls.set()  # nor waits for calls that may never answer
         loop = asyncio.get_running_loop()
         end = loop.time() + self.settings.shutdown_grace
         running: dict[asyncio.Task[None], RequestMsg] = {}
