@@ -135,12 +135,12 @@ class AgentSettings:
     success_every: float = 1.0  # write successes at most this often when nothing depends on them
     trial_ttl: float = 60.0  # a half-open trial not reported within this is open to others again
     report_timeout: float = 5.0  # give up waiting for the store to record a call's outcome
-    # Before a reply batch goes out, wait up to this long (real time) for calls still running to
-    # answer, so that they share its transaction. Without it, slots that were refilled at
-    # different moments keep answering in separate groups, one transaction each, for good: with
-    # 8 slots and no-op calls, W2 on PostgreSQL fell into a 6 + 2 split in about one run in
-    # three, at two transactions per cycle (~350 workflows/s against ~520). A call that takes
-    # longer than this is not waited for: its reply costs at most this much extra latency.
+    # Before a reply batch goes out, wait up to this long (real time) for the calls started
+    # since the last batch to answer, so that they share its transaction. Without it, slots
+    # refilled at different moments keep answering in separate groups, one transaction each, for
+    # good: with 8 slots and no-op calls, W2 on PostgreSQL fell into a 6 + 2 split in about one
+    # run in three, at two transactions per cycle (~350 workflows/s against ~520). A call that
+    # takes longer is not waited for (nor again by later batches): a batch waits at most this.
     reply_linger: float = 0.002
 
     def __post_init__(self) -> None:
@@ -199,9 +199,11 @@ class AgentRole:
         self._outbox: list[tuple[tuple[int, str, Any, str | None], asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
-        # Calls started and not yet answered (nor ended): what a reply batch lingers for.
-        self._calling: set[int] = set()
-        self._no_calls = asyncio.Event()  # set when the last of them answers, or the agent stops
+        # Calls started since the last reply batch was taken and not yet answered (nor ended):
+        # what the next batch lingers for. Calls that were running when a batch was taken are
+        # not waited for again, so a slow call delays at most one batch, not every batch.
+        self._young: set[int] = set()
+        self._no_young = asyncio.Event()  # set when the last of them answers, or the agent stops
         self._stopping = False  # set by drain(): reply batches take no more requests
         self._drained = False  # drain() has stopped waiting: nothing may start any more
         # Reservations handed out and not yet settled by accept(): a transaction in flight may
@@ -280,9 +282,9 @@ class AgentRole:
         agent = self.agents[msg.agent]
         self.inflight[agent.name] += 1
         self._held[msg.id] = agent.name
-        self._calling.add(msg.id)
         span = self.tracer.attempt(msg, workflow)
         t = asyncio.create_task(self.execute(agent, msg, trial, probe, span), name=f"request-{msg.id}")
+        self._young.add(msg.id)
         self.tasks[t] = msg
         t.add_done_callback(lambda done: self.tasks.pop(done, None))
 
@@ -403,25 +405,26 @@ class AgentRole:
         await asyncio.shield(fut)
 
     def _answered(self, request_id: int) -> None:
-        self._calling.discard(request_id)
-        if not self._calling:
-            self._no_calls.set()
+        self._young.discard(request_id)
+        if not self._young:
+            self._no_young.set()
 
     async def _linger(self) -> None:
-        """Wait, at most ``reply_linger``, until no call is running (see AgentSettings). One
-        wake-up, when the last call answers: not one per call, which would cost a task switch
-        per reply on the hot path."""
-        if not self._calling or self._stopping or self.settings.reply_linger <= 0:
+        """Wait, at most ``reply_linger``, until the calls started since the last batch have
+        answered (see AgentSettings). One wake-up, when the last of them answers: not one per
+        call, which would cost a task switch per reply on the hot path."""
+        if not self._young or self._stopping or self.settings.reply_linger <= 0:
             return
-        self._no_calls.clear()
+        self._no_young.clear()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.reply_linger):
-                await self._no_calls.wait()
+                await self._no_young.wait()
 
     async def _send_outbox(self) -> None:
         while self._outbox:
             await self._linger()
             batch, self._outbox = self._outbox, []
+            self._young.clear()  # still running now: not waited for by the next batch
             for n in range(1, 6):
                 try:
                     items = [item for item, _ in batch]
@@ -613,7 +616,7 @@ class AgentRole:
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
         self._stopping = True  # a reply batch still in flight takes nothing more
-        self._no_calls.set()  # nor waits for calls that may never answer
+        self._no_young.set()  # nor waits for calls that may never answer
         loop = asyncio.get_running_loop()
         end = loop.time() + self.settings.shutdown_grace
         running: dict[asyncio.Task[None], RequestMsg] = {}

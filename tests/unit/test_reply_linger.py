@@ -5,6 +5,7 @@ groups that each pay a commit per cycle. A call slower than the linger is not wa
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,18 +51,23 @@ def test_calls_that_answer_a_moment_later_share_the_batch(
     ids = dispatch(rt_store, make_workflow, 4)
     agent, ran = _staggered_agent({ids[2]: 20, ids[3]: 40})
     spy = CountingTakes(rt_store)
+    took: list[float] = []
 
     async def body() -> None:
         settings = AgentSettings(apply_replies=True, reply_linger=linger)
         role = make_role(spy, agent, settings=settings)  # type: ignore[arg-type]
         assert await role.pull() == 4
+        started = time.monotonic()
         await until(lambda: len(ran) == 4 and not role.tasks and not role._outbox, timeout=10)
+        took.append(time.monotonic() - started)
+        assert not role._young
 
     run(body())
     sizes = [sent for sent, *_ in spy.batches]
     assert sum(sizes) == 4
     if linger:
         assert sizes == [4], spy.batches
+        assert took[0] < 0.5  # woken when the last call answered, not at the linger's end
     else:  # the two that answered at once go alone; the others follow as their commits allow
         assert sizes[0] == 2 and len(sizes) > 1, spy.batches
 
@@ -100,6 +106,41 @@ def test_a_call_slower_than_the_linger_is_not_waited_for(rt_store: Store, make_w
     assert [sent for sent, *_ in spy.batches] == [1, 1]
 
 
+def test_a_slow_call_delays_one_batch_not_every_batch(rt_store: Store, make_workflow: Factory) -> None:
+    """One slot holds a call that runs for the whole test while the other three serve 30 quick
+    ones, about ten batches: the first batch lingers for it, the later ones do not (they wait
+    only for calls started since the batch before), so the 30 take far less than ten lingers."""
+    ids = dispatch(rt_store, make_workflow, 31)
+    agent = Agent("svc", concurrency=4)
+    release = asyncio.Event()
+    ran: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        if req.task_id == ids[0]:
+            await release.wait()
+        ran.append(req.task_id)
+
+    spy = CountingTakes(rt_store)
+    took: list[float] = []
+
+    async def body() -> None:
+        settings = AgentSettings(apply_replies=True, reply_linger=0.2)
+        role = make_role(spy, agent, settings=settings)  # type: ignore[arg-type]
+        started = time.monotonic()
+        assert await role.pull() == 4
+        await until(lambda: len(ran) == 30, timeout=20)
+        took.append(time.monotonic() - started)
+        release.set()
+        await until(lambda: len(ran) == 31 and not role.tasks and not role._outbox, timeout=10)
+        assert not role._young
+
+    run(body())
+    assert sorted(ran) == ids
+    assert len(spy.batches) >= 9, spy.batches  # ten lingers would be 2 s
+    assert took[0] < 1.2, (took, spy.batches)
+
+
 @pytest.mark.parametrize("linger", [-0.001, 1.5])
 def test_a_linger_out_of_range_is_refused(linger: float) -> None:
     with pytest.raises(InputError, match="reply_linger must be between 0 and 1 s"):
@@ -130,7 +171,7 @@ def test_the_linger_ends_when_the_agent_stops(rt_store: Store, make_workflow: Fa
         await asyncio.sleep(0.05)
         assert spy.batches == []  # lingering for the second call
         drain = asyncio.create_task(role.drain())
-        await until(lambda: len(spy.batches) == 1, timeout=0.5)  # well before the linger ends
+        await until(lambda: len(spy.batches) == 1, timeout=0.8)  # before the linger would end
         assert spy.batches[0][:2] == (1, 0)  # one reply; a stopping agent takes nothing more
         release.set()
         await asyncio.wait_for(drain, 10)
