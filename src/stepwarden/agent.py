@@ -195,6 +195,7 @@ class AgentRole:
         )
         self.tasks: dict[asyncio.Task[None], RequestMsg] = {}
         self.completed = 0
+        self.batches = 0  # reply transactions committed: completed / batches is replies per batch
         self._notes: set[asyncio.Task[None]] = set()
         self._outbox: list[tuple[tuple[int, str, Any, str | None], asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None
@@ -468,6 +469,7 @@ class AgentRole:
         for a in applied.alerts if applied else ():
             log.error("ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"])
         self.completed += replies
+        self.batches += 1
         if applied is None:
             self.on_reply()  # a scheduler has replies to apply
         else:  # applied, and the next steps dispatched and taken as far as we have room

@@ -154,6 +154,7 @@ def test_store_metrics_without_the_web_app(scene: Scene) -> None:
 
 
 def test_worker_metrics_endpoint(scene: Scene) -> None:
+    from stepwarden.agent import AgentRole
     from stepwarden.demo.app import app as demo_app
     from stepwarden.store.base import ApplyResult, SweepResult
     from stepwarden.worker import Worker, WorkerSettings
@@ -171,6 +172,8 @@ def test_worker_metrics_endpoint(scene: Scene) -> None:
         m.swept(SweepResult(rescued=3), seconds=0.02)
         m.lease_changed("acquired", 7)
         m.attempt_finished("inventory", "ok", 0.15)
+        w.agent_role = AgentRole(scene.store, {}, w.identity)  # as run() makes it
+        w.agent_role.completed, w.agent_role.batches = 16, 2
         r = httpx.get(server.url, timeout=10)
         assert r.status_code == 200
         got = parse(r.text)
@@ -189,6 +192,8 @@ def test_worker_metrics_endpoint(scene: Scene) -> None:
         value(got, "stepwarden_worker_attempt_duration_seconds_count", agent="inventory", outcome="ok") == 1
     )
     assert value(got, "stepwarden_worker_tasks_claimed_total") == 0  # no scheduler running yet
+    assert value(got, "stepwarden_worker_requests_completed_total") == 16
+    assert value(got, "stepwarden_worker_reply_batches_total") == 2
 
 
 # -- structured logs -----------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def test_calls_that_answer_a_moment_later_share_the_batch(
         await until(lambda: len(ran) == 4 and not role.tasks and not role._outbox, timeout=10)
         took.append(time.monotonic() - started)
         assert not role._young
+        assert (role.completed, role.batches) == (4, len(spy.batches))
 
     run(body())
     sizes = [sent for sent, *_ in spy.batches]

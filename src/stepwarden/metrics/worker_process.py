@@ -103,6 +103,12 @@ class WorkerMetrics(Collector):
             "Replies sent by this process's agents.",
             role.completed if role else 0,
         )
+        yield counter(
+            "stepwarden_worker_reply_batches",
+            "Transactions that carried those replies: requests completed per batch is how well they "
+            "share commits (about the agent's concurrency when its calls are quick).",
+            role.batches if role else 0,
+        )
         inflight = GaugeMetricFamily(
             "stepwarden_worker_inflight", "Requests running now, by agent.", labels=["agent"]
         )
