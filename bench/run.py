@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import signal
+import socket
 import sqlite3
 import statistics
 import subprocess
@@ -29,6 +30,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+
+import httpx
 
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
@@ -169,7 +172,12 @@ class Reader:
 
 # -- processes -------------------------------------------------------------------------------------
 def start_worker(
-    url: str, app_ref: str, concurrency: int, logfile: Path, env: dict[str, str] | None = None
+    url: str,
+    app_ref: str,
+    concurrency: int,
+    logfile: Path,
+    env: dict[str, str] | None = None,
+    metrics_port: int | None = None,
 ) -> subprocess.Popen[bytes]:
     environ = dict(os.environ if env is None else env)
     environ["PYTHONPATH"] = str(HERE) + os.pathsep + environ.get("PYTHONPATH", "")
@@ -187,17 +195,26 @@ def start_worker(
         app_ref,
     ]
     cmd += ["--concurrency", str(concurrency)]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
     return subprocess.Popen(cmd, env=environ, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
 
 
 @contextlib.contextmanager
 def workers(
-    url: str, n: int, app_ref: str, concurrency: int, work: Path, env: dict[str, str] | None = None
+    url: str,
+    n: int,
+    app_ref: str,
+    concurrency: int,
+    work: Path,
+    env: dict[str, str] | None = None,
+    metrics_ports: list[int] | None = None,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(n):
-            procs.append(start_worker(url, app_ref, concurrency, work / f"worker-{i}.log", env))
+            port = metrics_ports[i] if metrics_ports else None
+            procs.append(start_worker(url, app_ref, concurrency, work / f"worker-{i}.log", env, port))
         yield procs
     finally:
         for p in procs:
@@ -205,6 +222,46 @@ def workers(
                 p.send_signal(signal.SIGTERM)
         for p in procs:
             stop_process(p)
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+REPLY_COUNTERS = ("stepwarden_worker_requests_completed_total", "stepwarden_worker_reply_batches_total")
+
+
+def parse_reply_counters(text: str) -> tuple[float, float]:
+    """(replies sent, reply transactions) from one worker's Prometheus text."""
+    got = dict.fromkeys(REPLY_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in got:
+            got[name] = float(value)
+    return got[REPLY_COUNTERS[0]], got[REPLY_COUNTERS[1]]
+
+
+def reply_counters(ports: list[int], timeout: float = 10.0) -> tuple[float, float] | None:
+    """The workers' replies and reply transactions so far, summed (their metrics endpoints, each
+    retried until ``timeout`` while it starts); None, with a line saying why, if one never answers."""
+    replies = batches = 0.0
+    for port in ports:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2.0)
+                r.raise_for_status()
+                break
+            except httpx.HTTPError as e:
+                if time.monotonic() > end:
+                    log(f"  worker metrics on port {port} did not answer: {e!r}; no reply-batch figure")
+                    return None
+                time.sleep(0.1)
+        a, b = parse_reply_counters(r.text)
+        replies, batches = replies + a, batches + b
+    return replies, batches
 
 
 def wait_until(check: Callable[[], T | None], timeout: float, every: float = 0.02, procs: Any = ()) -> T:
@@ -271,8 +328,9 @@ def stepwarden_throughput(
     work = Path(tempfile.mkdtemp(prefix="sw-", dir=dbs.work))
     app, store = open_app(url)
     reader = Reader(url)
+    ports = [free_port() for _ in range(nworkers)]
     try:
-        with workers(url, nworkers, "benchapp:app", concurrency, work) as procs:
+        with workers(url, nworkers, "benchapp:app", concurrency, work, metrics_ports=ports) as procs:
             wait_registered(reader, procs)
             warm = [app.submit(wf, {}) for _ in range(4 * nworkers)]
             wait_until(
@@ -289,6 +347,7 @@ def stepwarden_throughput(
                 prefill_store(reader, max(warm), prefill)
                 prefill_s = round(time.monotonic() - t, 1)
             base = int(reader.one("SELECT max(id) FROM tasks"))
+            counted = reply_counters(ports)
             meter = dbs.meter(store_kind, workers=lambda: cpu.process_cpu(p.pid for p in procs))
             meter.start()
             t0 = time.time()
@@ -309,6 +368,7 @@ def stepwarden_throughput(
             )
             bad = reader.one("SELECT count(*) FROM tasks WHERE id > ? AND state <> 'processed'", (base,))
             rows = int(reader.one("SELECT count(*) FROM tasks"))
+            after = reply_counters(ports) if counted else None
     finally:
         reader.close()
         store.close()
@@ -323,6 +383,10 @@ def stepwarden_throughput(
         "tasks_in_store": rows,
         **used,
     }
+    if counted and after and after[1] > counted[1]:
+        # With quick calls, near the slots per worker; far below, the slots answer in groups
+        # that pay a commit each (the split that AgentSettings.reply_linger prevents).
+        out["replies_per_batch"] = round((after[0] - counted[0]) / (after[1] - counted[1]), 2)
     if prefill:
         out["prefill_s"] = prefill_s
     return out
@@ -976,6 +1040,7 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
             f"| {len(errs) or ''} |"
         )
     lines += cpu_table(res, data["machine"].get("cores"))
+    lines += batch_table(res)
     ratios = data["summary"]["ratios"]
     if ratios:
         lines += [
@@ -1126,6 +1191,35 @@ def cpu_table(res: Results, cores: int | None) -> list[str]:
             f"- {st}: issue 5's W1 goal ({times:g}x {peer}'s median W1, {goal:,.0f} tasks/s) leaves "
             f"{cores} cores / {goal:,.0f} = {cores / goal * 1000:.3f} ms of CPU per task; "
             f"stepwarden's W1 spent {by}."
+        )
+    return lines
+
+
+def batch_table(res: Results) -> list[str]:
+    """Replies per reply transaction in stepwarden's W1/W2 runs, from the workers' own metrics."""
+    rows = [
+        s
+        for s in res.series.values()
+        if s["system"] == "stepwarden" and s["workload"] in ("w1", "w2") and figure(s, "replies_per_batch")
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Replies per reply transaction (stepwarden)",
+        "",
+        "The agents' replies over the transactions that carried them during the measured interval "
+        "(`stepwarden_worker_requests_completed_total` / `stepwarden_worker_reply_batches_total`, "
+        "scraped from each worker before and after). With no-op calls, near the slots per worker "
+        "when they answer together; far below, they answer in groups that pay a commit each.",
+        "",
+        "| system | store | workload | workers | replies per transaction |",
+        "|---|---|---|---|---|",
+    ]
+    for s in rows:
+        lines.append(
+            f"| {series_label(s)} | {s['store']} | {s['workload'].upper()} | {s.get('workers', 1)} "
+            f"| {fmt(figure(s, 'replies_per_batch'))} |"
         )
     return lines
 

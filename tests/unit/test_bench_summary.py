@@ -258,3 +258,30 @@ def test_the_table_shows_where_the_cpu_goes_and_the_goals_budget(bench: ModuleTy
         for line in lines
     )
     assert bench.cpu_table(results(bench, tmp_path, []), 2) == []  # nothing measured, no section
+
+
+def test_reply_counters_are_read_from_a_workers_metrics_text(bench: ModuleType) -> None:
+    text = "\n".join(
+        [
+            "# HELP stepwarden_worker_requests_completed_total Replies sent by this process's agents.",
+            "# TYPE stepwarden_worker_requests_completed_total counter",
+            "stepwarden_worker_requests_completed_total 6008.0",
+            "stepwarden_worker_requests_completed_created 1.7e+09",
+            "# TYPE stepwarden_worker_reply_batches_total counter",
+            "stepwarden_worker_reply_batches_total 751.0",
+            'stepwarden_worker_inflight{agent="noop"} 8.0',
+        ]
+    )
+    assert bench.parse_reply_counters(text) == (6008.0, 751.0)
+    assert bench.parse_reply_counters("") == (0.0, 0.0)  # an older worker: no figure, not an error
+
+
+def test_replies_per_transaction_are_reported_per_series(bench: ModuleType, tmp_path: Path) -> None:
+    key = {"system": "stepwarden", "store": "postgres", "workload": "w2", "workers": 1}
+    res = results(bench, tmp_path, [(key, [560.0, 540.0, 350.0])])
+    runs = next(iter(res.series.values()))["runs"]
+    for run, per in zip(runs, (8.0, 7.9, 4.0), strict=True):
+        run["replies_per_batch"] = per
+    md = render(bench, res)
+    assert "## Replies per reply transaction (stepwarden)" in md
+    assert "| stepwarden | postgres | W2 | 1 | 7.9 (4-8) |" in md
