@@ -41,6 +41,21 @@ def _staggered_agent(late: dict[int, int]) -> tuple[Agent, list[int]]:
     return agent, ran
 
 
+def _gated_agent(concurrency: int, gated: int, gate: asyncio.Event) -> tuple[Agent, list[int]]:
+    """Agent ``svc`` whose call for task ``gated`` waits for ``gate``; the others return at once.
+    ``ran`` lists the tasks whose call has returned."""
+    agent = Agent("svc", concurrency=concurrency)
+    ran: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        if req.task_id == gated:
+            await gate.wait()  # would never end if a batch waited for it
+        ran.append(req.task_id)
+
+    return agent, ran
+
+
 @pytest.mark.parametrize("linger", [1.0, 0.0])
 def test_calls_that_answer_a_moment_later_share_the_batch(
     rt_store: Store, make_workflow: Factory, linger: float
@@ -78,15 +93,8 @@ def test_a_call_slower_than_the_linger_is_not_waited_for(rt_store: Store, make_w
     goes out once the linger has passed, with the one reply, and the slow call's reply follows
     in a batch of its own."""
     ids = dispatch(rt_store, make_workflow, 2)
-    agent = Agent("svc", concurrency=2)
     first_committed = asyncio.Event()
-    ran: list[int] = []
-
-    @agent.operation
-    async def do_s(req: Request) -> None:
-        if req.task_id == ids[1]:
-            await first_committed.wait()  # would never end if the batch waited for it
-        ran.append(req.task_id)
+    agent, ran = _gated_agent(2, ids[1], first_committed)
 
     class Spy(CountingTakes):
         async def send_replies_and_take(self, me: str, replies: Any, take: Any, apply: bool = True) -> Any:
@@ -112,15 +120,8 @@ def test_a_slow_call_delays_one_batch_not_every_batch(rt_store: Store, make_work
     ones, about ten batches: the first batch lingers for it, the later ones do not (they wait
     only for calls started since the batch before), so the 30 take far less than ten lingers."""
     ids = dispatch(rt_store, make_workflow, 31)
-    agent = Agent("svc", concurrency=4)
     release = asyncio.Event()
-    ran: list[int] = []
-
-    @agent.operation
-    async def do_s(req: Request) -> None:
-        if req.task_id == ids[0]:
-            await release.wait()
-        ran.append(req.task_id)
+    agent, ran = _gated_agent(4, ids[0], release)
 
     spy = CountingTakes(rt_store)
     took: list[float] = []
@@ -152,15 +153,8 @@ def test_the_linger_ends_when_the_agent_stops(rt_store: Store, make_workflow: Fa
     """A stopping agent sends the replies it has at once, without lingering for a call that may
     not answer before the grace period ends."""
     ids = dispatch(rt_store, make_workflow, 2)
-    agent = Agent("svc", concurrency=2)
     release = asyncio.Event()
-    ran: list[int] = []
-
-    @agent.operation
-    async def do_s(req: Request) -> None:
-        if req.task_id == ids[1]:
-            await release.wait()
-        ran.append(req.task_id)
+    agent, ran = _gated_agent(2, ids[1], release)
 
     spy = CountingTakes(rt_store)
 
