@@ -19,7 +19,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
@@ -177,7 +177,7 @@ def start_worker(
     concurrency: int,
     logfile: Path,
     env: dict[str, str] | None = None,
-    metrics_port: int | None = None,
+    metrics: bool = False,
 ) -> subprocess.Popen[bytes]:
     environ = dict(os.environ if env is None else env)
     environ["PYTHONPATH"] = str(HERE) + os.pathsep + environ.get("PYTHONPATH", "")
@@ -195,8 +195,8 @@ def start_worker(
         app_ref,
     ]
     cmd += ["--concurrency", str(concurrency)]
-    if metrics_port is not None:
-        cmd += ["--metrics-port", str(metrics_port)]
+    if metrics:  # on a port the worker picks and prints (`worker metrics on URL`): see metrics_urls
+        cmd += ["--metrics-port", "0"]
     return subprocess.Popen(cmd, env=environ, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
 
 
@@ -208,13 +208,12 @@ def workers(
     concurrency: int,
     work: Path,
     env: dict[str, str] | None = None,
-    metrics_ports: list[int] | None = None,
+    metrics: bool = False,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(n):
-            port = metrics_ports[i] if metrics_ports else None
-            procs.append(start_worker(url, app_ref, concurrency, work / f"worker-{i}.log", env, port))
+            procs.append(start_worker(url, app_ref, concurrency, work / f"worker-{i}.log", env, metrics))
         yield procs
     finally:
         for p in procs:
@@ -224,41 +223,40 @@ def workers(
             stop_process(p)
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 REPLY_COUNTERS = ("stepwarden_worker_requests_completed_total", "stepwarden_worker_reply_batches_total")
 
 
 def parse_reply_counters(text: str) -> tuple[float, float]:
-    """(replies sent, reply transactions) from one worker's Prometheus text."""
+    """(replies sent, reply transactions) from one worker's Prometheus text (0 where absent)."""
     got = dict.fromkeys(REPLY_COUNTERS, 0.0)
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in got:
-            got[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in got:
+                got[sample.name] += sample.value
     return got[REPLY_COUNTERS[0]], got[REPLY_COUNTERS[1]]
 
 
-def reply_counters(ports: list[int], timeout: float = 10.0) -> tuple[float, float] | None:
-    """The workers' replies and reply transactions so far, summed (their metrics endpoints, each
-    retried until ``timeout`` while it starts); None, with a line saying why, if one never answers."""
+def metrics_urls(logs: list[Path], procs: list[Any], timeout: float = 60) -> list[str]:
+    """The metrics URL each worker printed once it was serving (``worker metrics on URL``)."""
+
+    def found() -> list[str] | None:
+        urls = [re.search(r"worker metrics on (\S+)", p.read_text(errors="replace")) for p in logs]
+        return [m.group(1) for m in urls if m] if all(urls) else None
+
+    return wait_until(found, timeout, every=0.05, procs=procs)
+
+
+def reply_counters(urls: list[str]) -> tuple[float, float] | None:
+    """The workers' replies and reply transactions so far, summed; None, with a line saying why,
+    if an endpoint does not answer (the run's other figures stand)."""
     replies = batches = 0.0
-    for port in ports:
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2.0)
-                r.raise_for_status()
-                break
-            except httpx.HTTPError as e:
-                if time.monotonic() > end:
-                    log(f"  worker metrics on port {port} did not answer: {e!r}; no reply-batch figure")
-                    return None
-                time.sleep(0.1)
+    for url in urls:
+        try:
+            r = httpx.get(url, timeout=5.0)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log(f"  worker metrics at {url} did not answer: {e!r}; no reply-batch figure")
+            return None
         a, b = parse_reply_counters(r.text)
         replies, batches = replies + a, batches + b
     return replies, batches
@@ -328,10 +326,10 @@ def stepwarden_throughput(
     work = Path(tempfile.mkdtemp(prefix="sw-", dir=dbs.work))
     app, store = open_app(url)
     reader = Reader(url)
-    ports = [free_port() for _ in range(nworkers)]
     try:
-        with workers(url, nworkers, "benchapp:app", concurrency, work, metrics_ports=ports) as procs:
+        with workers(url, nworkers, "benchapp:app", concurrency, work, metrics=True) as procs:
             wait_registered(reader, procs)
+            urls = metrics_urls([work / f"worker-{i}.log" for i in range(nworkers)], procs)
             warm = [app.submit(wf, {}) for _ in range(4 * nworkers)]
             wait_until(
                 lambda: (
@@ -347,7 +345,7 @@ def stepwarden_throughput(
                 prefill_store(reader, max(warm), prefill)
                 prefill_s = round(time.monotonic() - t, 1)
             base = int(reader.one("SELECT max(id) FROM tasks"))
-            counted = reply_counters(ports)
+            counted = reply_counters(urls)
             meter = dbs.meter(store_kind, workers=lambda: cpu.process_cpu(p.pid for p in procs))
             meter.start()
             t0 = time.time()
@@ -368,7 +366,7 @@ def stepwarden_throughput(
             )
             bad = reader.one("SELECT count(*) FROM tasks WHERE id > ? AND state <> 'processed'", (base,))
             rows = int(reader.one("SELECT count(*) FROM tasks"))
-            after = reply_counters(ports) if counted else None
+            after = reply_counters(urls) if counted else None
     finally:
         reader.close()
         store.close()

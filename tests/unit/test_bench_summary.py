@@ -285,3 +285,57 @@ def test_replies_per_transaction_are_reported_per_series(bench: ModuleType, tmp_
     md = render(bench, res)
     assert "## Replies per reply transaction (stepwarden)" in md
     assert "| stepwarden | postgres | W2 | 1 | 7.9 (4-8) |" in md
+
+
+def _serve(body: str) -> tuple[Any, str]:
+    """A loopback HTTP server answering every GET with ``body`` (a worker's metrics page)."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/metrics"
+
+
+def test_reply_counters_sum_the_workers_and_give_up_on_one_that_does_not_answer(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    one, url1 = _serve(
+        "stepwarden_worker_requests_completed_total 80\nstepwarden_worker_reply_batches_total 10\n"
+    )
+    two, url2 = _serve(
+        "stepwarden_worker_requests_completed_total 16\nstepwarden_worker_reply_batches_total 4\n"
+    )
+    try:
+        assert bench.reply_counters([url1, url2]) == (96.0, 14.0)
+        two.shutdown()
+        two.server_close()
+        assert bench.reply_counters([url1, url2]) is None  # no figure rather than a wrong one
+        assert f"worker metrics at {url2} did not answer" in capsys.readouterr().out
+    finally:
+        one.shutdown()
+        one.server_close()
+
+
+def test_metrics_urls_are_read_from_what_each_worker_printed(bench: ModuleType, tmp_path: Path) -> None:
+    logs = [tmp_path / "worker-0.log", tmp_path / "worker-1.log"]
+    logs[0].write_text("worker metrics on http://127.0.0.1:40001/metrics\n")
+    logs[1].write_text("starting\n")
+    with pytest.raises(TimeoutError):
+        bench.metrics_urls(logs, [], timeout=0.2)  # one has not said it yet
+    logs[1].write_text("starting\nworker metrics on http://127.0.0.1:40002/metrics\n")
+    assert bench.metrics_urls(logs, []) == [
+        "http://127.0.0.1:40001/metrics",
+        "http://127.0.0.1:40002/metrics",
+    ]
