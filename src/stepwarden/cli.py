@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any, NoReturn
 
 import click
+from click.core import ParameterSource
 
 from . import __version__
 from .alerts import SINK_THREAD_PREFIX, ack_alert
@@ -24,7 +25,7 @@ from .app import App
 from .cli_params import FiniteRange
 from .errors import InputError, NotFound, StepwardenError
 from .replies import Replies
-from .store import FINAL_TASK_STATES, TASK_STATES, Store, open_store, resolve_url, views
+from .store import FINAL_TASK_STATES, TASK_STATES, Store, open_existing, open_store, resolve_url, views
 from .store import transitions as tr
 from .supervisor import SupervisorSettings
 from .worker import ROLES, WorkerSettings, parse_list
@@ -39,13 +40,9 @@ def fail(message: str) -> NoReturn:
 
 
 def _open(ctx: click.Context, *, create: bool = False) -> Store:
-    """Open the store; read commands refuse to create a new SQLite file by accident."""
+    """Open the store; read and operator commands refuse to create one by accident."""
     url = resolve_url(ctx.obj["db"])
-    if not create and url.startswith("sqlite:///"):
-        path = url[len("sqlite:///") :]
-        if not os.path.exists(path):
-            fail(f"no stepwarden store at {_quote(path)}: run `stepwarden init` or start a worker first")
-    store = open_store(url)
+    store = open_store(url) if create else open_existing(url)
     ctx.call_on_close(store.close)
     return store
 
@@ -555,8 +552,14 @@ def demo(
     """Run the order-processing example end to end, with failures, a SIGKILL and a ledger check."""
     from .demo.runner import DemoOptions, run_demo
 
+    # Only a store named on this command line: $STEPWARDEN_DB may well name a real store, whose
+    # own workers would take the demo's steps (and the demo's orders would stay in it).
+    given = ctx.parent is not None and ctx.parent.get_parameter_source("db") == ParameterSource.COMMANDLINE
+    db = demo_db or (ctx.obj["db"] if given else None)
+    if db is None and os.environ.get("STEPWARDEN_DB"):
+        click.echo("note: the demo runs on a fresh SQLite file, not $STEPWARDEN_DB (--db chooses)", err=True)
     opts = DemoOptions(
-        db=demo_db or ctx.obj["db"],
+        db=db,
         orders=orders,
         workers=workers,
         chaos=not no_chaos,
@@ -574,7 +577,11 @@ cli.add_command(_dashboard)
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        cli.main(args=argv, prog_name="stepwarden", standalone_mode=False)
+        # Outside standalone mode click hands back the code of a ``ctx.exit(N)`` instead of
+        # exiting with it (the demo's failed check exits 1 that way).
+        code = cli.main(args=argv, prog_name="stepwarden", standalone_mode=False)
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            sys.exit(code)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(1)

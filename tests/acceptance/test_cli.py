@@ -231,6 +231,10 @@ READ_COMMANDS = [
     ("watch", "1", "--timeout", "1"),
     ("watch", "--reply-to", "q", "--timeout", "1"),
     ("submit", WORKFLOW, "--input", json.dumps(order())),
+    ("workers",),
+    ("agents",),
+    ("alerts", "ack", "1"),
+    ("dashboard", "--port", "0"),
 ]
 
 
@@ -242,6 +246,50 @@ def test_commands_on_a_missing_store_exit_1_and_do_not_create_it(
     r = sw("--db", f"sqlite:///{missing}", *args, cwd=tmp_path)
     assert_one_error_line(r, code=1)
     assert list(tmp_path.iterdir()) == [], f"a command created files: {list(tmp_path.iterdir())}\n{r}"
+
+
+@pytest.mark.parametrize("content", [b"", b"not a database\n"], ids=["empty", "junk"])
+def test_commands_on_a_file_that_is_no_store_exit_1_and_leave_it_as_it_was(
+    tmp_path: Path, content: bytes
+) -> None:
+    """An existing file is not yet a store: a read or operator command neither creates the schema
+    in it nor so much as sets its journal mode (no -wal or -shm file appears)."""
+    path = tmp_path / "other.db"
+    path.write_bytes(content)
+    for args in READ_COMMANDS:
+        r = sw("--db", f"sqlite:///{path}", *args, cwd=tmp_path)
+        line = assert_one_error_line(r, code=1)
+        assert "other.db" in line, line
+        assert path.read_bytes() == content, f"{args} wrote to the file"
+        assert list(tmp_path.iterdir()) == [path], f"{args} created files: {list(tmp_path.iterdir())}"
+
+
+def test_a_directory_named_as_the_store_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    line = assert_one_error_line(sw("--db", f"sqlite:///{tmp_path / 'd'}", "tasks", cwd=tmp_path), code=1)
+    assert "is a directory" in line, line
+
+
+@pytest.mark.parametrize("args", READ_COMMANDS, ids=lambda a: "-".join(a[:3])[:30])
+def test_commands_on_an_empty_postgres_database_exit_1_and_create_no_table(
+    make_pg_db: Any, tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    """PostgreSQL's counterpart of a missing file: the database exists but holds no stepwarden
+    schema (a mistyped database name, say). The command must say so, not migrate it."""
+    db = Db(tmp_path / "unused.db", tmp_path, make_pg_db(empty=True))
+    before = db.snapshot(require_schema=False)
+    line = assert_one_error_line(db.sw(*args), code=1)
+    assert "no stepwarden schema" in line and "init" in line, line
+    assert db.snapshot(require_schema=False) == before, "a read command created the schema"
+
+
+def test_read_commands_accept_the_sqlite_url_options(tmp_path: Path) -> None:
+    """The path check looks at the file, not at the URL's ``?synchronous=`` option."""
+    db = make_db(tmp_path, "opts.db")
+    tid = db.submit(order("opt-1"))
+    r = sw("--db", f"{db.url}?synchronous=NORMAL", "tasks", "--json", cwd=tmp_path)
+    assert r.returncode == 0, str(r)
+    assert [t["id"] for t in json.loads(r.stdout)] == [tid]
 
 
 def test_db_option_and_environment_variable_select_the_store(tmp_path: Path) -> None:

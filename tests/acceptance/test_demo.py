@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import FINAL, WORKFLOW, Db, clean_env, sw
+from .helpers import FINAL, WORKFLOW, Db, Procs, clean_env, make_db, sw, wait_until
 
 SUMMARY_KEYS = {
     "orders",
@@ -75,3 +75,34 @@ def test_demo_on_postgres(tmp_path: Path, pg_url: str) -> None:
     check_summary(summary, 40, db)
     assert summary["rescued"] >= 1 and summary["leader_changes"] >= 1, summary
     assert summary["store"].startswith("postgresql://"), summary
+
+
+def test_a_failed_ledger_check_exits_1_and_says_what_failed(tmp_path: Path, procs: Procs) -> None:
+    """A worker of someone else's on the demo's store (here the demo's own app, talking to other
+    services) takes some of its steps: their effects never reach the demo's ledger. The demo
+    warns before it starts, reports the lost orders, and exits 1 (scripts and CI rely on it)."""
+    db = make_db(tmp_path, "shared.db")
+    other = procs.worker(db, procs.services(), "impostor")
+    wait_until(lambda: db.json("workers", "--json"), 30, "the other worker's heartbeat")
+    r = sw("--db", db.url, "demo", "--orders", "20", "--no-chaos", cwd=tmp_path, timeout=240)
+    assert other.poll() is None, procs.log_of(other)
+    assert r.returncode == 1, str(r)
+    assert "Traceback" not in r.stdout + r.stderr, str(r)
+    assert "1 worker(s) not started by the demo are live on this store" in r.stdout, r.stdout[-3000:]
+    failed = [x for x in r.stdout_lines if x.startswith("ledger check FAILED")]
+    assert failed and "lost" in failed[0], r.stdout[-3000:]
+    assert "passed" not in r.stdout
+
+
+def test_the_demo_ignores_stepwarden_db_and_runs_on_a_fresh_file(tmp_path: Path) -> None:
+    """$STEPWARDEN_DB may name a real store: the demo's orders must not land in it unless the
+    command line names it."""
+    mine = make_db(tmp_path, "mine.db")
+    before = mine.snapshot()
+    env = clean_env(STEPWARDEN_DB=mine.url, TMPDIR=str(tmp_path))
+    r = sw("demo", "--orders", "3", "--no-chaos", "--json", cwd=tmp_path, env=env, timeout=240)
+    assert r.returncode == 0, str(r)
+    summary = json.loads(r.stdout_lines[-1])
+    assert summary["store"] != mine.url and summary["store"].startswith(f"sqlite:///{tmp_path}"), summary
+    assert "not $STEPWARDEN_DB" in r.stderr, r.stderr
+    assert mine.snapshot() == before, "the demo wrote to the store named by $STEPWARDEN_DB"

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import socket
 import sys
 
 import click
 
-from ..store import open_store, resolve_url
+from ..errors import InputError, StepwardenError
+from ..store import open_existing
 
 log = logging.getLogger("stepwarden.dashboard")
 # Host names a dashboard listening on a loopback address answers to (DNS-rebinding defence).
@@ -78,12 +78,13 @@ def dashboard(ctx: click.Context, host: str, port: int, token: str | None, poll:
         raise click.ClickException(
             f"the dashboard needs the extra: pip install 'stepwarden[dashboard]' (missing {e.name})"
         ) from None
-    url = resolve_url((ctx.obj or {}).get("db"))
-    if url.startswith("sqlite:///") and not os.path.exists(url[len("sqlite:///") :]):
-        path = url[len("sqlite:///") :]
-        raise click.ClickException(
-            f"no stepwarden store at {path}: run `stepwarden --db {url} init` or start a worker first"
-        )
+    try:
+        store = open_existing((ctx.obj or {}).get("db"))
+    except InputError as e:  # exit 2 and exit 1 as under `stepwarden`, also for `-m stepwarden.dashboard`
+        raise click.UsageError(str(e)) from None
+    except StepwardenError as e:
+        raise click.ClickException(str(e)) from None
+    ctx.call_on_close(store.close)
     token = token or None
     loopback = is_loopback(host)
     if not loopback:
@@ -92,7 +93,6 @@ def dashboard(ctx: click.Context, host: str, port: int, token: str | None, poll:
             + ("the token travels in clear unless a TLS proxy is in front" if token else "it is read-only"),
             err=True,
         )
-    store = open_store(url)
     sock = bind(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host.strip('[]')}]" if ":" in host else host
@@ -111,4 +111,3 @@ def dashboard(ctx: click.Context, host: str, port: int, token: str | None, poll:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
-        store.close()

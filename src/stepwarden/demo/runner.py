@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import IO, Any
 
 from rich.console import Console, Group
@@ -155,11 +156,22 @@ def _run(
     app.use_store(store)
     store.transact_sync(_register, list(app.workflows.values()), "demo")
     first_event = store.transact_sync(views.max_event_id)
+    others = _live_workers(store)
+    if others:
+        out.print(
+            f"[yellow]warning[/]: {others} worker(s) not started by the demo are live on this store; "
+            "they may take the demo's steps, and its ledger check would then fail",
+            soft_wrap=True,
+        )
     if not o.as_json:
-        out.print(f"[bold]stepwarden demo[/]: {o.orders} orders, {o.workers} workers, store {db}")
+        out.print(
+            f"[bold]stepwarden demo[/]: {o.orders} orders, {o.workers} workers, store {store.url}",
+            soft_wrap=True,
+        )
         out.print(
             f"services at {url} (transient {o.transient_rate:.0%}, hang {o.hang_rate:.0%}, "
-            f"permanent {o.permanent_rate:.0%}); worker logs in {workdir}"
+            f"permanent {o.permanent_rate:.0%}); worker logs in {workdir}",
+            soft_wrap=True,
         )
     for _ in range(o.workers):
         procs.start_worker()
@@ -199,7 +211,21 @@ def _run(
             Text("[" + "#" * bar + "." * (30 - bar) + "]"), t, *[Text(c, style="red") for c in chaos_log]
         )
 
-    live = Live(view(), console=out, refresh_per_second=4, transient=False) if show_live else None
+    def line() -> str:
+        """The progress as one line, for a log or a pipe, where a live table cannot redraw."""
+        ev = store.transact_sync(views.event_counts, first_event)
+        moving = sum(counts.get(s, 0) for s in ("pending", "processing", "compensating"))
+        return (
+            f"{time.monotonic() - t0:6.1f}s  final {sum(counts.get(s, 0) for s in FINAL_TASK_STATES)}"
+            f"/{o.orders}  processed {counts.get('processed', 0)}  compensated "
+            f"{counts.get('compensated', 0)}  error {counts.get('error', 0)}  in flight {moving}  "
+            f"retries {ev.get('retry_scheduled', 0)}  rescued {ev.get('rescued', 0)}"
+        )
+
+    # A live table on a terminal; on anything else (a pipe, CI's log) a line every few seconds.
+    live = Live(view(), console=out, refresh_per_second=4) if show_live and out.is_terminal else None
+    lines = show_live and live is None
+    next_line = 0.0
     if live:
         live.start()
     try:
@@ -211,8 +237,13 @@ def _run(
                 procs.start_worker()
                 chaos_log.append(f"started a fresh worker (pid {procs.workers[-1].pid})")
                 killed = True
+                if lines:
+                    out.print(*chaos_log[-2:], sep="\n", soft_wrap=True, style="red")
             if live:
                 live.update(view())
+            elif lines and (time.monotonic() >= next_line or final >= o.orders):
+                out.print(line(), soft_wrap=True)
+                next_line = time.monotonic() + 2.0
             if final >= o.orders:
                 break
             time.sleep(0.25)
@@ -222,6 +253,17 @@ def _run(
             live.stop()
     elapsed = time.monotonic() - t0
     return _summarise(o, store, url, prefix, first_event, elapsed, chaos_log, out, workdir)
+
+
+def _live_workers(store: Any) -> int:
+    """Workers with a heartbeat in the last 15 s: on a fresh store none, on a store of one's own
+    perhaps the application's, whose agents of the same names would run the demo's steps."""
+    now = datetime.now(UTC)
+    return sum(
+        1
+        for w in store.transact_sync(views.list_workers)
+        if w["heartbeat_at"] and (now - datetime.fromisoformat(w["heartbeat_at"])).total_seconds() < 15
+    )
 
 
 def _kill_one(store: Any, procs: _Procs) -> str:
@@ -313,12 +355,28 @@ def _summarise(
     ):
         t.add_row(k, str(summary[k]))
     out.print(t)
-    verdict = "[green]ledger check passed[/]" if ok else "[red]ledger check FAILED[/]"
-    out.print(
-        f"{verdict}: every processed order applied exactly once, every compensated order fully undone, "
-        f"{stuck} stuck"
-    )
+    if ok:
+        out.print(
+            "[green]ledger check passed[/]: every processed order applied exactly once, every "
+            "compensated order fully undone, nothing stuck",
+            soft_wrap=True,
+        )
+    else:
+        wrong = [
+            f"{n} {what}"
+            for n, what in (
+                (stuck, "stuck (not in a final state)"),
+                (lost, "lost (no task, or processed with an effect missing)"),
+                (report.duplicate_effects, "applied more than once"),
+                (report.not_undone, "compensated but not fully undone"),
+                (report.wrongly_undone, "processed but undone"),
+                (report.unknown_effects, "effects of no known order"),
+            )
+            if n
+        ]
+        out.print(f"[red]ledger check FAILED[/]: {'; '.join(wrong) or 'see below'}", soft_wrap=True)
     for p in report.problems:
-        out.print(f"  [red]{p}[/]")
-    out.print(f"inspect: stepwarden --db {store.url} tasks")
+        out.print(f"  [red]{p}[/]", soft_wrap=True)
+    out.print(f"inspect: stepwarden --db {store.url} tasks", soft_wrap=True)
+    out.print(f"kept for inspection (delete it when done): {workdir}", soft_wrap=True)
     return ok

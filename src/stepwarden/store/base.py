@@ -7,8 +7,15 @@ the transaction discipline (``BEGIN IMMEDIATE`` on SQLite).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+def redact_url(url: str) -> str:
+    """A store URL fit for an error line or a log: a password in it is masked."""
+    return re.sub(r"://([^:@/]+):[^@/]*@", r"://\1:***@", url)
+
 
 # The hot path's writes a transaction defers, by query, with the parameters that name the row
 # each one changes (none: an insert). A deferred write waits until the next read, commit or other

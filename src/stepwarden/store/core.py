@@ -45,6 +45,10 @@ class Store:
         """A new connection of this dialect's driver, for a caller's own transaction (SUB2)."""
         raise NotImplementedError
 
+    def migrate(self, target: int | None = None) -> int:
+        """Apply the schema's missing migrations (up to ``target``); returns the version reached."""
+        raise NotImplementedError
+
     @contextmanager
     def lend(self) -> Iterator[Any]:
         """A connection for one caller's transaction (``app.transaction()``), given back after it.

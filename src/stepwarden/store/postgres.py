@@ -36,7 +36,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
 from ..errors import InputError, StoreError
-from .base import DEFERRED, AtCommit, Row
+from .base import DEFERRED, AtCommit, Row, redact_url
 from .core import Store
 from .sql import load_queries, pending_migrations
 
@@ -421,7 +421,7 @@ class PostgresStore(Store):
             self.pool.open(wait=True, timeout=10)
         except Exception as e:
             self.pool.close()
-            raise StoreError(f"cannot connect to PostgreSQL at {_redact(conninfo)}: {e}") from None
+            raise StoreError(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {e}") from None
         finally:
             logging.getLogger("psycopg.pool").removeFilter(quiet)
         if migrate:
@@ -786,9 +786,9 @@ def _first_connection(conninfo: str) -> None:
     except psycopg.OperationalError as e:
         text = _first_line(e)
         if e.sqlstate is None and "invalid" in text and "value" in text:  # e.g. invalid sslmode value
-            raise InputError(f"bad PostgreSQL URL {_redact(conninfo)}: {text}") from None
+            raise InputError(f"bad PostgreSQL URL {redact_url(conninfo)}: {text}") from None
         if "FATAL:" in text and not any(t in text for t in _TRANSIENT_FATAL):  # e.g. no such database
-            raise StoreError(f"cannot connect to PostgreSQL at {_redact(conninfo)}: {text}") from None
+            raise StoreError(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {text}") from None
 
 
 # A server's refusals that pass: it is starting, stopping or full. Any other FATAL at connect time
@@ -887,7 +887,3 @@ def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:
     for name, value in session:
         conn.execute(f"SET {name} = '{value}'")
     conn.commit()
-
-
-def _redact(conninfo: str) -> str:
-    return re.sub(r"://([^:@/]+):[^@/]*@", r"://\1:***@", conninfo)
