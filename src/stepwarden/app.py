@@ -318,9 +318,15 @@ class AppTransaction:
         On PostgreSQL it is never prepared on the server: a lent session outlives the block, and
         a statement psycopg had prepared on it would fail ("cached plan must not change result
         type") once your schema changed under it."""
-        if self.app.store.dialect == "postgres":
+        if self.app.store.dialect != "postgres":
+            return self.connection.execute(sql, params)
+        try:
             return self.connection.execute(sql, params, prepare=False)
-        return self.connection.execute(sql, params)
+        except Exception as e:
+            # The likeliest slip of code moved from SQLite: the error stays psycopg's own.
+            if params and "?" in sql and "placeholder" in str(e):
+                e.add_note("stepwarden: on PostgreSQL tx.execute takes psycopg's %s placeholders, not ?")
+            raise
 
     def submit(
         self,

@@ -367,3 +367,18 @@ def free_write_lock(path: Path) -> None:
     other.execute("BEGIN IMMEDIATE")  # raises "database is locked" if a block still held it
     other.execute("ROLLBACK")
     other.close()
+
+
+def test_sqlite_placeholders_on_postgres_fail_with_a_note_and_write_nothing(pg_app: App) -> None:
+    """Code moved from SQLite keeps its ``?``: psycopg's own error, with a note that says what to
+    write instead, and the block's submission rolled back with it."""
+    with pg_app.transaction() as tx:
+        tx.execute("CREATE TABLE orders (id text PRIMARY KEY)")
+    with pytest.raises(psycopg.ProgrammingError) as raised, pg_app.transaction() as tx:
+        tx.submit("order", {"n": 1})
+        tx.execute("INSERT INTO orders (id) VALUES (?)", ("o-1",))
+    assert any("%s placeholders" in note for note in getattr(raised.value, "__notes__", [])), raised.value
+    assert states(pg_app) == []
+    with pg_app.transaction() as tx:
+        tx.execute("INSERT INTO orders (id) VALUES (%s)", ("o-1",))
+        assert one(tx, "SELECT count(*) FROM orders") == 1
