@@ -173,7 +173,7 @@ def test_retry_refused_without_signing_in(scene: Scene, client: TestClient) -> N
     r = client.post(f"/tasks/{tid}/retry", data={"csrf": csrf_of(page)}, headers={"Origin": ORIGIN})
     assert r.status_code == 401 and "operator token is required" in r.text
     r = client.post(f"/tasks/{tid}/retry", headers={"Authorization": "Bearer wrong-token", "Origin": ORIGIN})
-    assert r.status_code in (401, 403)
+    assert r.status_code == 401 and "wrong bearer token" in r.text
     assert scene.state(tid) == "error"
 
 
@@ -284,7 +284,20 @@ def test_bearer_token_acts_without_a_session(scene: Scene, client: TestClient) -
     tid = scene.errored("order-1")
     r = client.post(f"/tasks/{tid}/retry", headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain") and r.text == f"task {tid} is pending again\n"
     assert scene.state(tid) == "pending"
+    r = client.post("/tasks/999999/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 404 and r.text.count("\n") == 1 and "999999" in r.text, r.text
+
+
+def test_a_script_with_a_wrong_bearer_token_hears_401_and_why(scene: Scene, client: TestClient) -> None:
+    """Not "no Origin" or "no CSRF token", which a script cannot act on: the token is wrong."""
+    tid = scene.errored("order-1")
+    r = client.post(f"/tasks/{tid}/retry", headers={"Authorization": "Bearer typo"})
+    assert r.status_code == 401, r.text
+    assert r.text == "refused: wrong bearer token\n"
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    assert scene.state(tid) == "error"
 
 
 def test_sign_out_ends_the_session(scene: Scene, client: TestClient) -> None:

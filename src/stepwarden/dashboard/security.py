@@ -128,7 +128,7 @@ class Guard:
     # -- checks ---------------------------------------------------------------------------------------
     def bearer_ok(self, request: Request) -> bool:
         header = request.headers.get("authorization", "")
-        if not self.token or not header.lower().startswith("bearer "):
+        if not self.token or not names_bearer(request):
             return False
         return hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
 
@@ -153,11 +153,19 @@ class Guard:
             )
         if self.bearer_ok(request):
             return "dashboard:api"
+        if names_bearer(request):  # a script's wrong token: say so, not "no Origin" or "no CSRF token"
+            raise Refused(401, "refused: wrong bearer token")
         self.check_form(request, form)
         actor = self.actor(request)
         if actor is None:
             raise Refused(401, "refused: the operator token is required; sign in with the dashboard token")
         return actor
+
+
+def names_bearer(request: Request) -> bool:
+    """The request authenticates as a script (``Authorization: Bearer ...``); no page of another
+    site can send that header here, since the dashboard answers no CORS preflight."""
+    return request.headers.get("authorization", "").lower().startswith("bearer ")
 
 
 def own_origin(request: Request) -> str:
