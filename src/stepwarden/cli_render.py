@@ -7,11 +7,15 @@ of ``[/]``, an error message with brackets) and must be shown literally. Colour 
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from .store.views import iso
 
 STATE_STYLE = {
     "processed": "green",
@@ -28,8 +32,23 @@ STATE_STYLE = {
 }
 
 
+# Free text, which may wrap; every other column (ids, states, times, names) stays on one line and
+# is cut short with an ellipsis only if the terminal is too narrow for it.
+WRAPS = {"message", "detail", "last error", "error", "steps", "breakers", "correlation", "agents"}
+
+
 def _console() -> Console:
-    return Console(markup=False, emoji=False, highlight=False)
+    # A pipe or a log file has no width; rich would assume 80 columns and cut ids and times short.
+    # (COLUMNS, if set, still wins: rich reads it itself.)
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
+    return Console(markup=False, emoji=False, highlight=False, width=width)
+
+
+def _table(*columns: str, title: str | None = None) -> Table:
+    t = Table(box=None, title=title)
+    for c in columns:
+        t.add_column(c, no_wrap=c not in WRAPS, overflow="fold" if c in WRAPS else "ellipsis")
+    return t
 
 
 def _state(s: str | None) -> Text:
@@ -49,7 +68,7 @@ def tasks_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         console.print("no tasks")
         return
-    t = Table("id", "workflow", "state", "correlation", "failures", "steps", "updated", box=None)
+    t = _table("id", "workflow", "state", "correlation", "failures", "steps", "updated")
     for r in rows:
         steps = Text(" ").join(Text(f"{s['name']}:").append_text(_state(s["state"])) for s in r["steps"])
         t.add_row(
@@ -77,17 +96,8 @@ def task_detail(v: dict[str, Any]) -> None:
     console.print(head)
     if v.get("last_error"):
         console.print(Text("last error: ").append(str(v["last_error"]), style="red"))
-    st = Table(
-        "#",
-        "step",
-        "operation",
-        "state",
-        "attempt",
-        "failures",
-        "locked_by",
-        "complete_by",
-        "last error",
-        box=None,
+    st = _table(
+        "#", "step", "operation", "state", "attempt", "failures", "locked_by", "complete_by", "last error"
     )
     for s in v["steps"]:
         st.add_row(
@@ -102,16 +112,8 @@ def task_detail(v: dict[str, Any]) -> None:
             (s["last_error"] or "")[:60],
         )
     console.print(st)
-    at = Table(
-        "step",
-        "attempt",
-        "kind",
-        "outcome",
-        "dispatched_by",
-        "taken_by",
-        "complete_by",
-        box=None,
-        title="attempts",
+    at = _table(
+        "step", "attempt", "kind", "outcome", "dispatched_by", "taken_by", "complete_by", title="attempts"
     )
     for s in v["steps"]:
         for a in s.get("attempts", []):
@@ -125,11 +127,43 @@ def task_detail(v: dict[str, Any]) -> None:
                 _short(a["complete_by"]),
             )
     console.print(at)
-    et = Table("at", "event", "step", "attempt", "actor", "detail", box=None, title="events")
+    et = _table("at", "event", "step", "attempt", "actor", "detail", title="events")
     for e in v.get("events", []):
-        detail = " ".join(f"{k}={val}" for k, val in e["detail"].items())[:80]
+        detail = " ".join(f"{k}={_detail_value(k, val)}" for k, val in e["detail"].items())[:160]
         et.add_row(_short(e["at"]), e["kind"], _v(e["step"]), _v(e["attempt"]), _v(e["actor"]), detail)
     console.print(et)
+    names = {s["idx"]: s["name"] for s in v["steps"]}
+    replies = v.get("replies", [])
+    rt = _table(
+        "received", "step", "attempt", "kind", "outcome", "status", "sent_by", "error", title="replies"
+    )
+    for r in replies:
+        rt.add_row(
+            _short(r["received_at"]),
+            names.get(r["step_idx"], str(r["step_idx"])),
+            str(r["attempt"]),
+            r["kind"],
+            r["outcome"],
+            r["status"],
+            _v(r["sent_by"]),
+            _v((r["error"] or "")[:60] or None),
+        )
+    if replies:
+        console.print(rt)
+
+
+# Event details are stored as recorded (``complete_by`` in epoch seconds, for tools that compute
+# with it, as ``--json`` shows); a person reads a time and a rounded duration.
+_DETAIL_TIMES = {"complete_by"}
+
+
+def _detail_value(key: str, value: object) -> object:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if key in _DETAIL_TIMES and value > 1e9:
+            return _short(iso(value))
+        if isinstance(value, float):
+            return round(value, 3)
+    return value
 
 
 def alerts_table(rows: list[dict[str, Any]]) -> None:
@@ -137,7 +171,7 @@ def alerts_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         console.print("no alerts")
         return
-    t = Table("id", "kind", "task", "step", "message", "created", "acked", box=None)
+    t = _table("id", "kind", "task", "step", "message", "created", "acked")
     for a in rows:
         t.add_row(
             str(a["id"]),
@@ -156,7 +190,7 @@ def leases_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         console.print("no leases")
         return
-    t = Table("name", "holder", "term", "expires_at", "active", box=None)
+    t = _table("name", "holder", "term", "expires_at", "active")
     for r in rows:
         t.add_row(
             r["name"],
@@ -173,7 +207,7 @@ def workers_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         console.print("no workers")
         return
-    t = Table("id", "roles", "agents", "heartbeat", "breakers", "stopped", box=None)
+    t = _table("id", "roles", "agents", "heartbeat", "breakers", "stopped")
     for w in rows:
         breakers = " ".join(f"{a}:{s}" for a, s in w["breakers"].items()) or "-"
         t.add_row(
@@ -193,7 +227,7 @@ def agents_tables(view: dict[str, list[dict[str, Any]]]) -> None:
     if not view["breakers"] and not view["instances"]:
         console.print("no agents")
         return
-    b = Table("agent", "breaker", "since", "failures", "opened by", "trial by", "opens", box=None)
+    b = _table("agent", "breaker", "since", "failures", "opened by", "trial by", "opens")
     for r in view["breakers"]:
         b.add_row(
             r["agent"],
@@ -206,7 +240,7 @@ def agents_tables(view: dict[str, list[dict[str, Any]]]) -> None:
         )
     console.print(b)
     cols = ("worker", "agent", "capacity", "in flight", "health", "last success", "last failure", "error")
-    t = Table(*cols, box=None)
+    t = _table(*cols)
     for i in view["instances"]:
         health = "healthy" if i["healthy"] else "unhealthy"
         t.add_row(

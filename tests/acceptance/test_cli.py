@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import time
@@ -402,6 +403,37 @@ def test_a_worker_processes_a_task(world: World) -> None:
     assert k.count("step_completed") == 3, k
     rows = world.db.json("tasks", "--state", "processed", "--json")
     assert world.web in [r["id"] for r in rows]
+
+
+def test_task_show_in_text_lists_the_replies_and_full_values_in_a_pipe(world: World) -> None:
+    """Piped (no terminal, no COLUMNS): a tool like grep gets whole ids, names and times, not a
+    table cut to 80 columns; the text shows the replies as --json does."""
+    t = final(world, world.web)
+    env = {k: v for k, v in clean_env().items() if k != "COLUMNS"}
+    shown = sw("--db", world.db.url, "task", "show", str(world.web), cwd=world.db.cwd, env=env)
+    assert shown.returncode == 0, str(shown)
+    replies = t["replies"]
+    assert replies and all(r["status"] == "accepted" for r in replies), replies
+    lines = shown.stdout_lines
+    at = next(i for i, ln in enumerate(lines) if ln.strip() == "replies")
+    rows = [ln.split() for ln in lines[at + 2 :] if ln.strip()]
+    assert [(r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows] == [
+        (s["name"], "1", "do", "ok", "accepted", s["attempts"][0]["taken_by"]) for s in t["steps"]
+    ], shown.stdout
+    dispatched = [ln for ln in lines if " dispatched " in ln]
+    assert len(dispatched) == 3 and all(
+        re.search(r"complete_by=\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}(\s|$)", ln) for ln in dispatched
+    ), dispatched
+    assert all(  # --json keeps the value as recorded, for tools that compute with it
+        isinstance(e["detail"]["complete_by"], float) for e in t["events"] if e["kind"] == "dispatched"
+    )
+    step = t["steps"][0]["attempts"][0]
+    assert (
+        step["taken_by"] in shown.stdout and step["complete_by"].replace("T", " ").rstrip("Z") in shown.stdout
+    )
+    listing = sw("--db", world.db.url, "tasks", cwd=world.db.cwd, env=env)
+    row = next(ln for ln in listing.stdout_lines if ln.split()[:1] == [str(world.web)])
+    assert "web-order" in row and t["updated_at"].replace("T", " ").rstrip("Z") in row, listing.stdout
 
 
 def test_cancel_of_a_processed_task_exits_2(world: World) -> None:
