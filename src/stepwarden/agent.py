@@ -24,6 +24,7 @@ from . import tracing
 from .agent_health import AgentHealth
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, Permanent, Transient
+from .logs import log_raised
 from .policies import Backoff
 from .store import ApplyResult, RequestMsg, Store
 from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
@@ -466,8 +467,7 @@ class AgentRole:
                     fut.set_result(None)
 
     def _committed(self, replies: int, applied: ApplyResult | None) -> None:
-        for a in applied.alerts if applied else ():
-            log.error("ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"])
+        log_raised(log, applied.alerts if applied else ())
         self.completed += replies
         self.batches += 1
         if applied is None:

@@ -71,9 +71,11 @@ def _load_app(ref: str) -> App:
         raise InputError(
             f"cannot import {_quote(mod_name)} for --app: {type(e).__name__}: {_quote(reason)}"
         ) from None
-    obj = getattr(mod, attr, None)
+    if not hasattr(mod, attr):
+        raise InputError(f"module {_quote(mod_name)} has no attribute {_quote(attr)} for --app")
+    obj = getattr(mod, attr)
     if not isinstance(obj, App):
-        raise InputError(f"{_quote(ref)} is not a stepwarden App")
+        raise InputError(f"{_quote(ref)} is not a stepwarden App (its type is {type(obj).__name__})")
     return obj
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -76,3 +77,19 @@ def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | N
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     handler._stepwarden = True  # type: ignore[attr-defined]
     root.addHandler(handler)
+
+
+def log_raised(logger: logging.Logger, alerts: Iterable[Mapping[str, Any]]) -> None:
+    """Each alert a role raised, once, in the log of the process that raised it, with the alert's
+    fields for structured handlers. Delivery to the sinks is later and elsewhere (the ``alerts``
+    lease holder); a ``LogSink`` then logs it again, as delivered, under ``stepwarden.alerts``."""
+    for a in alerts:
+        logger.error(
+            "alert #%s raised: %s task=%s step=%s: %s",
+            a["id"],
+            a["kind"],
+            a["task_id"],
+            a["step"],
+            a["message"],
+            extra={"alert_id": a["id"], "alert_kind": a["kind"], "task_id": a["task_id"], "step": a["step"]},
+        )

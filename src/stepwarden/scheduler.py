@@ -16,6 +16,7 @@ from typing import Protocol
 
 from .agent import _wait_any
 from .clock import SYSTEM_CLOCK, Clock
+from .logs import log_raised
 from .store import ApplyResult, RequestMsg, Store
 
 
@@ -93,8 +94,7 @@ class SchedulerRole:
         if applied.accepted or applied.stale:
             self.accepted += applied.accepted
             self.stale += applied.stale
-            for a in applied.alerts:
-                log.error("ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"])
+            log_raised(log, applied.alerts)
             self.on_applied(applied)
             self.on_dispatch()
         if claimed:

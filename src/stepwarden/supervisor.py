@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from . import liveness
 from .clock import SYSTEM_CLOCK, Clock
 from .leader import Leadership
+from .logs import log_raised
 from .store import Store, SweepResult, transitions
 
 log = logging.getLogger("stepwarden.supervisor")
@@ -67,8 +68,7 @@ class Supervisor:
             if r.rescued < self.settings.batch:
                 break
         self.rescued += total.rescued
-        for a in total.alerts:
-            log.error("ALERT %s task=%s step=%s: %s", a["kind"], a["task_id"], a["step"], a["message"])
+        log_raised(log, total.alerts)
         if total.rescued:
             log.info("supervisor %s (term %d) rescued %d expired attempt(s)", self.me, term, total.rescued)
         return total

@@ -438,3 +438,19 @@ def test_sql_in_watched_reply_queue_reads_nothing_else(seeded: tuple[Db, int]) -
     else:
         assert_one_error_line(r)
     assert db.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    ("ref", "says"),
+    [
+        ("stepwarden.demo.app:no_such_attr", "module 'stepwarden.demo.app' has no attribute 'no_such_attr'"),
+        ("os:path", "'os:path' is not a stepwarden App (its type is module)"),
+        (
+            "stepwarden.demo.app:inventory",
+            "'stepwarden.demo.app:inventory' is not a stepwarden App (its type is Agent)",
+        ),
+    ],
+)
+def test_an_app_reference_that_names_no_app_says_what_it_found(tmp_path: Path, ref: str, says: str) -> None:
+    line = assert_one_error_line(sw("worker", "--app", ref, cwd=tmp_path))
+    assert says in line, line
