@@ -25,7 +25,7 @@ from .app import App
 from .cli_params import FiniteRange
 from .errors import InputError, NotFound, StepwardenError
 from .replies import Replies
-from .store import FINAL_TASK_STATES, TASK_STATES, Store, open_existing, open_store, resolve_url, views
+from .store import FINAL_TASK_STATES, TASK_STATES, Store, Tx, open_existing, open_store, resolve_url, views
 from .store import transitions as tr
 from .supervisor import SupervisorSettings
 from .worker import ROLES, WorkerSettings, parse_list
@@ -37,6 +37,9 @@ log = logging.getLogger("stepwarden.cli")
 def fail(message: str) -> NoReturn:
     """An operational failure (exit 1): one line, no traceback."""
     raise click.ClickException(message)
+
+
+TABLE_ROWS = 100  # the tasks a table shows without --limit
 
 
 def _open(ctx: click.Context, *, create: bool = False) -> Store:
@@ -306,16 +309,27 @@ def submit(
 def tasks(
     ctx: click.Context, state: str | None, correlation_id: str | None, limit: int | None, as_json: bool
 ) -> None:
-    """List tasks and their steps."""
+    """List tasks and their steps, oldest first (a table shows the newest 100 unless --limit)."""
     if correlation_id is not None:
         check_key("correlation id", correlation_id)
-    rows = _open(ctx).transact_sync(views.list_tasks, state, limit, correlation_id=correlation_id)
-    if as_json:
-        _print_json(rows)
-        return
+    store = _open(ctx)
+    if as_json or limit is not None:
+        rows = store.transact_sync(views.list_tasks, state, limit, correlation_id=correlation_id)
+        if as_json:
+            _print_json(rows)
+            return
+        total = len(rows)
+    else:  # a person reads the end of the list; --json (for scripts) keeps the whole of it
+
+        def newest(tx: Tx) -> tuple[list[dict[str, Any]], int]:
+            rows = views.list_tasks(tx, state, TABLE_ROWS, correlation_id=correlation_id, newest=True)
+            more = len(rows) == TABLE_ROWS
+            return rows, views.count_tasks(tx, state, correlation_id) if more else len(rows)
+
+        rows, total = store.transact_sync(newest)
     from .cli_render import tasks_table
 
-    tasks_table(rows)
+    tasks_table(rows, total)
 
 
 @cli.group()

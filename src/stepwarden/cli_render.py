@@ -63,7 +63,7 @@ def _short(t: str | None) -> str:
     return (t or "-").replace("T", " ").rstrip("Z")
 
 
-def tasks_table(rows: list[dict[str, Any]]) -> None:
+def tasks_table(rows: list[dict[str, Any]], total: int | None = None) -> None:
     console = _console()
     if not rows:
         console.print("no tasks")
@@ -81,6 +81,11 @@ def tasks_table(rows: list[dict[str, Any]]) -> None:
             _short(r["updated_at"]),
         )
     console.print(t)
+    if total is not None and total > len(rows):
+        console.print(
+            f"the newest {len(rows)} of {total} tasks; --limit N for the first N, --state or "
+            "--correlation-id to narrow, --json for all"
+        )
 
 
 def task_detail(v: dict[str, Any]) -> None:

@@ -204,6 +204,27 @@ def test_empty_store_listings(db: Db) -> None:
     assert all(x.keys() >= LEASE_KEYS for x in leases)
 
 
+def test_the_tasks_table_shows_the_newest_hundred_and_says_how_many_more(db: Db) -> None:
+    """A person reading `stepwarden tasks` on a busy store gets the end of the list and a line
+    saying what was left out; --limit and --json keep their meaning (the first N; everything)."""
+    from stepwarden import App
+
+    app = App(db.url)
+    try:
+        ids = [app.submit(WORKFLOW, order(f"many-{i}"), correlation_id=f"many-{i}") for i in range(103)]
+    finally:
+        app.close()
+    shown = [int(ln.split()[0]) for ln in db.ok("tasks").stdout_lines if ln.split()[0].isdigit()]
+    assert shown == ids[3:], shown[:5]
+    assert db.ok("tasks").stdout_lines[-1].startswith("the newest 100 of 103 tasks")
+    first = db.ok("tasks", "--limit", "2").stdout_lines
+    assert [int(ln.split()[0]) for ln in first if ln.split()[0].isdigit()] == ids[:2]
+    assert not any(ln.startswith("the newest") for ln in first)
+    assert [t["id"] for t in db.json("tasks", "--json")] == ids
+    narrowed = db.ok("tasks", "--correlation-id", "many-7").stdout_lines
+    assert [int(ln.split()[0]) for ln in narrowed if ln.split()[0].isdigit()] == [ids[7]]
+
+
 def test_human_outputs_show_the_task(db: Db) -> None:
     tid = db.submit(order("h-1"), "--correlation-id", "h-1")
     listing = db.ok("tasks")

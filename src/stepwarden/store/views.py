@@ -50,9 +50,43 @@ def list_tasks(
     limit: int | None = None,
     correlation_prefix: str | None = None,
     correlation_id: str | None = None,
+    newest: bool = False,
 ) -> list[dict[str, Any]]:
     """Tasks with their steps, oldest first. ``correlation_id`` is an exact match (the way to find
-    a submission whose outcome a lost connection left unknown; ``tasks_correlation`` serves it)."""
+    a submission whose outcome a lost connection left unknown; ``tasks_correlation`` serves it).
+    ``newest``: the ``limit`` most recent ones (still listed oldest first)."""
+    where, params = _task_filter(state, correlation_prefix, correlation_id)
+    sql = f"SELECT {TASK_COLS} FROM tasks"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY id DESC" if newest else " ORDER BY id"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    tasks = tx.sql(sql, tuple(params))
+    if newest:
+        tasks.reverse()
+    if not tasks:
+        return []
+    by_task: dict[int, list[Row]] = {t["id"]: [] for t in tasks}
+    lo, hi = tasks[0]["id"], tasks[-1]["id"]
+    for s in tx.sql(
+        f"SELECT {STEP_COLS} FROM steps WHERE task_id BETWEEN ? AND ? ORDER BY task_id, idx", (lo, hi)
+    ):
+        if s["task_id"] in by_task:
+            by_task[s["task_id"]].append(s)
+    return [_task(t, by_task[t["id"]]) for t in tasks]
+
+
+def count_tasks(tx: Tx, state: str | None = None, correlation_id: str | None = None) -> int:
+    """How many tasks :func:`list_tasks` would list with no limit."""
+    where, params = _task_filter(state, None, correlation_id)
+    sql = "SELECT COUNT(*) AS n FROM tasks" + (" WHERE " + " AND ".join(where) if where else "")
+    return int(tx.sql(sql, tuple(params))[0]["n"])
+
+
+def _task_filter(
+    state: str | None, correlation_prefix: str | None, correlation_id: str | None
+) -> tuple[list[str], list[Any]]:
     where: list[str] = []
     params: list[Any] = []
     if state is not None:
@@ -66,23 +100,7 @@ def list_tasks(
     if correlation_prefix is not None:
         where.append("substr(correlation_id, 1, ?) = ?")
         params += [len(correlation_prefix), correlation_prefix]
-    sql = f"SELECT {TASK_COLS} FROM tasks"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY id"
-    if limit is not None:
-        sql += f" LIMIT {int(limit)}"
-    tasks = tx.sql(sql, tuple(params))
-    if not tasks:
-        return []
-    by_task: dict[int, list[Row]] = {t["id"]: [] for t in tasks}
-    lo, hi = tasks[0]["id"], tasks[-1]["id"]
-    for s in tx.sql(
-        f"SELECT {STEP_COLS} FROM steps WHERE task_id BETWEEN ? AND ? ORDER BY task_id, idx", (lo, hi)
-    ):
-        if s["task_id"] in by_task:
-            by_task[s["task_id"]].append(s)
-    return [_task(t, by_task[t["id"]]) for t in tasks]
+    return where, params
 
 
 def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
