@@ -104,3 +104,17 @@ def test_values_given_in_the_url_win(pg_url: str) -> None:
     url = _with(pg_url, keepalives_idle="42", tcp_user_timeout="12000", pool_size="1")
     for options in _open_everything(url):
         assert options == {"keepalive": 1, "idle": 42, "interval": 5, "count": 3, "user_timeout_ms": 12000}
+
+
+def test_percent_encoded_libpq_parameters_reach_the_server_intact(pg_url: str) -> None:
+    sep = "&" if "?" in pg_url else "?"
+    store = PostgresStore(pg_url + sep + "options=-c%20statement_timeout%3D4321&application_name=my%20app")
+    try:
+        rows = store.transact_sync(
+            lambda tx: tx.sql(
+                "SELECT current_setting('statement_timeout') AS t, current_setting('application_name') AS a"
+            )
+        )
+        assert (rows[0]["t"], rows[0]["a"]) == ("4321ms", "my app")
+    finally:
+        store.close()

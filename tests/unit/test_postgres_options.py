@@ -110,3 +110,13 @@ def test_bad_options_are_refused_with_a_reason(query: str, message: str) -> None
 def test_listen_on_cannot_be_forced_through_a_transaction_pooler() -> None:
     with pytest.raises(InputError, match="pooler=transaction and listen=on"):
         pg_options(BASE + "?pooler=transaction", listen=True)
+
+
+def test_libpq_parameters_pass_through_exactly_as_written() -> None:
+    """Decoding and re-encoding would turn %20 into '+', which libpq does not read as a space:
+    ``options=-c%20statement_timeout%3D5000`` reached the server as ``-c+statement_timeout=5000``."""
+    query = "options=-c%20statement_timeout%3D5000&application_name=my%20app&fallback=a%2Bb+c"
+    conninfo, ours = parse_url(BASE + "?" + query + "&listen=off")
+    assert conninfo == BASE + "?" + query
+    assert ours == {"listen": "off"}
+    assert parse_url(BASE + "?pool%5Fsize=2")[1] == {"pool_size": "2"}, "our own keys are decoded"

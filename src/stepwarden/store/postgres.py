@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
 from ..errors import InputError, StoreError
@@ -278,13 +278,16 @@ def parse_url(url: str) -> tuple[str, dict[str, str]]:
     except ValueError as e:  # e.g. an unclosed IPv6 bracket
         raise InputError(f"bad PostgreSQL URL: {e}") from None
     ours: dict[str, str] = {}
-    theirs: list[tuple[str, str]] = []
-    for k, v in parse_qsl(parts.query, keep_blank_values=True):
-        if k in URL_OPTIONS:
-            ours[k] = v
+    theirs: list[str] = []
+    # libpq's parameters are passed on exactly as written: decoding and encoding them again would
+    # turn a %20 into a '+', which libpq does not read as a space (options=-c%20name%3Dvalue).
+    for raw in filter(None, parts.query.split("&")):
+        key, _, value = raw.partition("=")
+        if unquote(key) in URL_OPTIONS:
+            ours[unquote(key)] = unquote(value)
         else:
-            theirs.append((k, v))
-    return urlunsplit(parts._replace(query=urlencode(theirs))), ours
+            theirs.append(raw)
+    return urlunsplit(parts._replace(query="&".join(theirs))), ours
 
 
 @dataclass(frozen=True)
