@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -303,6 +304,64 @@ def test_commands_on_an_empty_postgres_database_exit_1_and_create_no_table(
     line = assert_one_error_line(db.sw(*args), code=1)
     assert "no stepwarden schema" in line and "init" in line, line
     assert db.snapshot(require_schema=False) == before, "a read command created the schema"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def old_store(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
+    """A store one schema version behind this code, as after upgrading stepwarden."""
+    from stepwarden.store import open_store
+    from stepwarden.store.sql import load_migrations
+
+    pg = request.getfixturevalue("make_pg_db")(empty=True) if request.param == "postgres" else None
+    db = Db(tmp_path / "old.db", tmp_path, pg)
+    store = open_store(db.url, migrate=False)
+    try:
+        store.migrate(target=load_migrations(request.param)[-1][0] - 1)
+    finally:
+        store.close()
+    return db
+
+
+def test_read_commands_do_not_upgrade_an_older_schema_and_say_how(old_store: Db) -> None:
+    """Upgrading is init's (or a starting worker's) to do, not a side effect of looking."""
+    before = old_store.snapshot(require_schema=False)
+    for args in (("tasks",), ("leases", "--json"), ("task", "show", "1")):
+        line = assert_one_error_line(old_store.sw(*args), code=1)
+        assert "older than this stepwarden" in line and "init" in line, line
+    assert old_store.snapshot(require_schema=False) == before
+    old_store.ok("init")
+    assert old_store.json("tasks", "--json") == []
+
+
+def test_a_read_only_postgres_role_can_run_the_read_commands(make_pg_db: Any, tmp_path: Path) -> None:
+    """Reading needs no right to create: opening a store for a read command writes nothing."""
+    import uuid
+
+    import psycopg
+
+    url = make_pg_db()
+    db = make_db(tmp_path, pg=url)
+    tid = db.submit(order("ro-1"), "--correlation-id", "ro-1")
+    role = f"sw_ro_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    try:
+        parts = urlsplit(url)
+        reader = Db(
+            tmp_path / "unused.db",
+            tmp_path,
+            urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}")),
+        )
+        assert [t["id"] for t in reader.json("tasks", "--json")] == [tid]
+        assert reader.json("task", "show", str(tid), "--json")["correlation_id"] == "ro-1"
+        assert isinstance(reader.json("leases", "--json"), list)
+        r = reader.sw("task", "cancel", str(tid))  # acting needs the rights to write
+        assert r.returncode == 1 and "permission denied" in r.stderr, str(r)
+    finally:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")
 
 
 def test_read_commands_accept_the_sqlite_url_options(tmp_path: Path) -> None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from pathlib import Path
 from urllib.parse import parse_qsl
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import InputError, StoreError
+from ..errors import InputError, MigrationError, StoreError
 from .base import (
     FINAL_TASK_STATES,
     STEP_STATES,
@@ -22,6 +23,7 @@ from .base import (
     redact_url,
 )
 from .core import Store
+from .sql import pending_migrations
 from .sqlite import SQLiteStore
 
 DEFAULT_URL = "sqlite:///stepwarden.db"
@@ -54,47 +56,73 @@ class StoreMissing(StoreError):
 
 
 def open_existing(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK) -> Store:
-    """Open a store that must exist already, for commands that read it or act on its tasks: a
-    mistyped path or database name is an error, never a new store (only ``init``, a worker and
-    ``submit`` create one). A store of an older schema version is upgraded as on any open."""
+    """Open a store that must exist already, for commands that read it or act on its tasks.
+
+    It writes nothing on opening: a mistyped path or database name is an error, never a new
+    store (only ``init``, a worker and ``submit --app`` create one), and a store of an older
+    schema is not upgraded behind the operator's back (``init`` or a worker does that), so a
+    read-only database role can run the read commands."""
     url = resolve_url(url)
-    hint = f"run `stepwarden --db {redact_url(url)} init`, or start a worker, to create one"
     if url.startswith("sqlite:///"):
         path, _ = _sqlite_url(url)  # a malformed URL is bad input before it is a missing store
+        where = _short(repr(path))
         if os.path.isdir(path):
-            raise StoreMissing(f"{path!r} is a directory, not a stepwarden store: {hint}")
+            raise StoreMissing(f"{where} is a directory, not a stepwarden store: {_create_hint(url)}")
         if not os.path.isfile(path):
-            raise StoreMissing(f"no stepwarden store at {path!r}: {hint}")
-        if not _sqlite_has_schema(path):
-            raise StoreMissing(f"{path!r} holds no stepwarden store (no schema): {hint}")
-        return open_store(url, clock=clock)
+            raise StoreMissing(f"no stepwarden store at {where}: {_create_hint(url)}")
+        _check_version(_sqlite_version(path, where), "sqlite", url, where)
+        return open_store(url, clock=clock, migrate=False)
     store = open_store(url, clock=clock, migrate=False)
     try:
-        if not store.transact_sync(_pg_has_schema):
-            raise StoreMissing(f"the database has no stepwarden schema: {hint}")
-        store.migrate()
+        _check_version(store.transact_sync(_pg_version), "postgres", url, "the database")
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _sqlite_has_schema(path: str) -> bool:
-    """Read through a read-only connection: opening the store itself would set the journal mode,
-    writing to a file that may be anything."""
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _create_hint(url: str) -> str:
+    return f"run `stepwarden --db {_short(redact_url(url))} init`, or start a worker, to create one"
+
+
+def _check_version(version: int | None, dialect: str, url: str, where: str) -> None:
+    """A store this code can read as it is, or :class:`StoreMissing` / :class:`MigrationError`."""
+    if version is None:
+        raise StoreMissing(f"{where} holds no stepwarden schema: {_create_hint(url)}")
+    todo = pending_migrations(dialect, version)  # raises for a schema newer than this code
+    if todo:
+        raise MigrationError(
+            f"the store's schema is version {version}, older than this stepwarden's {todo[-1][0]}: "
+            f"run `stepwarden --db {_short(redact_url(url))} init` to upgrade it (a worker also does, "
+            "on start)"
+        )
+
+
+def _sqlite_version(path: str, where: str) -> int | None:
+    """The schema version, read through a read-only connection: opening the store itself would
+    set the journal mode, writing to a file that may be anything."""
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        conn = sqlite3.connect(Path(path).absolute().as_uri() + "?mode=ro", uri=True)
     except sqlite3.Error as e:
-        raise StoreError(f"cannot open {path!r}: {e}") from None
+        raise StoreError(f"cannot open {where}: {e}") from None
     try:
-        row = conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'"
-        ).fetchone()
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_migrations'").fetchone() is None:
+            return None
+        return int(conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
     except sqlite3.DatabaseError as e:
-        raise StoreError(f"{path!r} is not a stepwarden store: {e}") from None
+        raise StoreError(f"{where} is not a stepwarden store: {e}") from None
     finally:
         conn.close()
-    return row is not None
+
+
+def _pg_version(tx: Tx) -> int | None:
+    if not tx.sql("SELECT to_regclass('schema_migrations') IS NOT NULL AS present")[0]["present"]:
+        return None
+    return int(tx.sql("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations")[0]["v"])
 
 
 def _sqlite_url(url: str) -> tuple[str, str]:
@@ -112,10 +140,6 @@ def _sqlite_url(url: str) -> tuple[str, str]:
     if sync not in ("FULL", "NORMAL", "EXTRA"):
         raise InputError("sqlite URL option synchronous must be FULL (the default), NORMAL or EXTRA")
     return path, sync
-
-
-def _pg_has_schema(tx: Tx) -> bool:
-    return bool(tx.sql("SELECT to_regclass('schema_migrations') IS NOT NULL AS present")[0]["present"])
 
 
 def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: bool = True) -> Store:
