@@ -187,16 +187,21 @@ def worker(
             "--app MODULE:ATTR is needed for the agent role (or run --roles scheduler,supervisor)"
         )
     app = _load_app(app_ref) if app_ref else App()
-    app.use_store(_open(ctx, create=True))
+    # Everything that can be refused is checked (the agents named, the metrics port) before the
+    # store is opened: a refused command must not have created or migrated it.
     w = app.worker(settings)
     if metrics_port is not None:
         try:
             from .metrics import start_worker_metrics
         except ImportError:
             raise InputError("--metrics-port needs the extra: pip install 'stepwarden[dashboard]'") from None
-        served = start_worker_metrics(w, metrics_port)
+        try:
+            served = start_worker_metrics(w, metrics_port)
+        except OSError as e:
+            fail(f"cannot serve metrics on 127.0.0.1:{metrics_port} (--metrics-port): {e.strerror or e}")
         w.metrics = served.metrics
         click.echo(f"worker metrics on {served.url}", err=True)
+    app.use_store(_open(ctx, create=True))
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -347,6 +347,7 @@ NO_STORE_NEEDED = [
     ("watch",),
     ("worker", "--roles", "bogus"),
     ("worker", "--app", "os:path"),
+    ("worker", "--app", DEMO_APP, "--agents", "bogus"),
 ]
 NO_STORE_IDS = ["-".join(x[:12] for x in a[:3]) for a in NO_STORE_NEEDED]
 
@@ -454,3 +455,26 @@ def test_sql_in_watched_reply_queue_reads_nothing_else(seeded: tuple[Db, int]) -
 def test_an_app_reference_that_names_no_app_says_what_it_found(tmp_path: Path, ref: str, says: str) -> None:
     line = assert_one_error_line(sw("worker", "--app", ref, cwd=tmp_path))
     assert says in line, line
+
+
+def test_a_busy_metrics_port_is_one_line_naming_it_and_creates_no_store(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        missing = tmp_path / "never.db"
+        r = sw(
+            "--db",
+            f"sqlite:///{missing}",
+            "worker",
+            "--app",
+            DEMO_APP,
+            "--metrics-port",
+            str(port),
+            cwd=tmp_path,
+        )
+    line = assert_one_error_line(r, code=1)
+    assert f"127.0.0.1:{port}" in line and "--metrics-port" in line, line
+    assert not missing.exists(), "a refused worker created the store"
