@@ -308,7 +308,7 @@ def submit(
 @click.option(
     "--correlation-id", default=None, metavar="ID", help="Only the tasks submitted with this correlation id."
 )
-@click.option("--limit", type=click.IntRange(1), default=None)
+@click.option("--limit", type=click.IntRange(1, 1_000_000_000), default=None)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def tasks(
@@ -603,9 +603,9 @@ def main(argv: list[str] | None = None) -> None:
         code = cli.main(args=argv, prog_name="stepwarden", standalone_mode=False)
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
             sys.exit(code)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(1)
+    except click.exceptions.Abort:  # Ctrl-C (click turns KeyboardInterrupt into Abort)
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.exceptions.NoArgsIsHelpError as e:  # a group without its command: show its help

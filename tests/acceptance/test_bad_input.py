@@ -373,6 +373,33 @@ def test_bad_input_creates_no_table_in_an_empty_postgres_database(
     assert db.snapshot(require_schema=False) == before, "a refused command wrote to an empty database"
 
 
+@pytest.mark.parametrize("url", ["sqlite:///:memory:", "sqlite:///file::memory:?cache=shared"])
+def test_an_in_memory_sqlite_store_is_refused(tmp_path: Path, url: str) -> None:
+    """Each connection would see its own empty database: a submission would print an id and the
+    task would be gone."""
+    line = assert_one_error_line(sw("--db", url, "init", cwd=tmp_path))
+    assert "must name a file" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "says"), [("d", "it is a directory"), ("a" * 300 + ".db", "longer than file systems allow")]
+)
+def test_a_sqlite_store_that_cannot_be_opened_is_named_with_the_reason(
+    tmp_path: Path, name: str, says: str
+) -> None:
+    (tmp_path / "d").mkdir()
+    line = assert_one_error_line(sw("--db", f"sqlite:///{tmp_path / name}", "init", cwd=tmp_path), code=1)
+    assert "cannot open the SQLite store" in line and says in line, line
+    assert len(line) < 400, line
+
+
+def test_a_limit_beyond_any_store_is_bad_input(tmp_path: Path) -> None:
+    db = make_db(tmp_path)
+    line = assert_one_error_line(db.sw("tasks", "--limit", "9223372036854775808"))
+    assert "--limit" in line, line
+
+
 def test_unsupported_store_url_is_bad_input(tmp_path: Path) -> None:
     r = sw("--db", "mysql://localhost/x", "tasks", cwd=tmp_path)
     assert_one_error_line(r)
@@ -478,3 +505,32 @@ def test_a_busy_metrics_port_is_one_line_naming_it_and_creates_no_store(tmp_path
     line = assert_one_error_line(r, code=1)
     assert f"127.0.0.1:{port}" in line and "--metrics-port" in line, line
     assert not missing.exists(), "a refused worker created the store"
+
+
+def test_ctrl_c_during_a_command_exits_130_with_one_line(tmp_path: Path) -> None:
+    """An interrupted command says so on one line and exits 130, the shell's code for SIGINT."""
+    import signal
+    import subprocess
+
+    db = make_db(tmp_path)
+    tid = db.submit(order("never-done"))
+    p = subprocess.Popen(
+        [str(SW), "--db", db.url, "watch", str(tid), "--timeout", "60"],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # watch prints the task's events first: once a line is out, the command is running
+        assert p.stdout is not None and p.stdout.readline(), "watch printed nothing"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert p.returncode == 130, (p.returncode, err)
+    assert lines == ["error: interrupted"], err

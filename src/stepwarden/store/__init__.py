@@ -125,11 +125,29 @@ def _pg_version(tx: Tx) -> int | None:
     return int(tx.sql("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations")[0]["v"])
 
 
+def _sqlite_why(path: str, e: sqlite3.Error) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "it is a directory"
+    if len(os.path.basename(path)) > 255:
+        return "the file name is longer than file systems allow (255 bytes)"
+    if "readonly" in str(e) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{e} (the file, or its folder for the -wal and -shm files, is not writable)"
+    if not os.path.exists(path) and not os.access(folder, os.W_OK):
+        return f"{e} (cannot create a file in {_short(repr(folder))})"
+    return str(e)
+
+
 def _sqlite_url(url: str) -> tuple[str, str]:
     """``sqlite:///PATH[?synchronous=MODE]``: the path and the mode, or :class:`InputError`."""
     path, _, query = url[len("sqlite:///") :].partition("?")
     if not path:
         raise InputError("sqlite URL has no path: use sqlite:///relative.db or sqlite:////absolute.db")
+    if path == ":memory:" or path.startswith("file:"):
+        raise InputError(
+            "sqlite URL must name a file: an in-memory database is private to one connection, and "
+            "stepwarden's processes and threads share the store"
+        )
     options = dict(parse_qsl(query, keep_blank_values=True))
     unknown = sorted(set(options) - {"synchronous"})
     if unknown:
@@ -146,7 +164,12 @@ def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: 
     url = resolve_url(url)
     if url.startswith("sqlite:///"):
         path, sync = _sqlite_url(url)
-        return SQLiteStore(path, clock=clock, migrate=migrate, synchronous=sync)
+        try:
+            return SQLiteStore(path, clock=clock, migrate=migrate, synchronous=sync)
+        except sqlite3.Error as e:  # sqlite3 names neither the file nor what to do about it
+            raise StoreError(
+                f"cannot open the SQLite store {_short(repr(path))}: {_sqlite_why(path, e)}"
+            ) from None
     if url.startswith(("postgresql://", "postgres://")):
         from .postgres import PostgresStore
 
