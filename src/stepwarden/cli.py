@@ -114,7 +114,9 @@ def cli(ctx: click.Context, db: str | None, log_level: str, log_format: str) -> 
     from .logs import configure_logging
 
     ctx.ensure_object(dict)
-    ctx.obj["db"] = db
+    if db == "" and ctx.get_parameter_source("db") == ParameterSource.COMMANDLINE:
+        raise InputError("--db is empty: give a store URL, or leave the option out for the default")
+    ctx.obj["db"] = db or None  # an empty STEPWARDEN_DB counts as unset
     configure_logging(log_level, log_format)
 
 

@@ -534,3 +534,23 @@ def test_ctrl_c_during_a_command_exits_130_with_one_line(tmp_path: Path) -> None
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert p.returncode == 130, (p.returncode, err)
     assert lines == ["error: interrupted"], err
+
+
+def test_an_empty_db_option_is_bad_input_not_the_default_store(tmp_path: Path) -> None:
+    line = assert_one_error_line(sw("--db", "", "init", cwd=tmp_path))
+    assert "--db is empty" in line, line
+    assert list(tmp_path.iterdir()) == [], "the default store was created"
+    r = sw("init", cwd=tmp_path, env=clean_env(STEPWARDEN_DB=""))  # an empty variable is unset
+    assert r.returncode == 0 and (tmp_path / "stepwarden.db").exists(), str(r)
+
+
+def test_the_demo_with_a_store_it_cannot_open_leaves_nothing_behind(tmp_path: Path) -> None:
+    r = sw("demo", "--db", "mysql://x", cwd=tmp_path, env=clean_env(TMPDIR=str(tmp_path)))
+    assert_one_error_line(r)
+    assert list(tmp_path.iterdir()) == [], "a work folder was left"
+
+
+def test_a_dashboard_host_that_cannot_work_is_one_line(tmp_path: Path) -> None:
+    db = make_db(tmp_path)
+    line = assert_one_error_line(db.sw("dashboard", "--host", "bad host!", "--port", "0"), code=1)
+    assert "bad host!" in line, line

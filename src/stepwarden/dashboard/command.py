@@ -87,13 +87,13 @@ def dashboard(ctx: click.Context, host: str, port: int, token: str | None, poll:
     ctx.call_on_close(store.close)
     token = token or None
     loopback = is_loopback(host)
+    sock = bind(host, port)  # a host or port that cannot work is one error line, with no warning first
     if not loopback:
         click.echo(
             f"warning: listening on {host}, beyond this machine; "
             + ("the token travels in clear unless a TLS proxy is in front" if token else "it is read-only"),
             err=True,
         )
-    sock = bind(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host.strip('[]')}]" if ":" in host else host
     app = create_app(store, token, allowed_hosts=LOOPBACK_HOSTS if loopback else None, poll=poll)

@@ -133,6 +133,8 @@ class _Procs:
 def run_demo(o: DemoOptions) -> bool:
     run_id = secrets.token_hex(3)
     prefix = f"order-{run_id}-"
+    if o.db:  # a store that cannot be opened fails before any folder or process exists
+        open_store(o.db).close()
     workdir = tempfile.mkdtemp(prefix="stepwarden-demo-")
     db = o.db or f"sqlite:///{os.path.join(workdir, 'demo.db')}"
     out = Console(stderr=o.as_json)
