@@ -93,7 +93,13 @@ def default_classify(exc: BaseException) -> str:
 
 @dataclass
 class Agent:
-    """A named agent and its operations; define with ``app.agent(name)`` and ``@agent.operation``."""
+    """A named agent and its operations; define with ``app.agent(name)`` and ``@agent.operation``.
+
+    ``concurrency`` (calls at once per worker) and ``breaker_threshold`` (failures in a row that
+    open the circuit breaker) are ints from 1 to 2**31-1 (the stores' INTEGER columns), not bools
+    or floats; ``breaker_cool_off`` is a finite number of seconds >= 0; ``classify`` is callable.
+    A bad value raises :class:`~stepwarden.errors.InputError` naming the agent and the option.
+    """
 
     name: str
     concurrency: int = 8
@@ -103,15 +109,43 @@ class Agent:
     operations: dict[str, Handler] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from .policies import MAX_INT, is_number, is_whole, show
+
         check_ident("agent name", self.name)
-        if self.concurrency < 1:
-            raise InputError(f"agent {self.name!r}: concurrency must be at least 1")
+        for option in ("concurrency", "breaker_threshold"):
+            value = getattr(self, option)
+            if not is_whole(value) or not 1 <= value <= MAX_INT:
+                raise InputError(
+                    f"agent {self.name!r}: {option} must be a whole number from 1 to {MAX_INT}, "
+                    f"not {show(value)}"
+                )
+        if not is_number(self.breaker_cool_off) or self.breaker_cool_off < 0:
+            raise InputError(
+                f"agent {self.name!r}: breaker_cool_off must be a finite number of seconds >= 0, "
+                f"not {show(self.breaker_cool_off)}"
+            )
+        if not callable(self.classify):
+            raise InputError(f"agent {self.name!r}: classify must be a function, not {show(self.classify)}")
 
     def operation(self, fn: F | None = None, *, name: str | None = None) -> Any:
-        """Register ``fn`` (async or plain) as operation ``name`` (default: the function's name)."""
+        """Register ``fn`` (async or plain) as operation ``name`` (default: the function's name).
+
+        ``@agent.operation``, ``@agent.operation(name="reserve")`` or ``agent.operation(fn)``; a
+        ``fn`` that is not callable raises :class:`~stepwarden.errors.InputError`."""
+        from .policies import show
+
+        if fn is not None and not callable(fn):
+            hint = f" (to name it, use @agent.operation(name={fn!r}))" if isinstance(fn, str) else ""
+            raise InputError(f"agent {self.name!r}: an operation must be a function, not {show(fn)}{hint}")
 
         def register(f: F) -> F:
-            op = check_ident("operation name", name or f.__name__)
+            if not callable(f):
+                raise InputError(f"agent {self.name!r}: an operation must be a function, not {show(f)}")
+            if name is None and not isinstance(getattr(f, "__name__", None), str):
+                raise InputError(
+                    f"agent {self.name!r}: operation {show(f)} has no __name__; give it one with name="
+                )
+            op = check_ident("operation name", name if name is not None else f.__name__)
             if op in self.operations:
                 raise InputError(f"agent {self.name!r} already has an operation {op!r}")
             self.operations[op] = f

@@ -6,17 +6,46 @@ is a function of its arguments and unit-tested without sleeping (DESIGN principl
 
 from __future__ import annotations
 
+import logging
+import math
 import random
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
+
+from .errors import InputError
+
+log = logging.getLogger("stepwarden.policies")
 
 Escalation = Literal["error", "compensate", "wait"]
 ESCALATIONS: tuple[str, ...] = ("error", "compensate", "wait")
+MAX_INT = 2**31 - 1  # the largest count the stores' INTEGER columns hold
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float; not a bool (``True`` is no number of seconds), not nan or inf."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_whole(value: object) -> bool:
+    """An int, not a bool (``True`` is no count) and not a float (``1.5`` failures, nan)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def show(value: object) -> str:
+    """A bad value as it goes in a one-line error message: its repr, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
 class Backoff:
-    """Exponential back-off with proportional jitter: ``initial * multiplier**(n-1)``, capped."""
+    """Exponential back-off with proportional jitter: ``initial * multiplier**(n-1)``, capped.
+
+    Every field is a finite number (seconds, or a factor), never nan, inf or a bool: ``initial``
+    and ``maximum`` >= 0, ``multiplier`` >= 1, ``jitter`` between 0 and 1. Anything else raises
+    :class:`~stepwarden.errors.InputError` here, at definition time: an infinite delay would leave
+    a task waiting forever (REL1).
+    """
 
     initial: float = 0.5
     multiplier: float = 2.0
@@ -24,8 +53,16 @@ class Backoff:
     jitter: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.initial < 0 or self.maximum < 0 or self.multiplier < 1 or not 0 <= self.jitter <= 1:
-            raise ValueError(f"invalid back-off {self!r}")
+        for name, low in (("initial", 0), ("multiplier", 1), ("maximum", 0)):
+            value = getattr(self, name)
+            if not is_number(value) or value < low:
+                raise InputError(
+                    f"invalid back-off: Backoff.{name} must be a finite number >= {low}, not {show(value)}"
+                )
+        if not is_number(self.jitter) or not 0 <= self.jitter <= 1:
+            raise InputError(
+                f"invalid back-off: Backoff.jitter must be a number between 0 and 1, not {show(self.jitter)}"
+            )
 
     def delay(self, n: int, rng: random.Random | None = None) -> float:
         """Delay before retry number ``n`` (1-based); jitter spreads retries of many tasks apart."""
@@ -57,6 +94,12 @@ class Retry:
     ``max_failures``, then escalates: ``"error"`` (alert an operator), ``"compensate"`` (undo
     the task) or ``"wait"`` (retry after ``escalation_wait`` seconds, again and again, until an
     operator cancels). ``escalation=None`` means "do what the step's on_error says".
+
+    ``max_failures`` and ``tries`` are ints >= 1; ``backoff`` and ``in_attempt`` are
+    :class:`Backoff` values; ``escalation_wait`` is a finite number of seconds >= 0. Infinity is
+    refused: a task waiting forever is stuck (REL1), and cannot be retried, only cancelled. To wait
+    for an operator, use ``escalation="error"``: the task ends in ``error`` with an alert and the
+    operator retries it. Anything else raises :class:`~stepwarden.errors.InputError`.
     """
 
     max_failures: int = 3
@@ -67,14 +110,25 @@ class Retry:
     escalation_wait: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_failures < 1:
-            raise ValueError("Retry.max_failures must be at least 1")
-        if self.tries < 1:
-            raise ValueError("Retry.tries must be at least 1")
-        if self.escalation is not None and self.escalation not in ESCALATIONS:
-            raise ValueError(f"Retry.escalation must be one of {ESCALATIONS}, not {self.escalation!r}")
-        if self.escalation_wait < 0:
-            raise ValueError("Retry.escalation_wait must not be negative")
+        for name in ("max_failures", "tries"):
+            value = getattr(self, name)
+            if not is_whole(value) or value < 1:
+                raise InputError(f"Retry.{name} must be a whole number >= 1, not {show(value)}")
+        for name in ("backoff", "in_attempt"):
+            value = getattr(self, name)
+            if not isinstance(value, Backoff):
+                raise InputError(f"Retry.{name} must be a Backoff, not {show(value)}")
+        if self.escalation is not None and (
+            not isinstance(self.escalation, str) or self.escalation not in ESCALATIONS
+        ):
+            raise InputError(
+                f"Retry.escalation must be one of {ESCALATIONS} or None, not {show(self.escalation)}"
+            )
+        if not is_number(self.escalation_wait) or self.escalation_wait < 0:
+            raise InputError(
+                "Retry.escalation_wait must be a finite number of seconds >= 0, "
+                f"not {show(self.escalation_wait)} (to wait for an operator, use escalation='error')"
+            )
 
     def after_failure(
         self, failure_count: int, on_error: Escalation, rng: random.Random | None = None
@@ -99,18 +153,55 @@ class Retry:
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Retry:
+        """A policy read back from the store (a step row, a registered workflow).
+
+        A missing key means the same default as ``Retry()`` itself. A value that older versions
+        accepted and this one refuses (nan, inf, 1.5 failures) also takes its default, with a
+        warning: the policy of a task already submitted is read in the transaction that records
+        a failure, and an error there would hold up every reply of its batch.
+        """
         b = d.get("backoff")
         ia = d.get("in_attempt")
         assert isinstance(b, dict | None) and isinstance(ia, dict | None)
-        default = cls()  # a missing key means the same default as Retry() itself
-        return cls(
-            max_failures=int(d.get("max_failures", 3)),  # type: ignore[call-overload]
-            backoff=Backoff(**b) if b else default.backoff,
-            tries=int(d.get("tries", 4)),  # type: ignore[call-overload]
-            in_attempt=Backoff(**ia) if ia else default.in_attempt,
-            escalation=d.get("escalation"),  # type: ignore[arg-type]
-            escalation_wait=float(d.get("escalation_wait", 60.0)),  # type: ignore[arg-type]
+        default = cls()
+        return _stored(
+            cls,
+            {
+                "max_failures": _count(d.get("max_failures", default.max_failures)),
+                "backoff": _stored(Backoff, b) if b else default.backoff,
+                "tries": _count(d.get("tries", default.tries)),
+                "in_attempt": _stored(Backoff, ia) if ia else default.in_attempt,
+                "escalation": d.get("escalation"),
+                "escalation_wait": d.get("escalation_wait", default.escalation_wait),
+            },
         )
+
+
+T = TypeVar("T", Backoff, Retry)
+
+
+def _count(value: object) -> object:
+    """A stored count as older versions read it: a finite float is cut to an int (1.5 -> 1)."""
+    return int(value) if isinstance(value, float) and math.isfinite(value) else value
+
+
+def _stored(cls: type[T], values: dict[str, Any]) -> T:
+    """``cls(**values)``; a field the checks refuse, each on its own, takes its default instead."""
+    try:
+        return cls(**values)
+    except InputError as e:
+        kept: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name in values:
+                try:
+                    cls(**{f.name: values[f.name]})
+                    kept[f.name] = values[f.name]
+                except InputError:
+                    pass
+        log.warning(
+            "a stored %s policy has a value now refused, which takes its default: %s", cls.__name__, e
+        )
+        return cls(**kept)
 
 
 BreakerState = Literal["closed", "open", "half_open"]

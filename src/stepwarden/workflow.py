@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InputError, PayloadTooLarge
-from .policies import ESCALATIONS, Escalation, Retry
+from .policies import ESCALATIONS, MAX_INT, Escalation, Retry, is_number, is_whole, show
 
 # Names end up in SQL parameters, log lines, URLs and file names; a conservative alphabet keeps
 # every one of those safe without escaping and makes typos fail loudly.
@@ -17,13 +17,14 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
 MAX_KEY_LEN = 255
+MAX_COMPLETE_BY = 86400 * 7  # one attempt's budget, in seconds
 
 
 def check_name(kind: str, value: object) -> str:
     """A workflow, queue or worker name: letters, digits, ``_ . : -``, up to 128 characters."""
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise InputError(
-            f"invalid {kind} {_show(value)}: use 1-128 letters, digits, '_', '.', ':' or '-', "
+            f"invalid {kind} {show(value)}: use 1-128 letters, digits, '_', '.', ':' or '-', "
             "starting with a letter or digit"
         )
     return value
@@ -33,7 +34,7 @@ def check_ident(kind: str, value: object) -> str:
     """An agent or operation name: a Python-identifier-like word (dashes allowed), up to 64 characters."""
     if not isinstance(value, str) or not IDENT_RE.fullmatch(value):
         raise InputError(
-            f"invalid {kind} {_show(value)}: use 1-64 letters, digits, '_' or '-', not starting with a digit"
+            f"invalid {kind} {show(value)}: use 1-64 letters, digits, '_' or '-', not starting with a digit"
         )
     return value
 
@@ -41,7 +42,7 @@ def check_ident(kind: str, value: object) -> str:
 def check_key(kind: str, value: object) -> str:
     """A correlation id or idempotency key: any printable text up to 255 characters."""
     if not isinstance(value, str) or not value or len(value) > MAX_KEY_LEN or not value.isprintable():
-        raise InputError(f"invalid {kind} {_show(value)}: use 1-{MAX_KEY_LEN} printable characters")
+        raise InputError(f"invalid {kind} {show(value)}: use 1-{MAX_KEY_LEN} printable characters")
     return value
 
 
@@ -84,18 +85,13 @@ def _utf8_size(text: str) -> int:
         raise InputError("task input is not valid Unicode (a lone surrogate or undecodable bytes)") from None
 
 
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def split_operation(ref: str) -> tuple[str, str]:
     """``"inventory.reserve"`` -> ``("inventory", "reserve")``."""
     if not isinstance(ref, str):
-        raise InputError(f"invalid operation reference {_show(ref)}: expected the text AGENT.OPERATION")
+        raise InputError(f"invalid operation reference {show(ref)}: expected the text AGENT.OPERATION")
     agent, sep, op = ref.partition(".")
     if not sep:
-        raise InputError(f"invalid operation reference {_show(ref)}: expected AGENT.OPERATION")
+        raise InputError(f"invalid operation reference {show(ref)}: expected AGENT.OPERATION")
     return check_ident("agent name", agent), check_ident("operation name", op)
 
 
@@ -104,8 +100,12 @@ class Step:
     """One step of a workflow: one agent operation with its deadline, retries and undo.
 
     ``complete_by`` is the budget in seconds for one attempt; the absolute complete-by is set by
-    the database clock when the attempt is dispatched. ``on_error`` says what a permanent error
-    does: ``"error"`` (task error + alert, an operator resubmits) or ``"compensate"``.
+    the database clock when the attempt is dispatched: a number (not a bool), more than 0 and at
+    most 7 days. ``retry`` is the step's :class:`~stepwarden.policies.Retry`; ``None`` (or leaving
+    it out) means the default ``Retry()``, not "no retries": for a single try that is never
+    retried, give ``Retry(max_failures=1, tries=1)``. ``on_error`` says what a permanent error
+    does: ``"error"`` (task error + alert, an operator resubmits) or ``"compensate"``. A bad value
+    raises :class:`~stepwarden.errors.InputError` naming the step and the parameter.
     """
 
     name: str
@@ -120,10 +120,19 @@ class Step:
         split_operation(self.operation)
         if self.compensate is not None:
             split_operation(self.compensate)
-        if not (0 < self.complete_by <= 86400 * 7):
-            raise InputError(f"step {self.name!r}: complete_by must be between 0 and 7 days, in seconds")
-        if self.on_error not in ESCALATIONS or self.on_error == "wait":
-            raise InputError(f"step {self.name!r}: on_error must be 'error' or 'compensate'")
+        if not is_number(self.complete_by) or not 0 < self.complete_by <= MAX_COMPLETE_BY:
+            raise InputError(
+                f"step {self.name!r}: complete_by must be between 0 and 7 days, in seconds "
+                f"(more than 0, at most {MAX_COMPLETE_BY}), not {show(self.complete_by)}"
+            )
+        if self.retry is None:
+            object.__setattr__(self, "retry", Retry())
+        elif not isinstance(self.retry, Retry):
+            raise InputError(f"step {self.name!r}: retry must be a Retry or None, not {show(self.retry)}")
+        if not isinstance(self.on_error, str) or self.on_error not in ESCALATIONS or self.on_error == "wait":
+            raise InputError(
+                f"step {self.name!r}: on_error must be 'error' or 'compensate', not {show(self.on_error)}"
+            )
 
     @property
     def agent(self) -> str:
@@ -153,7 +162,12 @@ class Step:
 
 @dataclass(frozen=True)
 class Workflow:
-    """A named, versioned pipeline of steps."""
+    """A named, versioned pipeline of steps.
+
+    ``steps`` is a list or tuple (any iterable but a string or a mapping) of :class:`Step`
+    objects, kept as a tuple; ``version`` is an int from 1 (not a bool, not ``"2"`` or ``1.5``).
+    A bad value raises :class:`~stepwarden.errors.InputError` naming the workflow.
+    """
 
     name: str
     steps: tuple[Step, ...]
@@ -161,14 +175,22 @@ class Workflow:
 
     def __post_init__(self) -> None:
         check_name("workflow name", self.name)
+        object.__setattr__(self, "steps", _steps_of(self.name, self.steps))
         if not self.steps:
             raise InputError(f"workflow {self.name!r} has no steps")
+        for i, s in enumerate(self.steps, 1):
+            if not isinstance(s, Step):
+                hint = " (build it with Step(name, operation, ...))" if isinstance(s, Mapping) else ""
+                raise InputError(f"workflow {self.name!r}: step {i} must be a Step, not {show(s)}{hint}")
         names = [s.name for s in self.steps]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise InputError(f"workflow {self.name!r} has duplicate step names: {sorted(dup)}")
-        if self.version < 1:
-            raise InputError("workflow version must be at least 1")
+        if not is_whole(self.version) or not 1 <= self.version <= MAX_INT:
+            raise InputError(
+                f"workflow {self.name!r}: version must be a whole number from 1 to {MAX_INT}, "
+                f"not {show(self.version)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "steps": [s.to_dict() for s in self.steps]}
@@ -182,5 +204,17 @@ class Workflow:
         )
 
     @classmethod
-    def of(cls, name: str, steps: Sequence[Step], version: int = 1) -> Workflow:
-        return cls(name=name, steps=tuple(steps), version=version)
+    def of(cls, name: str, steps: Iterable[Step], version: int = 1) -> Workflow:
+        check_name("workflow name", name)
+        return cls(name=name, steps=_steps_of(name, steps), version=version)
+
+
+def _steps_of(workflow: object, steps: object) -> tuple[Step, ...]:
+    """The steps as a tuple; refused unless they are a list, tuple or other iterable of items."""
+    if isinstance(steps, tuple):
+        return steps
+    if isinstance(steps, str | bytes | Mapping) or not isinstance(steps, Iterable):
+        raise InputError(
+            f"workflow {show(workflow)}: steps must be a list of Step objects, not {show(steps)}"
+        )
+    return tuple(steps)

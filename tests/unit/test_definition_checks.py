@@ -1,0 +1,315 @@
+"""Definitions refuse, when they are written, the values that would break a worker later.
+
+A back-off of nan or inf, a concurrency of nan, ``retry=None``, a version of ``"2"``: each is one
+:class:`InputError` at definition time, on one line naming the parameter and the bad value, and
+nothing is registered. Before, they were accepted and surfaced in the workers: a task waiting
+forever (REL1), an IntegrityError at every pull, an AttributeError in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from stepwarden import App
+from stepwarden.agent import Agent, Request
+from stepwarden.errors import InputError
+from stepwarden.policies import Backoff, Retry
+from stepwarden.store import Store
+from stepwarden.store import transitions as t
+from stepwarden.workflow import Step, Workflow, encode_input
+
+OK = Step("reserve", "inventory.reserve")
+MAX_INT = 2**31 - 1  # the stores keep counts and versions in INTEGER columns
+
+
+def _new(cls: Callable[..., object], *args: Any, **kw: Any) -> Callable[[], object]:
+    return lambda: cls(*args, **kw)
+
+
+def _app_agent(**kw: Any) -> Callable[[], object]:
+    return lambda: App().agent("inventory", **kw)
+
+
+def _app_workflow(steps: object, **kw: Any) -> Callable[[], object]:
+    return lambda: App().workflow("order", steps, **kw)  # type: ignore[arg-type]
+
+
+def _operation(fn: object, **kw: Any) -> Callable[[], object]:
+    return lambda: Agent("inventory").operation(fn, **kw)  # type: ignore[arg-type]
+
+
+def _half(x: int, y: int) -> int:
+    return x // y
+
+
+# (what to define, the parameter the message must name, how it shows the bad value)
+BAD: list[Any] = [
+    # Backoff: every field a finite number, not a bool or text
+    pytest.param(_new(Backoff, initial=math.nan), "Backoff.initial", "not nan", id="backoff-initial-nan"),
+    pytest.param(_new(Backoff, initial=math.inf), "Backoff.initial", "not inf", id="backoff-initial-inf"),
+    pytest.param(_new(Backoff, initial=-0.1), "Backoff.initial", "not -0.1", id="backoff-initial-negative"),
+    pytest.param(_new(Backoff, initial="1"), "Backoff.initial", "not '1'", id="backoff-initial-text"),
+    pytest.param(_new(Backoff, initial=True), "Backoff.initial", "not True", id="backoff-initial-bool"),
+    pytest.param(_new(Backoff, initial=None), "Backoff.initial", "not None", id="backoff-initial-none"),
+    pytest.param(_new(Backoff, maximum=math.nan), "Backoff.maximum", "not nan", id="backoff-maximum-nan"),
+    pytest.param(_new(Backoff, maximum=math.inf), "Backoff.maximum", "not inf", id="backoff-maximum-inf"),
+    pytest.param(_new(Backoff, maximum=-1), "Backoff.maximum", "not -1", id="backoff-maximum-negative"),
+    pytest.param(_new(Backoff, maximum=False), "Backoff.maximum", "not False", id="backoff-maximum-bool"),
+    pytest.param(_new(Backoff, multiplier=math.nan), "Backoff.multiplier", "not nan", id="backoff-mult-nan"),
+    pytest.param(_new(Backoff, multiplier=math.inf), "Backoff.multiplier", "not inf", id="backoff-mult-inf"),
+    pytest.param(_new(Backoff, multiplier=0.5), "Backoff.multiplier", "not 0.5", id="backoff-mult-below-1"),
+    pytest.param(_new(Backoff, multiplier=True), "Backoff.multiplier", "not True", id="backoff-mult-bool"),
+    pytest.param(_new(Backoff, jitter=math.nan), "Backoff.jitter", "not nan", id="backoff-jitter-nan"),
+    pytest.param(_new(Backoff, jitter=-0.01), "Backoff.jitter", "not -0.01", id="backoff-jitter-negative"),
+    pytest.param(_new(Backoff, jitter=1.01), "Backoff.jitter", "not 1.01", id="backoff-jitter-over-1"),
+    pytest.param(_new(Backoff, jitter=True), "Backoff.jitter", "not True", id="backoff-jitter-bool"),
+    pytest.param(_new(Backoff, jitter="0.2"), "Backoff.jitter", "not '0.2'", id="backoff-jitter-text"),
+    # Retry: whole counts, Backoff values, a finite escalation_wait
+    pytest.param(_new(Retry, max_failures=1.5), "Retry.max_failures", "not 1.5", id="retry-failures-float"),
+    pytest.param(
+        _new(Retry, max_failures=math.nan), "Retry.max_failures", "not nan", id="retry-failures-nan"
+    ),
+    pytest.param(_new(Retry, max_failures=0), "Retry.max_failures", "not 0", id="retry-failures-zero"),
+    pytest.param(_new(Retry, max_failures=True), "Retry.max_failures", "not True", id="retry-failures-bool"),
+    pytest.param(_new(Retry, max_failures="3"), "Retry.max_failures", "not '3'", id="retry-failures-text"),
+    pytest.param(_new(Retry, tries=2.5), "Retry.tries", "not 2.5", id="retry-tries-float"),
+    pytest.param(_new(Retry, tries=0), "Retry.tries", "not 0", id="retry-tries-zero"),
+    pytest.param(_new(Retry, backoff=None), "Retry.backoff", "not None", id="retry-backoff-none"),
+    pytest.param(
+        _new(Retry, backoff={"initial": 1}), "Retry.backoff", "not {'initial': 1}", id="retry-backoff-dict"
+    ),
+    pytest.param(_new(Retry, in_attempt=0.5), "Retry.in_attempt", "not 0.5", id="retry-in-attempt-number"),
+    pytest.param(
+        _new(Retry, escalation="explode"), "Retry.escalation", "not 'explode'", id="retry-escalation"
+    ),
+    pytest.param(
+        _new(Retry, escalation=["wait"]), "Retry.escalation", "not ['wait']", id="retry-escalation-list"
+    ),
+    pytest.param(
+        _new(Retry, escalation_wait=math.inf), "Retry.escalation_wait", "not inf", id="retry-wait-inf"
+    ),
+    pytest.param(
+        _new(Retry, escalation_wait=math.nan), "Retry.escalation_wait", "not nan", id="retry-wait-nan"
+    ),
+    pytest.param(
+        _new(Retry, escalation_wait=-1.0), "Retry.escalation_wait", "not -1.0", id="retry-wait-negative"
+    ),
+    pytest.param(
+        _new(Retry, escalation_wait="60"), "Retry.escalation_wait", "not '60'", id="retry-wait-text"
+    ),
+    # Step
+    pytest.param(_new(Step, "a", "svc.x", complete_by="5"), "complete_by", "not '5'", id="step-budget-text"),
+    pytest.param(
+        _new(Step, "a", "svc.x", complete_by=None), "complete_by", "not None", id="step-budget-none"
+    ),
+    pytest.param(
+        _new(Step, "a", "svc.x", complete_by=True), "complete_by", "not True", id="step-budget-bool"
+    ),
+    pytest.param(
+        _new(Step, "a", "svc.x", complete_by=math.nan), "complete_by", "not nan", id="step-budget-nan"
+    ),
+    pytest.param(_new(Step, "a", "svc.x", complete_by=0), "complete_by", "not 0", id="step-budget-zero"),
+    pytest.param(_new(Step, "a", "svc.x", retry=3), "retry", "not 3", id="step-retry-number"),
+    pytest.param(_new(Step, "a", "svc.x", retry=Backoff()), "retry", "not Backoff(", id="step-retry-backoff"),
+    pytest.param(
+        _new(Step, "a", "svc.x", on_error=["error"]), "on_error", "not ['error']", id="step-on-error-list"
+    ),
+    # Workflow (through App.workflow, as users define them)
+    pytest.param(_app_workflow([OK], version="2"), "version", "not '2'", id="workflow-version-text"),
+    pytest.param(_app_workflow([OK], version=1.5), "version", "not 1.5", id="workflow-version-float"),
+    pytest.param(_app_workflow([OK], version=math.nan), "version", "not nan", id="workflow-version-nan"),
+    pytest.param(_app_workflow([OK], version=True), "version", "not True", id="workflow-version-bool"),
+    pytest.param(_app_workflow([OK], version=0), "version", "not 0", id="workflow-version-zero"),
+    pytest.param(
+        _app_workflow([OK], version=2**31), "version", f"not {2**31}", id="workflow-version-too-big"
+    ),
+    pytest.param(_app_workflow(None), "steps", "not None", id="workflow-steps-none"),
+    pytest.param(_app_workflow("reserve"), "steps", "not 'reserve'", id="workflow-steps-text"),
+    pytest.param(_app_workflow(5), "steps", "not 5", id="workflow-steps-number"),
+    pytest.param(_app_workflow({"name": "a"}), "steps", "not {'name': 'a'}", id="workflow-steps-dict"),
+    pytest.param(
+        _app_workflow([{"name": "a", "operation": "svc.x"}]),
+        "step 1 must be a Step",
+        "not {'name': 'a', 'operation': 'svc.x'}",
+        id="workflow-steps-of-dicts",
+    ),
+    pytest.param(_app_workflow([OK, None]), "step 2 must be a Step", "not None", id="workflow-step-none"),
+    pytest.param(
+        _new(Workflow, "order", ["reserve"]),
+        "step 1 must be a Step",
+        "not 'reserve'",
+        id="workflow-direct-steps-of-text",
+    ),
+    # Agent options (through App.agent, which passes them to Agent)
+    pytest.param(_app_agent(concurrency=math.nan), "concurrency", "not nan", id="agent-concurrency-nan"),
+    pytest.param(_app_agent(concurrency=2.5), "concurrency", "not 2.5", id="agent-concurrency-float"),
+    pytest.param(_app_agent(concurrency=True), "concurrency", "not True", id="agent-concurrency-bool"),
+    pytest.param(_app_agent(concurrency="8"), "concurrency", "not '8'", id="agent-concurrency-text"),
+    pytest.param(
+        _app_agent(concurrency=2**31), "concurrency", f"not {2**31}", id="agent-concurrency-too-big"
+    ),
+    pytest.param(_app_agent(breaker_threshold=0), "breaker_threshold", "not 0", id="agent-threshold-zero"),
+    pytest.param(
+        _app_agent(breaker_threshold=-1), "breaker_threshold", "not -1", id="agent-threshold-negative"
+    ),
+    pytest.param(
+        _app_agent(breaker_threshold=2.0), "breaker_threshold", "not 2.0", id="agent-threshold-float"
+    ),
+    pytest.param(_app_agent(breaker_cool_off=-5), "breaker_cool_off", "not -5", id="agent-cool-off-negative"),
+    pytest.param(
+        _app_agent(breaker_cool_off=math.nan), "breaker_cool_off", "not nan", id="agent-cool-off-nan"
+    ),
+    pytest.param(
+        _app_agent(breaker_cool_off=math.inf), "breaker_cool_off", "not inf", id="agent-cool-off-inf"
+    ),
+    pytest.param(_app_agent(breaker_cool_off="5"), "breaker_cool_off", "not '5'", id="agent-cool-off-text"),
+    pytest.param(_app_agent(classify="transient"), "classify", "not 'transient'", id="agent-classify-text"),
+    # Agent.operation
+    pytest.param(_operation(5), "operation", "not 5", id="operation-number"),
+    pytest.param(_operation(None, name=None), "operation", "not None", id="operation-none-as-decorator"),
+    pytest.param(_operation("reserve"), "operation", "not 'reserve'", id="operation-name-given-as-fn"),
+    pytest.param(
+        _operation(functools.partial(_half, 10)), "name=", "has no __name__", id="operation-without-a-name"
+    ),
+]
+
+
+@pytest.mark.parametrize(("define", "parameter", "shown"), BAD)
+def test_a_bad_definition_is_one_input_error_naming_the_parameter_and_value(
+    define: Callable[[], object], parameter: str, shown: str
+) -> None:
+    with pytest.raises(InputError) as err:
+        result = define()
+        if callable(result):  # a decorator: what it is applied to is what is checked
+            result(None)
+    message = str(err.value)
+    assert parameter in message
+    assert shown in message  # "not <the bad value>"
+    assert "\n" not in message
+
+
+def test_a_refused_definition_registers_nothing() -> None:
+    app = App()
+    with pytest.raises(InputError, match="concurrency"):
+        app.agent("inventory", concurrency=math.nan)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="version"):
+        app.workflow("order", [OK], version="2")  # type: ignore[arg-type]
+    inventory = app.agent("inventory")  # the name is still free
+    with pytest.raises(InputError, match="operation"):
+        inventory.operation(5)  # type: ignore[arg-type]
+    assert app.workflows == {} and inventory.operations == {}
+    assert app.workflow("order", [Step("ship", "shipping.create")]).version == 1  # the name is free too
+
+
+# -- the nan back-off that left a task waiting --------------------------------------------------
+
+
+def test_a_nan_or_infinite_backoff_cannot_reach_a_workflow() -> None:
+    """The audit's case, ``Backoff(initial=nan)`` in a step's Retry, and its sibling the infinite
+    back-off, which left a failed step's task pending with ``run_at = inf`` and no complete-by,
+    never run again (see the stored-policy test below). Building the Backoff is now what fails,
+    so no workflow holding one is registered, submitted or run."""
+    app = App()
+    for bad in ({"initial": math.nan}, {"initial": math.inf, "maximum": math.inf}):
+        with pytest.raises(InputError, match=r"^invalid back-off: Backoff\.initial must be a finite number"):
+            app.workflow("order", [Step("reserve", "inventory.reserve", retry=Retry(backoff=Backoff(**bad)))])
+    assert app.workflows == {}
+
+
+def _fail_once_with_stored_policy(store: Store, policy: str) -> dict[str, Any]:
+    """Submit a one-step task, store ``policy`` as its step's (as an older version may have), fail its
+    first attempt with a transient error, apply the reply; the task row after that."""
+    wf = Workflow.of("order", [Step("reserve", "svc.do_reserve")])
+    task_id = store.transact_sync(
+        t.submit, wf, encode_input({}), correlation_id=None, idempotency_key=None, priority=0, reply_to=None
+    )[0]
+    store.transact_sync(lambda tx: tx.sql("UPDATE steps SET policy = ? WHERE task_id = ?", (policy, task_id)))
+    assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 1
+    for req in asyncio.run(store.claim_requests("agent", ["svc"], 10)):
+        asyncio.run(store.send_reply("agent", req.id, "transient", None, "boom"))
+    store.transact_sync(t.apply_replies, "sched", 10, random.Random(0))
+    rows = store.transact_sync(lambda tx: tx.sql("SELECT * FROM tasks WHERE id = ?", (task_id,)))
+    return dict(rows[0])
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        '{"max_failures": 1, "escalation": "wait", "escalation_wait": Infinity}',
+        '{"max_failures": 1, "escalation": "wait", "escalation_wait": NaN}',
+        '{"max_failures": 2, "backoff": {"initial": Infinity, "maximum": Infinity}}',
+    ],
+    ids=["wait-inf", "wait-nan", "backoff-inf"],
+)
+def test_a_policy_stored_before_the_checks_still_retries_after_a_finite_delay(
+    store: Store, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: run_at = inf (the task waited forever, pending, with no complete-by) or, for nan,
+    # an IntegrityError (NOT NULL tasks.run_at) that rolled back the batch of replies.
+    with caplog.at_level(logging.WARNING, logger="stepwarden.policies"):
+        task = _fail_once_with_stored_policy(store, policy)
+    assert task["state"] == "pending" and task["complete_by"] is None
+    assert math.isfinite(task["run_at"])
+    assert "takes its default" in caplog.text
+
+
+def test_stored_values_now_refused_take_their_defaults_field_by_field() -> None:
+    stored = Retry.from_dict(
+        {
+            "max_failures": 1.5,  # read as 1, as before
+            "tries": math.nan,
+            "backoff": {"initial": math.nan, "multiplier": 3.0, "maximum": 9.0, "jitter": 0.0},
+            "escalation": "wait",
+            "escalation_wait": math.inf,
+        }
+    )
+    assert stored == Retry(
+        max_failures=1,
+        tries=Retry().tries,
+        backoff=Backoff(initial=Backoff().initial, multiplier=3.0, maximum=9.0, jitter=0.0),
+        escalation="wait",
+        escalation_wait=Retry().escalation_wait,
+    )
+
+
+# -- None, and the edge values that stay valid -----------------------------------------------------
+
+
+def test_retry_none_means_the_default_policy() -> None:
+    step = Step("reserve", "inventory.reserve", retry=None)  # type: ignore[arg-type]
+    assert step.retry == Retry()
+    assert step.to_dict() == OK.to_dict()
+    assert App().workflow("order", [step]).steps[0].retry == Retry()
+
+
+def test_edge_values_are_accepted() -> None:
+    assert Backoff(initial=0, multiplier=1, maximum=0, jitter=0).delay(3, random.Random(0)) == 0.0
+    assert Backoff(initial=1e6, multiplier=1e3, maximum=1e9, jitter=1).delay(50) == 1e9
+    retry = Retry(max_failures=1, tries=1, escalation="wait", escalation_wait=0)
+    assert retry.after_failure(1, "error").delay == 0
+    assert Retry(max_failures=10**6, tries=10**4, escalation_wait=1e9).escalation_wait == 1e9
+    step = Step("a", "svc.x", complete_by=7 * 86400, retry=retry)
+    assert Step("b", "svc.y", complete_by=0.001).complete_by == 0.001
+    wf = Workflow.of("order", (s for s in [step]), version=MAX_INT)  # any iterable of steps
+    assert wf.steps == (step,) and wf.version == MAX_INT
+    assert Workflow("order", [step]).steps == (step,)  # type: ignore[arg-type]  # kept as a tuple
+    app = App()
+    agent = app.agent("inventory", concurrency=1, breaker_threshold=1, breaker_cool_off=0)
+    assert (agent.concurrency, agent.breaker_threshold, agent.breaker_cool_off) == (1, 1, 0)
+    big = app.agent("payments", concurrency=MAX_INT, breaker_threshold=MAX_INT, breaker_cool_off=1e9)
+    assert big.concurrency == MAX_INT
+
+    async def reserve(req: Request) -> None: ...
+
+    assert agent.operation(functools.partial(_half, 10), name="halve") is not None
+    assert agent.operation(name="booking")(reserve) is reserve
+    assert agent.operation(reserve) is reserve
+    assert sorted(agent.operations) == ["booking", "halve", "reserve"]
