@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ from typing import Any
 from .agent import Agent, default_classify
 from .alerts import AlertSink, ack_alert, as_sink
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import InputError, NotFound, UnknownWorkflow
+from .errors import InputError, NotFound, StoreError, UnknownWorkflow
 from .leader import LeaseSettings, Work, run_while_leader
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
 from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
@@ -196,24 +197,43 @@ class App:
         adapters); for that, pass a connection of your own.
 
         With ``connection`` (your own ``sqlite3`` or psycopg connection to the same database,
-        already inside your transaction): tasks are written in your transaction, and you commit
-        or roll back as usual.
+        already inside your transaction, or one its driver starts a transaction on): tasks are
+        written in your transaction, and you commit or roll back as usual. A connection in
+        autocommit mode outside a transaction is refused (:class:`InputError`) before anything
+        is written: the task would be committed statement by statement.
+
+        The block must not end the transaction itself (``COMMIT`` or ``ROLLBACK``, in SQL or on
+        the connection): that raises :class:`StoreError` (at once through ``tx.execute``, else at
+        the next ``tx.submit`` or when the block ends), and nothing of stepwarden's is written
+        after it. A PostgreSQL transaction aborted by a failed statement that the block caught
+        raises it too when the block ends: it could commit nothing. On SQLite a block inside
+        another one on the same database in the same thread is refused at once
+        (:class:`InputError`): it would wait for the write lock the outer block holds.
         """
         store = self.store
         if connection is not None:
-            tx = store.tx_on(connection)
-            yield AppTransaction(self, connection, tx)
-            tx.flush()  # the events and messages kept for the end of the block
+            tx = store.tx_on(connection)  # refuses a connection in autocommit mode
+            block = AppTransaction(self, connection, tx)
+            yield block
+            block._check_end()
+            tx.flush()  # anything kept for the end of the block (each submission wrote its own)
             if hasattr(tx, "send_notifications"):
                 tx.send_notifications()  # delivered when the caller commits
             return
         with store.lend() as conn:
             store.begin(conn)
             tx = store.tx_on(conn)
+            block = AppTransaction(self, conn, tx)
             try:
-                yield AppTransaction(self, conn, tx)
-            except BaseException:
-                store.rollback(conn)
+                yield block
+                block._check_end()
+            except BaseException as e:
+                if _in_transaction(conn):
+                    store.rollback(conn)
+                elif block._opened and not block._reported:
+                    # Ended inside the block (a ROLLBACK on SQLite, after it nothing to undo): the
+                    # caller's own exception goes on, with a word on what that end did.
+                    e.add_note(f"stepwarden: {block._ended()}")
                 raise
             store.commit(conn, tx)
 
@@ -311,22 +331,39 @@ class AppTransaction:
         self.app = app
         self.connection = conn
         self._tx = tx
+        # Whether the block's transaction has begun (psycopg begins one with the first statement,
+        # as sqlite3 does with the first write when it manages transactions itself): found ended
+        # after that, the caller ended it.
+        self._opened = _in_transaction(conn)
+        self._submitted: list[int] = []  # the tasks this block created
+        self._reported = False  # the end was raised as a StoreError already
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         """Your SQL in this transaction, with the driver's placeholders (``?`` sqlite3, ``%s`` psycopg).
+        A statement that ends the transaction (``COMMIT``, ``ROLLBACK``) raises :class:`StoreError`.
 
         On PostgreSQL it is never prepared on the server: a lent session outlives the block, and
         a statement psycopg had prepared on it would fail ("cached plan must not change result
         type") once your schema changed under it."""
+        conn = self.connection
+        was_open = _in_transaction(conn)
+        if self._opened and not was_open:
+            raise self._ended_error()  # ended on the connection itself: this would run outside it
         if self.app.store.dialect != "postgres":
-            return self.connection.execute(sql, params)
-        try:
-            return self.connection.execute(sql, params, prepare=False)
-        except Exception as e:
-            # The likeliest slip of code moved from SQLite: the error stays psycopg's own.
-            if params and "?" in sql and "placeholder" in str(e):
-                e.add_note("stepwarden: on PostgreSQL tx.execute takes psycopg's %s placeholders, not ?")
-            raise
+            out = conn.execute(sql, params)
+        else:
+            try:
+                out = conn.execute(sql, params, prepare=False)
+            except Exception as e:
+                # The likeliest slip of code moved from SQLite: the error stays psycopg's own.
+                if params and "?" in sql and "placeholder" in str(e):
+                    e.add_note("stepwarden: on PostgreSQL tx.execute takes psycopg's %s placeholders, not ?")
+                raise
+        if _in_transaction(conn):
+            self._opened = True
+        elif was_open:  # this statement ended it: stopped here, what follows would run outside it
+            raise self._ended_error()
+        return out
 
     def submit(
         self,
@@ -339,10 +376,78 @@ class AppTransaction:
         reply_to: str | None = None,
     ) -> int:
         text, kw = self.app._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
+        if self._opened and not _in_transaction(self.connection):
+            raise self._ended_error()  # ended on the connection itself: nothing written after it
         wf = self.app.workflows.get(workflow)
         if wf is None:  # look it up inside this transaction: another connection would wait on our lock
             row = self._tx.one("get_workflow", name=workflow)
             if row is None:
                 raise UnknownWorkflow(f"unknown workflow {workflow!r}")
             wf = Workflow.from_dict(json.loads(row["definition"]))
-        return transitions.submit(self._tx, wf, text, **kw)[0]
+        task_id, created = transitions.submit(self._tx, wf, text, **kw)
+        # The task's received event and message written now, not kept for the commit: a COMMIT
+        # the caller's code sends on the connection commits whole tasks, and nothing of ours
+        # is left to write once the transaction has ended.
+        self._tx.flush()
+        self._opened = self._opened or _in_transaction(self.connection)
+        if created:
+            self._submitted.append(task_id)
+        return task_id
+
+    def _check_end(self) -> None:
+        """At the end of the block, before anything of ours is sent: the transaction is still open."""
+        conn = self.connection
+        if _aborted(conn):
+            raise StoreError(
+                "a statement inside the block failed and PostgreSQL aborted the transaction, so none"
+                " of it can commit; nothing was submitted (to go on after a failed statement, run it"
+                " after a SAVEPOINT and ROLLBACK TO that savepoint)"
+            )
+        if self._opened and not _in_transaction(conn):
+            raise self._ended_error()
+
+    def _ended_error(self) -> StoreError:
+        self._reported = True
+        return StoreError(self._ended())
+
+    def _ended(self) -> str:
+        """What ending the transaction inside the block did to the tasks it had submitted."""
+        what = "the transaction was ended inside the block (COMMIT or ROLLBACK)"
+        if not self._submitted:
+            return f"{what}; nothing was submitted"
+        try:
+            committed = self._committed()
+        except Exception as e:  # the connection may be gone with its transaction
+            ids = ", ".join(map(str, self._submitted))
+            return f"{what}; whether it committed the tasks submitted before it ({ids}) is unknown: {e!r}"
+        if not committed:
+            return f"{what}; nothing was submitted"
+        tasks = f"task {committed[0]}" if len(committed) == 1 else f"tasks {', '.join(map(str, committed))}"
+        return f"{what}; it committed what the block had written before it, {tasks} included"
+
+    def _committed(self) -> list[int]:
+        """Which of the block's tasks exist, read on its connection (the transaction has ended;
+        on PostgreSQL the read begins one, ended here: with the tasks' wake-up hints when they
+        were committed)."""
+        ids = self._submitted
+        marks = ", ".join("?" for _ in ids)
+        rows = self._tx.sql(f"SELECT id FROM tasks WHERE id IN ({marks}) ORDER BY id", tuple(ids))
+        found = [int(r["id"]) for r in rows]
+        if _in_transaction(self.connection):
+            if found and hasattr(self._tx, "send_notifications"):
+                self.app.store.commit(self.connection, self._tx)
+            else:
+                self.app.store.rollback(self.connection)
+        return found
+
+
+def _in_transaction(conn: Any) -> bool:
+    """Whether the block's connection (``sqlite3`` or psycopg) is inside a transaction now."""
+    if isinstance(conn, sqlite3.Connection):
+        return conn.in_transaction
+    return str(conn.info.transaction_status.name) != "IDLE"
+
+
+def _aborted(conn: Any) -> bool:
+    """Whether a PostgreSQL transaction was aborted by a failed statement: COMMIT would roll it back."""
+    return not isinstance(conn, sqlite3.Connection) and str(conn.info.transaction_status.name) == "INERROR"

@@ -628,6 +628,12 @@ class PostgresStore(Store):
         """A :class:`Tx` over the caller's psycopg connection, inside the caller's transaction (SUB2)."""
         if psycopg is None or not isinstance(conn, psycopg.Connection):
             raise TypeError("the PostgreSQL store needs a psycopg (3) connection to the same database")
+        if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            raise InputError(
+                "app.transaction(connection): the psycopg connection is in autocommit mode and not"
+                " inside a transaction, so each statement would commit on its own; open one first"
+                " (with conn.transaction(): ...), or connect with autocommit=False"
+            )
         self._begin(conn, session=())  # the fake clock's time; a caller's session is its own
         return PgTx(conn, self.queries, set(), prepare=self.prepare, caller_managed=True)
 

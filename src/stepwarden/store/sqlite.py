@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import MigrationError
+from ..errors import InputError, MigrationError
 from .base import DEFERRED, WORK_CHANNELS, AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations
@@ -149,6 +149,8 @@ class SQLiteStore(Store):
         self._all: list[sqlite3.Connection] = []
         self._idle: list[sqlite3.Connection] = []  # kept for callers' transactions (lend)
         self._pristine: tuple[Any, ...] | None = None  # CALLER_PRAGMAS of a new connection
+        # The file as lend() knows it in _BLOCKS (one file may have several stores, one per App).
+        self._file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._closed = False
         self._lock = threading.Lock()
         if migrate:
@@ -174,16 +176,32 @@ class SQLiteStore(Store):
         one comes back into use only as :meth:`connect` made it: anything the caller's block left
         on it that we do not set back (an open transaction, a temporary table, an attached
         database, a setting of :data:`CALLER_PRAGMAS` unlike a new connection's, a closed
-        connection) closes it instead."""
+        connection) closes it instead.
+
+        A block inside another block on the same file in the same thread is refused at once:
+        it would wait for the outer block's write lock, which its own thread holds, until
+        ``busy_timeout``, and then fail with "database is locked"."""
+        blocks: set[str] = _BLOCKS.__dict__.setdefault("files", set())
+        if self._file in blocks:
+            raise InputError(
+                "app.transaction() inside another app.transaction() block on the same SQLite"
+                " database, in the same thread: it would wait for the write lock the outer block"
+                " holds; use the outer block's tx inside it, or open this block after it"
+            )
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = self.connect()
             if self._pristine is None:
                 self._pristine = _pragmas(conn)
+        file = self._file
+        if file is not None:
+            blocks.add(file)
         try:
             yield conn
         finally:
+            if file is not None:
+                blocks.discard(file)
             if not self._keep(conn):
                 with contextlib.suppress(sqlite3.Error):
                     conn.close()
@@ -249,6 +267,17 @@ class SQLiteStore(Store):
         """A :class:`Tx` over a connection whose transaction the caller manages (SUB2)."""
         if not isinstance(conn, sqlite3.Connection):
             raise TypeError("the SQLite store needs a sqlite3.Connection to the same database file")
+        if not conn.in_transaction and (
+            getattr(conn, "autocommit", None) is True or conn.isolation_level is None
+        ):
+            # sqlite3 would begin no transaction: each of our statements would commit on its own,
+            # and stay whatever the block did next (without isolation_level=None, sqlite3 begins
+            # one before the first write, and the caller commits it as usual).
+            raise InputError(
+                "app.transaction(connection): the sqlite3 connection is in autocommit mode"
+                " (isolation_level=None) and not inside a transaction, so each statement would"
+                " commit on its own; run BEGIN on it first"
+            )
         conn.create_function("sw_now", 0, self.clock.wall)
         return SqliteTx(conn, self.queries, caller_managed=True)
 
@@ -399,6 +428,8 @@ class SQLiteStore(Store):
 
 
 CALLER_IDLE_MAX = 4  # connections kept for callers' transactions between their blocks
+# Per thread, the SQLite files (real paths) on which it has an app.transaction() block open.
+_BLOCKS = threading.local()
 # The settings that live on a connection and that a caller's block could change (locking_mode
 # EXCLUSIVE would keep the write lock; ignore_check_constraints would let the next block break a
 # CHECK): read back when it is given back, each must be as on a new connection of ours (~70 µs

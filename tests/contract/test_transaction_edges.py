@@ -1,0 +1,232 @@
+"""``app.transaction()`` at its edges, on both stores: a block that ends its transaction itself
+(COMMIT or ROLLBACK), a caller's connection in autocommit mode, a block inside a block, a
+PostgreSQL transaction aborted by a statement the block caught. Each time the user gets one clear
+error (or their own exception) and the database holds nothing of the block but what a COMMIT of
+theirs committed, and that whole."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from test_transactions import make_app, ph  # the same one-step order app
+
+from stepwarden import App, InputError, StoreError
+
+TABLES = ("tasks", "steps", "events", "messages", "orders")
+NOTHING = dict.fromkeys(TABLES, 0)
+ROLLED_BACK = r"the transaction was ended inside the block \(COMMIT or ROLLBACK\); nothing was submitted$"
+# A task committed whole: its row, its one step, its received event and reply-queue message.
+ONE_WHOLE_TASK = {"tasks": 1, "steps": 1, "events": 1, "messages": 1}
+
+
+@pytest.fixture
+def app(store_url: str) -> Iterator[App]:
+    a = make_app(store_url)
+    with a.transaction() as tx:
+        tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY)")
+    yield a
+    a.close()
+
+
+def counts(app: App) -> dict[str, int]:
+    """The rows of each table, read by the store on its own connection."""
+
+    def read(tx: Any) -> dict[str, int]:
+        return {t: int(tx.sql(f"SELECT COUNT(*) AS n FROM {t}")[0]["n"]) for t in TABLES}
+
+    return app.store.transact_sync(read)
+
+
+def insert_order(tx: Any, order: str) -> None:
+    tx.execute(f"INSERT INTO orders (id) VALUES ({ph(tx.app)})", (order,))
+
+
+def own_connection(store_url: str, *, autocommit: bool) -> Any:
+    """The caller's own connection: in autocommit mode, or one whose driver begins a transaction
+    before the first write (sqlite3) or statement (psycopg)."""
+    if store_url.startswith("sqlite:///"):
+        return sqlite3.connect(
+            store_url[len("sqlite:///") :], isolation_level=None if autocommit else "DEFERRED"
+        )
+    return psycopg.connect(store_url, autocommit=autocommit)
+
+
+def end_on_the_connection(conn: Any, how: str) -> None:
+    """COMMIT or ROLLBACK sent on the connection itself, past ``tx.execute``."""
+    if isinstance(conn, sqlite3.Connection):
+        conn.execute(how)
+    else:
+        conn.commit() if how == "COMMIT" else conn.rollback()
+
+
+# -- the block ends its transaction itself ------------------------------------------------------
+
+
+def test_a_rollback_inside_the_block_is_an_error_and_writes_nothing(app: App) -> None:
+    """The caller's ROLLBACK ended the transaction: nothing of ours is written after it (SQLite
+    wrote the task's received event and message then, each committing on its own; PostgreSQL went
+    on in a new transaction and returned the id of a task that did not exist)."""
+    with pytest.raises(StoreError, match=ROLLED_BACK), app.transaction() as tx:
+        insert_order(tx, "o-1")
+        tx.submit("order", {"order": "o-1"}, correlation_id="o-1", reply_to="web")
+        tx.execute("ROLLBACK")
+        insert_order(tx, "o-2")  # would commit on its own: the block stops at the ROLLBACK
+    assert counts(app) == NOTHING
+    with app.transaction() as tx:  # the next block is whole again
+        insert_order(tx, "o-3")
+        tx.submit("order", {"order": "o-3"}, reply_to="web")
+    assert counts(app) == {**ONE_WHOLE_TASK, "orders": 1}
+
+
+@pytest.mark.parametrize("then", ["ends", "submits again"])
+def test_a_rollback_on_the_connection_itself_fails_the_block_and_writes_nothing(app: App, then: str) -> None:
+    """Past ``tx.execute`` (``tx.connection``) the end is found at the next submission or when
+    the block ends, before anything of ours is written."""
+    with pytest.raises(StoreError, match=ROLLED_BACK), app.transaction() as tx:
+        insert_order(tx, "o-1")
+        tx.submit("order", {"order": "o-1"}, reply_to="web")
+        end_on_the_connection(tx.connection, "ROLLBACK")
+        if then == "submits again":
+            tx.submit("order", {"order": "o-2"}, reply_to="web")  # would commit on its own
+    assert counts(app) == NOTHING
+
+
+def test_a_commit_inside_the_block_stops_it_there_having_committed_whole_tasks(app: App) -> None:
+    """What a COMMIT of the caller's committed cannot be taken back: the error says so and names
+    the task, which is whole (its step, its received event and message), and nothing after the
+    COMMIT runs."""
+    with pytest.raises(StoreError, match=r"ended inside the block") as raised, app.transaction() as tx:
+        insert_order(tx, "o-1")
+        task_id = tx.submit("order", {"order": "o-1"}, reply_to="web")
+        tx.execute("COMMIT")
+        insert_order(tx, "o-2")
+    assert f"committed what the block had written before it, task {task_id} included" in str(raised.value)
+    assert counts(app) == {**ONE_WHOLE_TASK, "orders": 1}
+    assert app.task(task_id)["state"] == "pending"
+
+
+def test_the_callers_exception_after_a_commit_inside_the_block_is_the_one_raised(app: App) -> None:
+    """The block raised after its own COMMIT: the caller's exception propagates (SQLite raised
+    "cannot rollback - no transaction is active" instead), with a note on what the COMMIT did;
+    the task it committed is whole (SQLite had kept its received event and message for the end
+    of the block, and lost them)."""
+    with pytest.raises(RuntimeError, match="the caller's own failure") as raised, app.transaction() as tx:
+        task_id = tx.submit("order", {"order": "o-1"}, reply_to="web")
+        end_on_the_connection(tx.connection, "COMMIT")
+        raise RuntimeError("the caller's own failure")
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("ended inside the block" in n and f"task {task_id} included" in n for n in notes), notes
+    assert counts(app) == {**ONE_WHOLE_TASK, "orders": 0}
+
+
+# -- the caller's own connection ----------------------------------------------------------------
+
+
+def test_a_connection_in_autocommit_mode_is_refused_before_anything_is_written(
+    app: App, store_url: str
+) -> None:
+    conn = own_connection(store_url, autocommit=True)
+    try:
+        with pytest.raises(InputError, match="autocommit mode"), app.transaction(conn) as tx:
+            tx.submit("order", {"order": "o-1"}, reply_to="web")
+            raise RuntimeError("the block failed after submitting")
+        assert counts(app) == NOTHING, "the task stayed, written statement by statement"
+        # In a transaction it opened itself, the same connection is welcome.
+        conn.execute("BEGIN")
+        with app.transaction(conn) as tx:
+            tx.submit("order", {"order": "o-2"}, reply_to="web")
+        conn.execute("ROLLBACK")
+        assert counts(app) == NOTHING
+    finally:
+        conn.close()
+    # One whose driver begins the transaction (at the first write, or the first statement) is
+    # welcome too, and the caller commits or rolls back as usual.
+    conn = own_connection(store_url, autocommit=False)
+    try:
+        for end in (conn.rollback, conn.commit):
+            with app.transaction(conn) as tx:
+                tx.submit("order", {"order": "o-3"}, reply_to="web")
+            end()
+        assert counts(app) == {**ONE_WHOLE_TASK, "orders": 0}
+    finally:
+        conn.close()
+
+
+# -- a block inside a block ---------------------------------------------------------------------
+
+
+def test_sqlite_a_block_inside_a_block_fails_at_once(tmp_path: Any) -> None:
+    """The inner block would wait for the write lock its own thread holds, until busy_timeout
+    (30 s), then fail with "database is locked"; the outer block is rolled back with it. So does
+    a block of another App on the same file. (On PostgreSQL an inner block is a transaction of
+    its own: test_lent_connections.)"""
+    path = tmp_path / "store.db"
+    app, other = make_app(f"sqlite:///{path}"), make_app(f"sqlite:///{path}")
+    try:
+        with app.transaction() as tx:
+            tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY)")
+        for inner in (app, other):
+            inner.store.busy_timeout = 3.0  # type: ignore[attr-defined]  # the old wait, shorter
+            started = time.monotonic()
+            with (
+                pytest.raises(InputError, match=r"inside another app\.transaction\(\) block"),
+                app.transaction() as tx,
+            ):
+                insert_order(tx, "o-1")
+                tx.submit("order", {"order": "o-1"}, reply_to="web")
+                with inner.transaction() as nested:
+                    nested.submit("order", {"order": "o-2"})
+            assert time.monotonic() - started < 1.0, "waited for the lock"
+            assert counts(app) == NOTHING
+        with app.transaction() as tx:  # one after the other, as ever
+            tx.submit("order", {"order": "o-3"}, reply_to="web")
+        with other.transaction() as tx:
+            tx.submit("order", {"order": "o-4"}, reply_to="web")
+        assert counts(app)["tasks"] == 2
+    finally:
+        app.close()
+        other.close()
+
+
+# -- PostgreSQL: a transaction aborted by a failed statement ------------------------------------
+
+
+def test_postgres_a_failed_statement_the_block_caught_fails_the_block(pg_url: str) -> None:
+    """PostgreSQL aborts the transaction at a failed statement; its COMMIT then rolls back without
+    an error, and the block returned the id of a task that never existed."""
+    app = make_app(pg_url)
+    try:
+        with app.transaction() as tx:
+            tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY)")
+        with pytest.raises(StoreError, match="aborted the transaction"), app.transaction() as tx:
+            insert_order(tx, "o-1")
+            tx.submit("order", {"order": "o-1"}, reply_to="web")
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                tx.execute("SELECT 1 / 0")
+        assert counts(app) == NOTHING
+        conn = psycopg.connect(pg_url)
+        try:
+            with pytest.raises(StoreError, match="aborted the transaction"), app.transaction(conn) as tx:
+                tx.submit("order", {"order": "o-2"})
+                with contextlib.suppress(psycopg.errors.DivisionByZero):
+                    tx.execute("SELECT 1 / 0")
+        finally:
+            conn.close()
+        assert counts(app) == NOTHING
+        with app.transaction() as tx:  # a statement that may fail, under a savepoint: as usual
+            insert_order(tx, "o-3")
+            task_id = tx.submit("order", {"order": "o-3"}, reply_to="web")
+            tx.execute("SAVEPOINT maybe")
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                tx.execute("SELECT 1 / 0")
+            tx.execute("ROLLBACK TO SAVEPOINT maybe")
+        assert counts(app) == {**ONE_WHOLE_TASK, "orders": 1}
+        assert app.task(task_id)["state"] == "pending"
+    finally:
+        app.close()
