@@ -27,6 +27,7 @@ from .errors import InputError, NotFound, StepwardenError
 from .replies import Replies
 from .store import FINAL_TASK_STATES, TASK_STATES, Store, Tx, open_existing, open_store, resolve_url, views
 from .store import transitions as tr
+from .store.base import read_only
 from .supervisor import SupervisorSettings
 from .worker import ROLES, WorkerSettings, parse_list
 from .workflow import DEFAULT_MAX_INPUT_BYTES, check_key, check_name, parse_input
@@ -328,6 +329,7 @@ def tasks(
         total = len(rows)
     else:  # a person reads the end of the list; --json (for scripts) keeps the whole of it
 
+        @read_only
         def newest(tx: Tx) -> tuple[list[dict[str, Any]], int]:
             rows = views.list_tasks(tx, state, TABLE_ROWS, correlation_id=correlation_id, newest=True)
             more = len(rows) == TABLE_ROWS

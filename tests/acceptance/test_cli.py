@@ -364,6 +364,33 @@ def test_a_read_only_postgres_role_can_run_the_read_commands(make_pg_db: Any, tm
             admin.execute(f"DROP ROLE {role}")
 
 
+def test_read_commands_do_not_wait_for_a_writer_on_sqlite(tmp_path: Path) -> None:
+    """A worker holding SQLite's write lock (a long transaction, a stuck process) does not hold up
+    an operator who is looking: the read commands read the last committed state at once."""
+    db = make_db(tmp_path)
+    tid = db.submit(order("r-1"), "--correlation-id", "r-1")
+    holder = sqlite3.connect(db.path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("UPDATE tasks SET correlation_id = 'uncommitted' WHERE id = ?", (tid,))
+    try:
+        for args in (
+            ("tasks",),
+            ("task", "show", str(tid)),
+            ("leases",),
+            ("alerts",),
+            ("workers",),
+            ("agents",),
+        ):
+            r = db.sw(*args, "--json", timeout=20)
+            assert r.returncode == 0 and r.elapsed < 5, str(r)
+        assert [t["correlation_id"] for t in db.json("tasks", "--json")] == ["r-1"]
+        watch = db.sw("watch", str(tid), "--timeout", "0.5", timeout=20)
+        assert watch.elapsed < 5 and "received" in watch.stdout, str(watch)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
 def test_read_commands_accept_the_sqlite_url_options(tmp_path: Path) -> None:
     """The path check looks at the file, not at the URL's ``?synchronous=`` option."""
     db = make_db(tmp_path, "opts.db")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -362,3 +363,38 @@ def test_store_trouble_is_a_clear_503(scene: Scene, monkeypatch: pytest.MonkeyPa
         r = c.get("/")
         assert r.status_code == 503 and "could not be read" in r.text
         assert c.get("/tasks").status_code == 200
+
+
+def test_sqlite_pages_and_metrics_do_not_wait_for_a_writer(tmp_path: Path) -> None:
+    """Reads run in a deferred transaction: while a worker holds SQLite's write lock (here, for
+    as long as the test likes), every page still answers at once from the last committed state.
+    (PostgreSQL's readers never wait for writers.)"""
+    import sqlite3
+    import time
+
+    from stepwarden.store import open_store
+    from stepwarden.store.core import _register
+
+    from .conftest import WORKFLOW
+
+    path = tmp_path / "pages.db"
+    store = open_store(f"sqlite:///{path}")
+    store.transact_sync(_register, [WORKFLOW], "dashboard-test")
+    scene = Scene(store, f"sqlite:///{path}")
+    tid = scene.submit("order-1")
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("UPDATE tasks SET correlation_id = 'uncommitted' WHERE id = ?", (tid,))
+    try:
+        with make_client(scene) as client:
+            for page in ("/", "/tasks", f"/tasks/{tid}", "/alerts", "/leases", "/workers", "/metrics"):
+                t0 = time.monotonic()
+                r = client.get(page)
+                assert r.status_code == 200, (page, r.status_code)
+                assert time.monotonic() - t0 < 5, f"{page} waited for the write lock"
+            assert "order-1" in client.get(f"/tasks/{tid}").text
+            assert "uncommitted" not in client.get("/tasks").text
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        store.close()

@@ -12,18 +12,21 @@ from ..errors import NotFound
 from ..metrics import breaker_state
 from ..store import TASK_STATES, Tx, views
 from ..store import agents as store_agents
+from ..store.base import read_only
 from ..store.views import iso
 
 PAGE = 50
 MAX_ID = 2**62
 
 
+@read_only
 def now(tx: Tx) -> float:
     row = tx.one("now")
     assert row is not None
     return float(row["now"])
 
 
+@read_only
 def task_list(tx: Tx, state: str | None, query: str | None, before: int | None) -> dict[str, Any]:
     """Tasks newest first: by state, and by a search that matches a task id or a correlation id
     (exactly or as a prefix)."""
@@ -75,6 +78,7 @@ def task_list(tx: Tx, state: str | None, query: str | None, before: int | None) 
     }
 
 
+@read_only
 def task_detail(tx: Tx, task_id: int) -> dict[str, Any]:
     """The task with, per step, its attempts (owners, complete-by, outcome, the reply's error) and
     the events about it, and the task's own events."""
@@ -109,6 +113,7 @@ def task_detail(tx: Tx, task_id: int) -> dict[str, Any]:
     return task
 
 
+@read_only
 def alert_list(tx: Tx, unacked_only: bool) -> dict[str, Any]:
     sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
     if unacked_only:
@@ -132,6 +137,7 @@ def ack_alert(tx: Tx, alert_id: int, actor: str) -> bool:
     return bool(changed)
 
 
+@read_only
 def lease_list(tx: Tx) -> dict[str, Any]:
     terms = [
         dict(t, acquired_at=iso(t["acquired_at"]), ended_at=iso(t["ended_at"]))
@@ -149,6 +155,7 @@ def lease_list(tx: Tx) -> dict[str, Any]:
     return {"leases": leases, "terms": terms, "now": t}
 
 
+@read_only
 def worker_list(tx: Tx) -> dict[str, Any]:
     t = now(tx)
     live = views.list_workers(tx)
@@ -178,6 +185,7 @@ def worker_list(tx: Tx) -> dict[str, Any]:
     }
 
 
+@read_only
 def overview(tx: Tx) -> dict[str, Any]:
     """Backlog and the system at a glance (the throughput series comes from the metrics tally)."""
     counts = views.state_counts(tx)

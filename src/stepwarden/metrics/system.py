@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from ..store import TASK_STATES, Store, Tx, views
 from ..store import agents as store_agents
+from ..store.base import read_only
 from .common import BREAKER_VALUE, FINAL_STATES, LATENCY_BUCKETS, breaker_state, counter, labelled
 from .tally import EventTally, db_now
 
@@ -101,6 +102,7 @@ class StoreMetrics(Collector):
         )
         self.registry.register(self)
 
+    @read_only
     def refresh(self, tx: Tx) -> StoreSnapshot:
         snap, replies = read_snapshot(tx, self.tally)
         for r in replies:

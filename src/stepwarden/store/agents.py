@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import RequestMsg, Row, Tx
+from .base import RequestMsg, Row, Tx, read_only
 from .core import _claim_requests
 from .transitions import alert, event
 from .views import iso
@@ -261,6 +261,7 @@ def _breaker(tx: Tx, agent: str) -> BreakerView | None:
 # -- views for operators (CLI, dashboard, metrics) ---------------------------------------------------
 
 
+@read_only
 def list_agents(tx: Tx, include_stopped: bool = False) -> dict[str, list[dict[str, Any]]]:
     """``{"breakers": [...], "instances": [...]}``: each agent's shared breaker, and every live
     agent instance with its capacity, health, requests in flight and last success and failure

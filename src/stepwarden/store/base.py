@@ -8,8 +8,20 @@ the transaction discipline (``BEGIN IMMEDIATE`` on SQLite).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def read_only(fn: F) -> F:
+    """Marks a transaction function that only reads. On SQLite it runs in a deferred transaction,
+    which under WAL reads a snapshot without waiting for the write lock: an operator's command or
+    a dashboard page is neither held up by a long write nor holds up the workers' writes. It must
+    not write (a deferred transaction that tries may fail at once with SQLITE_BUSY)."""
+    fn.stepwarden_read_only = True  # type: ignore[attr-defined]
+    return fn
 
 
 def redact_url(url: str) -> str:

@@ -251,8 +251,13 @@ class SQLiteStore(Store):
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> R:
-        """One ``BEGIN IMMEDIATE`` transaction on ``conn``: commit on return, roll back on error."""
-        self.begin(conn)
+        """One ``BEGIN IMMEDIATE`` transaction on ``conn``: commit on return, roll back on error.
+        A function marked :func:`~stepwarden.store.base.read_only` runs in a deferred one instead:
+        under WAL it reads a snapshot and never waits for, nor holds, the write lock."""
+        if getattr(fn, "stepwarden_read_only", False):
+            conn.execute("BEGIN")
+        else:
+            self.begin(conn)
         try:
             tx = SqliteTx(conn, self.queries)
             out = fn(tx, *args, **kwargs)

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..errors import NotFound
-from .base import TASK_STATES, Row, Tx
+from .base import TASK_STATES, Row, Tx, read_only
 
 TASK_COLS = (
     "id, workflow, workflow_version, state, correlation_id, idempotency_key, reply_to, priority, "
@@ -44,6 +44,7 @@ def _step(row: Row) -> dict[str, Any]:
     return out
 
 
+@read_only
 def list_tasks(
     tx: Tx,
     state: str | None = None,
@@ -77,6 +78,7 @@ def list_tasks(
     return [_task(t, by_task[t["id"]]) for t in tasks]
 
 
+@read_only
 def count_tasks(tx: Tx, state: str | None = None, correlation_id: str | None = None) -> int:
     """How many tasks :func:`list_tasks` would list with no limit."""
     where, params = _task_filter(state, None, correlation_id)
@@ -103,6 +105,7 @@ def _task_filter(
     return where, params
 
 
+@read_only
 def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
     rows = tx.sql(f"SELECT {TASK_COLS}, input FROM tasks WHERE id = ?", (task_id,))
     if not rows:
@@ -148,6 +151,7 @@ def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
     return out
 
 
+@read_only
 def list_alerts(tx: Tx, include_acked: bool = True) -> list[dict[str, Any]]:
     """Alerts, oldest first, each with ``deliveries``: what became of it at each alert sink."""
     sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
@@ -174,6 +178,7 @@ def list_alerts(tx: Tx, include_acked: bool = True) -> list[dict[str, Any]]:
     return out
 
 
+@read_only
 def list_leases(tx: Tx) -> list[dict[str, Any]]:
     return [
         dict(
@@ -187,6 +192,7 @@ def list_leases(tx: Tx) -> list[dict[str, Any]]:
     ]
 
 
+@read_only
 def state_counts(tx: Tx, correlation_prefix: str | None = None) -> dict[str, int]:
     if correlation_prefix is None:
         rows = tx.sql("SELECT state, COUNT(*) AS n FROM tasks GROUP BY state")
@@ -198,15 +204,18 @@ def state_counts(tx: Tx, correlation_prefix: str | None = None) -> dict[str, int
     return {r["state"]: int(r["n"]) for r in rows}
 
 
+@read_only
 def event_counts(tx: Tx, since_id: int = 0) -> dict[str, int]:
     rows = tx.sql("SELECT kind, COUNT(*) AS n FROM events WHERE id > ? GROUP BY kind", (since_id,))
     return {r["kind"]: int(r["n"]) for r in rows}
 
 
+@read_only
 def max_event_id(tx: Tx) -> int:
     return int(tx.sql("SELECT COALESCE(MAX(id), 0) AS m FROM events")[0]["m"])
 
 
+@read_only
 def events_after(tx: Tx, task_id: int, after: int) -> list[Row]:
     return tx.sql(
         "SELECT id, kind, step_idx, attempt, actor, detail, at FROM events WHERE task_id = ? AND id > ? "
@@ -215,6 +224,7 @@ def events_after(tx: Tx, task_id: int, after: int) -> list[Row]:
     )
 
 
+@read_only
 def messages_after(tx: Tx, queue: str, after: int, limit: int = 500) -> list[Row]:
     return tx.sql(
         "SELECT id, task_id, correlation_id, kind, body, created_at FROM messages WHERE queue = ? AND id > ? "
@@ -223,11 +233,13 @@ def messages_after(tx: Tx, queue: str, after: int, limit: int = 500) -> list[Row
     )
 
 
+@read_only
 def task_state(tx: Tx, task_id: int) -> str | None:
     rows = tx.sql("SELECT state FROM tasks WHERE id = ?", (task_id,))
     return str(rows[0]["state"]) if rows else None
 
 
+@read_only
 def list_workers(tx: Tx, include_stopped: bool = False) -> list[dict[str, Any]]:
     """Worker processes with their roles, agents, last heartbeat and breaker states (AGT3)."""
     sql = "SELECT id, roles, agents, started_at, heartbeat_at, stopped_at, breakers FROM workers"
