@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -239,10 +240,13 @@ class App:
 
     # -- results -------------------------------------------------------------------------------
     def task(self, task_id: int) -> dict[str, Any]:
-        return self.store.transact_sync(views.show_task, task_id)
+        return self.store.transact_sync(views.show_task, _task_id(task_id))
 
     def wait(self, task_id: int, timeout: float = 30.0, poll: float = 0.05) -> dict[str, Any]:
         """Block until the task is final; returns its view. Raises TimeoutError otherwise."""
+        task_id, timeout = _task_id(task_id), _seconds("timeout", timeout)
+        if _seconds("poll", poll) <= 0:
+            raise InputError(f"poll must be a number of seconds > 0, not {poll!r}")
         end = time.monotonic() + timeout
         while True:
             state = self.store.transact_sync(views.task_state, task_id)
@@ -259,10 +263,12 @@ class App:
         when it has a reply queue, else from its rows. ``TimeoutError`` if it is not final in time.
 
         A task in ``error`` is final until an operator retries it; then wait again."""
-        return wait_for_result_sync(self.store, task_id, timeout)
+        return wait_for_result_sync(self.store, _task_id(task_id), _seconds("timeout", timeout))
 
     async def wait_for_result_async(self, task_id: int, timeout: float = 30.0) -> TaskResult:
-        return await wait_for_result(self.store, task_id, timeout, clock=self.clock)
+        return await wait_for_result(
+            self.store, _task_id(task_id), _seconds("timeout", timeout), clock=self.clock
+        )
 
     def replies(
         self,
@@ -451,3 +457,18 @@ def _in_transaction(conn: Any) -> bool:
 def _aborted(conn: Any) -> bool:
     """Whether a PostgreSQL transaction was aborted by a failed statement: COMMIT would roll it back."""
     return not isinstance(conn, sqlite3.Connection) and str(conn.info.transaction_status.name) == "INERROR"
+
+
+def _task_id(value: object) -> int:
+    """A task id as the stores hold them (a positive 64-bit integer); anything else is bad input,
+    not an OverflowError from the driver or a wait for a task that cannot exist."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 2**63 - 1:
+        raise InputError(f"a task id is a positive integer, not {str(repr(value))[:60]}")
+    return value
+
+
+def _seconds(name: str, value: object) -> float:
+    """A finite, non-negative number of seconds: nan would never time out, a string is a slip."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise InputError(f"{name} must be a finite number of seconds >= 0, not {str(repr(value))[:60]}")
+    return float(value)

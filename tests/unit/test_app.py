@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,3 +122,28 @@ def test_submit_async_and_wait_timeout(tmp_path: Path) -> None:
     assert app.store.transact_sync(views.task_state, task_id) == "pending"
     with pytest.raises(TimeoutError):
         app.wait(task_id, timeout=0.2, poll=0.05)  # no worker runs: it stays pending
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda app, t: app.wait(2**70), "task id"),
+        (lambda app, t: app.wait(True), "task id"),
+        (lambda app, t: app.wait("1"), "task id"),
+        (lambda app, t: app.task(0), "task id"),
+        (lambda app, t: app.wait(t, timeout="5"), "timeout"),
+        (lambda app, t: app.wait(t, timeout=float("nan")), "timeout"),
+        (lambda app, t: app.wait(t, timeout=-1), "timeout"),
+        (lambda app, t: app.wait(t, timeout=1, poll=0), "poll"),
+        (lambda app, t: app.wait(t, timeout=1, poll=-1), "poll"),
+        (lambda app, t: app.wait_for_result(t, timeout=float("inf")), "timeout"),
+        (lambda app, t: asyncio.run(app.wait_for_result_async(t, timeout=None)), "timeout"),
+    ],
+)
+def test_waiting_with_arguments_that_cannot_work_is_bad_input(tmp_path: Path, call: Any, says: str) -> None:
+    """Not an OverflowError from the driver, a TypeError from time arithmetic, or a wait that a
+    nan timeout would never end: one InputError naming the argument."""
+    app = make_app(tmp_path)
+    task_id = app.submit("order", {"n": 1})
+    with pytest.raises(InputError, match=says):
+        call(app, task_id)
