@@ -400,7 +400,7 @@ class PostgresStore(Store):
         self._caller_pool: Any = None  # app.transaction()'s connections, opened when first asked
         self._callers_lock = threading.Lock()
         self._closed = False
-        _first_connection(conninfo)
+        probe = _first_connection(conninfo)
         # What every connection of the store is opened with: the URL's settings and the TCP
         # defaults it leaves unset (conninfo stays the user's, for messages, redacted).
         self.dsn = psycopg.conninfo.make_conninfo(conninfo, **dict(opts.tcp))
@@ -424,7 +424,10 @@ class PostgresStore(Store):
             self.pool.open(wait=True, timeout=10)
         except Exception as e:
             self.pool.close()
-            raise StoreError(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {e}") from None
+            # The pool says only that it gave up; the first try's error says why (no such host,
+            # no server that satisfies target_session_attrs, ...).
+            why = f"{probe} (still failing after 10 s)" if probe else str(e)
+            raise StoreError(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {why}") from None
         finally:
             logging.getLogger("psycopg.pool").removeFilter(quiet)
         if migrate:
@@ -781,23 +784,30 @@ class _Quiet(logging.Filter):
         return record.levelno >= logging.ERROR
 
 
-def _first_connection(conninfo: str) -> None:
+def _first_connection(conninfo: str) -> str | None:
     """Fail at once, in one line, on a URL that cannot work: a malformed one is bad input (exit 2);
     a server that answers with an error (no such database, authentication failed) or a client
-    setting libpq rejects will not get better by waiting. Only a server that cannot be reached
-    (refused, timed out: perhaps restarting) is left to the pool's patient open."""
+    setting libpq rejects will not get better by waiting. A server that cannot be reached
+    (refused, timed out: perhaps restarting; a name not yet in DNS) is left to the pool's patient
+    open; the reason is returned, for the message if the pool gives up too."""
     try:
-        psycopg.conninfo.conninfo_to_dict(conninfo)
+        given = psycopg.conninfo.conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
         raise InputError(f"bad PostgreSQL URL: {_first_line(e)}") from None
     try:
-        psycopg.connect(conninfo, connect_timeout=5).close()
+        # The URL's own connect_timeout if it has one: overriding it would hide a bad value.
+        timeout: dict[str, Any] = {} if "connect_timeout" in given else {"connect_timeout": 5}
+        psycopg.connect(conninfo, **timeout).close()
+    except psycopg.ProgrammingError as e:  # a value psycopg itself rejects (connect_timeout=abc)
+        raise InputError(f"bad PostgreSQL URL {redact_url(conninfo)}: {_first_line(e)}") from None
     except psycopg.OperationalError as e:
         text = _first_line(e)
         if e.sqlstate is None and "invalid" in text and "value" in text:  # e.g. invalid sslmode value
             raise InputError(f"bad PostgreSQL URL {redact_url(conninfo)}: {text}") from None
         if "FATAL:" in text and not any(t in text for t in _TRANSIENT_FATAL):  # e.g. no such database
             raise StoreError(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {text}") from None
+        return text
+    return None
 
 
 # A server's refusals that pass: it is starting, stopping or full. Any other FATAL at connect time
