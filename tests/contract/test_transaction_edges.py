@@ -194,6 +194,29 @@ def test_sqlite_a_block_inside_a_block_fails_at_once(tmp_path: Any) -> None:
         other.close()
 
 
+def test_sqlite_app_submit_inside_a_block_fails_at_once_and_reads_do_not_wait(tmp_path: Any) -> None:
+    """app.submit (its own transaction) inside a block would wait for the block's write lock;
+    app.task and app.wait only read, so they answer from the last committed state."""
+    path = tmp_path / "store.db"
+    app = make_app(f"sqlite:///{path}")
+    try:
+        with app.transaction() as tx:
+            tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY)")
+        first = app.submit("order", {"order": "o-0"})
+        app.store.busy_timeout = 3.0  # type: ignore[attr-defined]  # the old wait, shorter
+        started = time.monotonic()
+        with pytest.raises(InputError, match=r"use the block's tx\.submit"), app.transaction() as tx:
+            tx.submit("order", {"order": "o-1"})
+            assert app.task(first)["state"] == "pending"
+            with pytest.raises(TimeoutError):
+                app.wait(first, timeout=0.1)
+            app.submit("order", {"order": "o-2"})
+        assert time.monotonic() - started < 1.0, "waited for the lock"
+        assert counts(app)["tasks"] == 1, "the block and the inner submission were both rolled back"
+    finally:
+        app.close()
+
+
 # -- PostgreSQL: a transaction aborted by a failed statement ------------------------------------
 
 

@@ -257,6 +257,13 @@ class SQLiteStore(Store):
         if getattr(fn, "stepwarden_read_only", False):
             conn.execute("BEGIN")
         else:
+            if self._file is not None and self._file in _BLOCKS.__dict__.get("files", ()):
+                # app.submit (or any write) inside app.transaction() on this file, same thread:
+                # it would wait busy_timeout for the write lock its own thread's block holds.
+                raise InputError(
+                    "a write to the SQLite store inside an app.transaction() block on it, in the same"
+                    " thread, would wait for the block's own write lock: use the block's tx.submit"
+                )
             self.begin(conn)
         try:
             tx = SqliteTx(conn, self.queries)
