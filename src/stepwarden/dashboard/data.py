@@ -30,13 +30,7 @@ def now(tx: Tx) -> float:
 def task_list(tx: Tx, state: str | None, query: str | None, before: int | None) -> dict[str, Any]:
     """Tasks newest first: by state, and by a search that matches a task id or a correlation id
     (exactly or as a prefix)."""
-    where: list[str] = []
-    params: list[Any] = []
-    if state is not None:
-        if state not in TASK_STATES:
-            raise ValueError(f"unknown state {state!r}")
-        where.append("state = ?")
-        params.append(state)
+    where, params = views.task_filter(state)
     if query:
         match = "substr(correlation_id, 1, ?) = ?"
         qparams: list[Any] = [len(query), query]

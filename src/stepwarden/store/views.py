@@ -56,7 +56,7 @@ def list_tasks(
     """Tasks with their steps, oldest first. ``correlation_id`` is an exact match (the way to find
     a submission whose outcome a lost connection left unknown; ``tasks_correlation`` serves it).
     ``newest``: the ``limit`` most recent ones (still listed oldest first)."""
-    where, params = _task_filter(state, correlation_prefix, correlation_id)
+    where, params = task_filter(state, correlation_prefix, correlation_id)
     sql = f"SELECT {TASK_COLS} FROM tasks"
     if where:
         sql += " WHERE " + " AND ".join(where)
@@ -81,14 +81,15 @@ def list_tasks(
 @read_only
 def count_tasks(tx: Tx, state: str | None = None, correlation_id: str | None = None) -> int:
     """How many tasks :func:`list_tasks` would list with no limit."""
-    where, params = _task_filter(state, None, correlation_id)
+    where, params = task_filter(state, None, correlation_id)
     sql = "SELECT COUNT(*) AS n FROM tasks" + (" WHERE " + " AND ".join(where) if where else "")
     return int(tx.sql(sql, tuple(params))[0]["n"])
 
 
-def _task_filter(
-    state: str | None, correlation_prefix: str | None, correlation_id: str | None
+def task_filter(
+    state: str | None, correlation_prefix: str | None = None, correlation_id: str | None = None
 ) -> tuple[list[str], list[Any]]:
+    """The WHERE conditions (and their parameters) that select tasks by state and correlation id."""
     where: list[str] = []
     params: list[Any] = []
     if state is not None:
