@@ -21,10 +21,13 @@ from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
 from .scheduler import SchedulerRole, SchedulerSettings
-from .store import ApplyResult
+from .store import ApplyResult, Store
 from .store.base import WORK_CHANNELS
 from .supervisor import LEASE, Supervisor, SupervisorSettings
 from .workflow import check_ident
+
+# How long a stopping worker's transactions wait for a lock (SQLite's write lock held elsewhere).
+STOP_LOCK_WAIT = 2.0
 
 if TYPE_CHECKING:
     from .app import App
@@ -181,6 +184,7 @@ class Worker:
         beats_stop = asyncio.Event()
         beats = asyncio.create_task(self._heartbeat(beats_stop), name="heartbeat")
         jobs.append(asyncio.create_task(store.listen(self._woken, stop, WORK_CHANNELS), name="listen"))
+        jobs.append(asyncio.create_task(_bound_lock_waits(store, stop), name="stop-waits"))
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -188,6 +192,7 @@ class Worker:
                     raise t.exception()  # type: ignore[misc]
         finally:
             stop.set()
+            store.limit_lock_waits(STOP_LOCK_WAIT)
             # The agent role is the slowest to stop (its drain); the other roles end sooner.
             await asyncio.wait(jobs, timeout=s.agent.stop_within + 1)
             beats_stop.set()
@@ -231,6 +236,15 @@ class Worker:
         )
         if role is not None:
             role.health.flush_successes()
+
+
+async def _bound_lock_waits(store: Store, stop: asyncio.Event) -> None:
+    """Once stopping, nothing waits long for a lock, the waits in progress included: a store that
+    another process keeps locked must not hold the roles (each transaction a busy_timeout) and so
+    the worker past its stop. What it then cannot write (released attempts, the stop record) is
+    the supervisor's to rescue, as for a worker that died."""
+    await stop.wait()
+    store.limit_lock_waits(STOP_LOCK_WAIT)
 
 
 async def _safe(coro: object) -> None:

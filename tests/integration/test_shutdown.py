@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -71,3 +73,48 @@ def test_sigterm_agent_mid_async_step_releases_the_attempt(cluster: Cluster) -> 
 
 def test_sigterm_agent_mid_plain_function_step_still_exits(cluster: Cluster) -> None:
     stop_agent_mid_step(cluster, "long-sync")
+
+
+def test_sigterm_while_another_process_holds_the_sqlite_write_lock_still_exits(tmp_path: Path) -> None:
+    """Each of the worker's transactions would wait busy_timeout (30 s) for the lock, one after
+    another, and the stop with them (a minute and a half, measured). Stopping bounds every lock
+    wait, those in progress too; what the worker could not write is the supervisor's to rescue."""
+    import os
+    import sqlite3
+    import sys
+
+    path = tmp_path / "locked.db"
+    url = f"sqlite:///{path}"
+    subprocess.run([sys.executable, "-m", "stepwarden", "--db", url, "init"], check=True, capture_output=True)
+    log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "stepwarden", "--db", url, "worker", "--roles", "scheduler,supervisor"],
+        stdout=log,
+        stderr=log,
+        env={k: v for k, v in os.environ.items() if not k.startswith("STEPWARDEN_")},
+    )
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        deadline = time.monotonic() + 30
+        while not holder.execute("SELECT 1 FROM workers WHERE stopped_at IS NULL").fetchone():
+            assert time.monotonic() < deadline and worker.poll() is None, "the worker did not start"
+            time.sleep(0.05)
+        holder.execute("BEGIN IMMEDIATE")
+        time.sleep(1.5)  # the worker's heartbeat and rounds are now waiting for the lock
+        sent = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        try:
+            code = worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - sent
+        assert code == 0, f"exit {code} after {took:.1f}s:\n{(tmp_path / 'worker.log').read_text()[-3000:]}"
+        assert took < 20, f"took {took:.1f}s to stop"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        with contextlib.suppress(sqlite3.Error):
+            holder.execute("ROLLBACK")
+        holder.close()
+        log.close()

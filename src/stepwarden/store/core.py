@@ -73,6 +73,12 @@ class Store:
     def rollback(self, conn: Any) -> None:
         raise NotImplementedError
 
+    def limit_lock_waits(self, seconds: float) -> None:
+        """From now on, a transaction gives up waiting for a lock after ``seconds``, the waits in
+        progress included (a stopping worker: another process holding SQLite's write lock must
+        not keep it alive for a busy_timeout per transaction still queued). PostgreSQL's waits
+        are bounded by its ``lock_timeout`` already."""
+
     def close(self) -> None:
         for executor in self._executors.values():
             executor.shutdown(wait=True)

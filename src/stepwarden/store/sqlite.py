@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -153,6 +154,7 @@ class SQLiteStore(Store):
         self._file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._closed = False
         self._lock = threading.Lock()
+        self._give_up_at = math.inf  # limit_lock_waits(): the monotonic moment lock waits end
         if migrate:
             self.migrate()
 
@@ -317,11 +319,16 @@ class SQLiteStore(Store):
                     conn.execute("BEGIN IMMEDIATE")
                     return
                 except sqlite3.OperationalError as e:
-                    if not _busy(e) or time.monotonic() >= deadline:
+                    if not _busy(e) or time.monotonic() >= min(deadline, self._give_up_at):
                         raise
                 delay = min(delay * 1.5, 0.002)
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+
+    def limit_lock_waits(self, seconds: float) -> None:
+        # Only BEGIN waits for the write lock (every statement after it holds it), and that wait
+        # is this loop, not SQLite's busy handler: a new bound reaches the waits in progress too.
+        self._give_up_at = min(self._give_up_at, time.monotonic() + seconds)
 
     def commit(self, conn: Any, tx: Any) -> None:
         tx.flush()
