@@ -25,7 +25,7 @@ from .agent_health import AgentHealth
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, Permanent, Transient
 from .logs import log_raised
-from .policies import Backoff
+from .policies import Retry
 from .store import ApplyResult, RequestMsg, Store
 from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
 from .workflow import check_ident
@@ -531,8 +531,10 @@ class AgentRole:
             complete_by=msg.complete_by,
             deadline=deadline,
         )
-        tries = int(msg.policy.get("tries", 4))
-        backoff = Backoff(**(msg.policy.get("in_attempt") or {}))
+        # Read as the scheduler reads it: a value stored by an older version and refused now
+        # takes its default, instead of failing every attempt of a task submitted before.
+        policy = Retry.from_dict(msg.policy)
+        tries, backoff = policy.tries, policy.in_attempt
         health = self.health
         last = "no attempt made"
         for n in range(1, tries + 1):

@@ -168,9 +168,9 @@ class Retry:
             cls,
             {
                 "max_failures": _count(d.get("max_failures", default.max_failures)),
-                "backoff": _stored(Backoff, b) if b else default.backoff,
+                "backoff": _stored(Backoff, b, default.backoff) if b else default.backoff,
                 "tries": _count(d.get("tries", default.tries)),
-                "in_attempt": _stored(Backoff, ia) if ia else default.in_attempt,
+                "in_attempt": _stored(Backoff, ia, default.in_attempt) if ia else default.in_attempt,
                 "escalation": d.get("escalation"),
                 "escalation_wait": d.get("escalation_wait", default.escalation_wait),
             },
@@ -185,12 +185,13 @@ def _count(value: object) -> object:
     return int(value) if isinstance(value, float) and math.isfinite(value) else value
 
 
-def _stored(cls: type[T], values: dict[str, Any]) -> T:
-    """``cls(**values)``; a field the checks refuse, each on its own, takes its default instead."""
+def _stored(cls: type[T], values: dict[str, Any], base: T | None = None) -> T:
+    """``cls(**values)``; a field the checks refuse, each on its own, takes its default instead:
+    ``base``'s value of it (a Retry's own back-off defaults), else the class's."""
     try:
         return cls(**values)
     except InputError as e:
-        kept: dict[str, Any] = {}
+        kept: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(cls)} if base else {}
         for f in fields(cls):
             if f.name in values:
                 try:

@@ -313,3 +313,44 @@ def test_edge_values_are_accepted() -> None:
     assert agent.operation(name="booking")(reserve) is reserve
     assert agent.operation(reserve) is reserve
     assert sorted(agent.operations) == ["booking", "halve", "reserve"]
+
+
+def test_an_agent_runs_a_step_whose_stored_in_attempt_backoff_is_now_refused(tmp_path: Any) -> None:
+    """The agent reads a step's in-attempt back-off from its request, as stored at submission by
+    whatever version submitted it. A value now refused (``maximum: Infinity``) takes its default
+    there too, instead of failing every attempt of the task (no reply, rescued, again...)."""
+    app = App(f"sqlite:///{tmp_path / 'old.db'}")
+    svc = app.agent("svc", concurrency=2)
+    ran: list[int] = []
+
+    @svc.operation
+    async def do_reserve(req: Request) -> Any:
+        ran.append(req.attempt)
+        return {"ok": True}
+
+    app.workflow("order", [Step("reserve", "svc.do_reserve", complete_by=10)])
+    task_id = app.submit("order", {})
+    old = '{"max_failures": 3, "tries": 4, "in_attempt": {"initial": 0.05, "maximum": Infinity}}'
+    app.store.transact_sync(
+        lambda tx: tx.sql("UPDATE steps SET policy = ? WHERE task_id = ?", (old, task_id))
+    )
+
+    async def run_until_processed() -> str:
+        stop = asyncio.Event()
+        worker = asyncio.create_task(app.worker(roles=("scheduler", "agent")).run(stop))
+        try:
+            for _ in range(200):  # 10 s at most
+                state = app.store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks"))[0]["state"]
+                if state == "processed":
+                    return str(state)
+                await asyncio.sleep(0.05)
+            return str(state)
+        finally:
+            stop.set()
+            await worker
+
+    try:
+        assert asyncio.run(run_until_processed()) == "processed"
+        assert ran == [1], "the first attempt ran, once"
+    finally:
+        app.close()
