@@ -120,3 +120,16 @@ def test_libpq_parameters_pass_through_exactly_as_written() -> None:
     assert conninfo == BASE + "?" + query
     assert ours == {"listen": "off"}
     assert parse_url(BASE + "?pool%5Fsize=2")[1] == {"pool_size": "2"}, "our own keys are decoded"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["postgresql:///db?host=/tmp", "postgresql:///db", "postgresql://", "postgresql://h/db?host=/run/pg#x"],
+)
+def test_urls_without_a_host_part_keep_their_form(url: str) -> None:
+    """A Unix-socket URL names no host before the path; rebuilding it from its parts dropped the
+    empty host ('postgresql:/db?host=/tmp'), which libpq then refused."""
+    assert parse_url(url) == (url, {})
+    if "#" not in url:
+        with_ours = url + ("&" if "?" in url else "?") + "listen=off"
+        assert parse_url(with_ours) == (url, {"listen": "off"})

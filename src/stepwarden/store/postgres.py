@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
 from ..errors import InputError, StoreError
@@ -274,20 +274,23 @@ def parse_url(url: str) -> tuple[str, dict[str, str]]:
     """Split our own options (``?listen=off&pool_size=N&prepare=off&pooler=transaction``) off a
     libpq URL; the rest of the query string is libpq's and goes to the server as given."""
     try:
-        parts = urlsplit(url)
+        urlsplit(url)
     except ValueError as e:  # e.g. an unclosed IPv6 bracket
         raise InputError(f"bad PostgreSQL URL: {e}") from None
+    # Cut the text itself: urlunsplit would drop an empty host (postgresql:///db?host=/tmp).
+    head, _, rest = url.partition("?")
+    query, hash_, fragment = rest.partition("#")
     ours: dict[str, str] = {}
     theirs: list[str] = []
     # libpq's parameters are passed on exactly as written: decoding and encoding them again would
     # turn a %20 into a '+', which libpq does not read as a space (options=-c%20name%3Dvalue).
-    for raw in filter(None, parts.query.split("&")):
+    for raw in filter(None, query.split("&")):
         key, _, value = raw.partition("=")
         if unquote(key) in URL_OPTIONS:
             ours[unquote(key)] = unquote(value)
         else:
             theirs.append(raw)
-    return urlunsplit(parts._replace(query="&".join(theirs))), ours
+    return head + ("?" + "&".join(theirs) if theirs else "") + hash_ + fragment, ours
 
 
 @dataclass(frozen=True)
@@ -795,11 +798,13 @@ def _first_connection(conninfo: str) -> str | None:
     except psycopg.ProgrammingError as e:
         raise InputError(f"bad PostgreSQL URL: {_first_line(e)}") from None
     try:
-        # The URL's own connect_timeout if it has one: overriding it would hide a bad value.
-        timeout: dict[str, Any] = {} if "connect_timeout" in given else {"connect_timeout": 5}
-        psycopg.connect(conninfo, **timeout).close()
-    except psycopg.ProgrammingError as e:  # a value psycopg itself rejects (connect_timeout=abc)
+        # The probe waits 5 s at most (less if the URL says less); a bad connect_timeout of the
+        # URL's is bad input here, not a pool that never opens.
+        probe_timeout = min(5, psycopg.conninfo.timeout_from_conninfo(given))
+    except psycopg.ProgrammingError as e:
         raise InputError(f"bad PostgreSQL URL {redact_url(conninfo)}: {_first_line(e)}") from None
+    try:
+        psycopg.connect(conninfo, connect_timeout=probe_timeout).close()
     except psycopg.OperationalError as e:
         text = _first_line(e)
         if e.sqlstate is None and "invalid" in text and "value" in text:  # e.g. invalid sslmode value
