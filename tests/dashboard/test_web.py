@@ -291,6 +291,19 @@ def test_bearer_token_acts_without_a_session(scene: Scene, client: TestClient) -
     assert r.status_code == 404 and r.text.count("\n") == 1 and "999999" in r.text, r.text
 
 
+def test_a_signed_in_browser_behind_a_proxy_that_adds_its_own_bearer_header_can_act(
+    scene: Scene, client: TestClient
+) -> None:
+    """An SSO proxy (oauth2-proxy, say) may add `Authorization: Bearer <its token>` to every
+    request: the operator's session and form decide, not that header."""
+    tid = scene.errored("order-1")
+    csrf = sign_in(client)
+    proxy = {"Authorization": "Bearer sso-token-not-ours", "Origin": ORIGIN}
+    r = client.post(f"/tasks/{tid}/retry", data={"csrf": csrf}, headers=proxy)
+    assert r.status_code in (200, 303), r.text
+    assert scene.state(tid) == "pending"
+
+
 def test_a_script_with_a_wrong_bearer_token_hears_401_and_why(scene: Scene, client: TestClient) -> None:
     """Not "no Origin" or "no CSRF token", which a script cannot act on: the token is wrong."""
     tid = scene.errored("order-1")

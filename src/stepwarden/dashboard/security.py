@@ -153,7 +153,9 @@ class Guard:
             )
         if self.bearer_ok(request):
             return "dashboard:api"
-        if names_bearer(request):  # a script's wrong token: say so, not "no Origin" or "no CSRF token"
+        if names_bearer(request) and self.session_id(request) is None and "csrf" not in form:
+            # A script's wrong token: say so, not "no Origin" or "no CSRF token". A browser with a
+            # session (behind a proxy that adds its own Bearer header) goes on to the form's checks.
             raise Refused(401, "refused: wrong bearer token")
         self.check_form(request, form)
         actor = self.actor(request)

@@ -289,13 +289,14 @@ class Dashboard:
     ) -> Response:
         form = await request.form()
         # A script (Bearer) reads one line of text, with the status; a browser reads a page.
-        say = self._say if names_bearer(request) else self.message
+        script = names_bearer(request) and self.guard.session_id(request) is None and "csrf" not in form
+        say = self._say if script else self.message
         try:
             actor = self.guard.check_action(request, form)
         except Refused as e:
             self._count(name, "refused")
             log.warning("dashboard: %s refused (%s)", name, e)
-            if e.status == 401 and names_bearer(request):
+            if e.status == 401 and script:
                 await asyncio.sleep(0.25)  # slow down guessing, as /login does
             return say(request, e.status, str(e))
         try:
