@@ -109,16 +109,18 @@ class Agent:
     operations: dict[str, Handler] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from .policies import MAX_INT, is_number, is_whole, show
+        from .policies import MAX_INT, is_number, show, whole
 
         check_ident("agent name", self.name)
         for option in ("concurrency", "breaker_threshold"):
             value = getattr(self, option)
-            if not is_whole(value) or not 1 <= value <= MAX_INT:
+            count = whole(value)
+            if count is None or not 1 <= count <= MAX_INT:
                 raise InputError(
                     f"agent {self.name!r}: {option} must be a whole number from 1 to {MAX_INT}, "
                     f"not {show(value)}"
                 )
+            object.__setattr__(self, option, count)
         if not is_number(self.breaker_cool_off) or self.breaker_cool_off < 0:
             raise InputError(
                 f"agent {self.name!r}: breaker_cool_off must be a finite number of seconds >= 0, "

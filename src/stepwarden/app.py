@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import numbers
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -462,9 +463,9 @@ def _aborted(conn: Any) -> bool:
 def _task_id(value: object) -> int:
     """A task id as the stores hold them (a positive 64-bit integer); anything else is bad input,
     not an OverflowError from the driver or a wait for a task that cannot exist."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 2**63 - 1:
-        raise InputError(f"a task id is a positive integer, not {str(repr(value))[:60]}")
-    return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= int(value) <= 2**63 - 1:
+        return int(value)
+    raise InputError(f"a task id is a positive integer, not {str(repr(value))[:60]}")
 
 
 def _seconds(name: str, value: object) -> float:

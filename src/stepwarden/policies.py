@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import random
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
@@ -22,13 +23,27 @@ MAX_INT = 2**31 - 1  # the largest count the stores' INTEGER columns hold
 
 
 def is_number(value: object) -> bool:
-    """A finite int or float; not a bool (``True`` is no number of seconds), not nan or inf."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float; not a bool (``True`` is no number of seconds), not nan or inf, nor an
+    int too large for a float (math.isfinite would raise OverflowError on it)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
-def is_whole(value: object) -> bool:
-    """An int, not a bool (``True`` is no count) and not a float (``1.5`` failures, nan)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+def whole(value: object) -> int | None:
+    """A count as an int: an int (a NumPy one too) or a float without a fraction (``3.0``, as a
+    configuration file may give it); None for anything else: a bool (``True`` is no count),
+    ``1.5`` failures, nan, text."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 def show(value: object) -> str:
@@ -112,8 +127,10 @@ class Retry:
     def __post_init__(self) -> None:
         for name in ("max_failures", "tries"):
             value = getattr(self, name)
-            if not is_whole(value) or value < 1:
+            count = whole(value)
+            if count is None or count < 1:
                 raise InputError(f"Retry.{name} must be a whole number >= 1, not {show(value)}")
+            object.__setattr__(self, name, count)  # 3.0 from a configuration file is 3
         for name in ("backoff", "in_attempt"):
             value = getattr(self, name)
             if not isinstance(value, Backoff):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import NotFound
 from .store import FINAL_TASK_STATES, Store
-from .store.base import Row, Tx
+from .store.base import Row, Tx, read_only
 from .workflow import check_name
 
 if TYPE_CHECKING:
@@ -316,6 +316,7 @@ class TaskResult:
         return self.state == "processed"
 
 
+@read_only
 def _task_progress(tx: Tx, task_id: int, after: int) -> tuple[Row, list[ReplyMessage], TaskResult | None]:
     """The task's messages after id ``after``, and its result if it is final."""
     task = tx.one("task_reply_state", task_id=task_id)

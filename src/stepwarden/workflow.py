@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InputError, PayloadTooLarge
-from .policies import ESCALATIONS, MAX_INT, Escalation, Retry, is_number, is_whole, show
+from .policies import ESCALATIONS, MAX_INT, Escalation, Retry, is_number, show, whole
 
 # Names end up in SQL parameters, log lines, URLs and file names; a conservative alphabet keeps
 # every one of those safe without escaping and makes typos fail loudly.
@@ -186,11 +186,13 @@ class Workflow:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise InputError(f"workflow {self.name!r} has duplicate step names: {sorted(dup)}")
-        if not is_whole(self.version) or not 1 <= self.version <= MAX_INT:
+        version = whole(self.version)
+        if version is None or not 1 <= version <= MAX_INT:
             raise InputError(
                 f"workflow {self.name!r}: version must be a whole number from 1 to {MAX_INT}, "
                 f"not {show(self.version)}"
             )
+        object.__setattr__(self, "version", version)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "steps": [s.to_dict() for s in self.steps]}

@@ -287,6 +287,17 @@ def test_commands_on_a_file_that_is_no_store_exit_1_and_leave_it_as_it_was(
         assert list(tmp_path.iterdir()) == [path], f"{args} created files: {list(tmp_path.iterdir())}"
 
 
+def test_a_file_whose_migration_table_is_empty_is_no_store(tmp_path: Path) -> None:
+    """Not "version 0, older than this stepwarden": nothing was ever migrated into it."""
+    path = tmp_path / "half.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT, applied_at REAL)"
+        )
+    line = assert_one_error_line(sw("--db", f"sqlite:///{path}", "tasks", cwd=tmp_path), code=1)
+    assert "holds no stepwarden schema" in line and "init" in line, line
+
+
 def test_a_directory_named_as_the_store_is_refused_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "d").mkdir()
     line = assert_one_error_line(sw("--db", f"sqlite:///{tmp_path / 'd'}", "tasks", cwd=tmp_path), code=1)

@@ -210,6 +210,8 @@ def test_sqlite_app_submit_inside_a_block_fails_at_once_and_reads_do_not_wait(tm
             assert app.task(first)["state"] == "pending"
             with pytest.raises(TimeoutError):
                 app.wait(first, timeout=0.1)
+            with pytest.raises(TimeoutError):  # it only reads too
+                app.wait_for_result(first, timeout=0.1)
             app.submit("order", {"order": "o-2"})
         assert time.monotonic() - started < 1.0, "waited for the lock"
         assert counts(app)["tasks"] == 1, "the block and the inner submission were both rolled back"

@@ -161,7 +161,7 @@ BAD: list[Any] = [
         _app_agent(breaker_threshold=-1), "breaker_threshold", "not -1", id="agent-threshold-negative"
     ),
     pytest.param(
-        _app_agent(breaker_threshold=2.0), "breaker_threshold", "not 2.0", id="agent-threshold-float"
+        _app_agent(breaker_threshold=2.5), "breaker_threshold", "not 2.5", id="agent-threshold-float"
     ),
     pytest.param(_app_agent(breaker_cool_off=-5), "breaker_cool_off", "not -5", id="agent-cool-off-negative"),
     pytest.param(
@@ -313,6 +313,23 @@ def test_edge_values_are_accepted() -> None:
     assert agent.operation(name="booking")(reserve) is reserve
     assert agent.operation(reserve) is reserve
     assert sorted(agent.operations) == ["booking", "halve", "reserve"]
+
+
+def test_whole_floats_and_numpy_style_integers_are_counts() -> None:
+    """3.0 from a configuration file (YAML, JSON) is a count of 3, as it was before the checks;
+    it is stored as the int. A fraction, nan, a bool or text is not."""
+    import fractions
+
+    retry = Retry(max_failures=3.0, tries=2.0)  # type: ignore[arg-type]
+    assert (retry.max_failures, retry.tries) == (3, 2) and isinstance(retry.max_failures, int)
+    agent = App().agent("inventory", concurrency=8.0, breaker_threshold=5.0)  # type: ignore[arg-type]
+    assert (agent.concurrency, agent.breaker_threshold) == (8, 5) and isinstance(agent.concurrency, int)
+    assert Workflow.of("order", [OK], version=2.0).version == 2  # type: ignore[arg-type]
+    # an int too large for a float is refused in one line, not an OverflowError
+    with pytest.raises(InputError, match="complete_by"):
+        Step("a", "svc.x", complete_by=10**400)
+    with pytest.raises(InputError, match="max_failures"):
+        Retry(max_failures=fractions.Fraction(3, 2))  # type: ignore[arg-type]
 
 
 def test_an_agent_runs_a_step_whose_stored_in_attempt_backoff_is_now_refused(tmp_path: Any) -> None:

@@ -91,7 +91,7 @@ def _create_hint(url: str) -> str:
 
 def _check_version(version: int | None, dialect: str, url: str, where: str) -> None:
     """A store this code can read as it is, or :class:`StoreMissing` / :class:`MigrationError`."""
-    if version is None:
+    if not version:  # no table of migrations, or an empty one: nothing was ever migrated
         raise StoreMissing(f"{where} holds no stepwarden schema: {_create_hint(url)}")
     todo = pending_migrations(dialect, version)  # raises for a schema newer than this code
     if todo:
