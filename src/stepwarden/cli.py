@@ -579,6 +579,8 @@ def demo(
 
     # Only a store named on this command line: $STEPWARDEN_DB may well name a real store, whose
     # own workers would take the demo's steps (and the demo's orders would stay in it).
+    if demo_db == "":
+        raise InputError("--db is empty: give a store URL, or leave the option out for a fresh file")
     given = ctx.parent is not None and ctx.parent.get_parameter_source("db") == ParameterSource.COMMANDLINE
     db = demo_db or (ctx.obj["db"] if given else None)
     if db is None and os.environ.get("STEPWARDEN_DB"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,4 +219,6 @@ def _steps_of(workflow: object, steps: object) -> tuple[Step, ...]:
         raise InputError(
             f"workflow {show(workflow)}: steps must be a list of Step objects, not {show(steps)}"
         )
+    if isinstance(steps, Set):  # no order: the steps would run in whatever order hashing gives
+        raise InputError(f"workflow {show(workflow)}: steps must be in order (a list), not a set")
     return tuple(steps)

@@ -105,6 +105,7 @@ CASES: dict[str, tuple[str, ...]] = {
     "bad-log-level": ("--log-level", "LOUD", "tasks"),
     "missing-command": (),
     "demo-zero-orders": ("demo", "--orders", "0"),
+    "demo-empty-db": ("demo", "--db", ""),
     # worker: validated before it runs
     "worker-roles-bogus": ("worker", "--roles", "bogus"),
     "worker-roles-empty": ("worker", "--roles", ""),

@@ -84,7 +84,10 @@ def test_a_failed_ledger_check_exits_1_and_says_what_failed(tmp_path: Path, proc
     db = make_db(tmp_path, "shared.db")
     other = procs.worker(db, procs.services(), "impostor")
     wait_until(lambda: db.json("workers", "--json"), 30, "the other worker's heartbeat")
-    r = sw("--db", db.url, "demo", "--orders", "20", "--no-chaos", cwd=tmp_path, timeout=240)
+    # one demo worker against the other's agents: it takes some of the 60 steps, all but surely
+    r = sw(
+        "--db", db.url, "demo", "--orders", "20", "--workers", "1", "--no-chaos", cwd=tmp_path, timeout=240
+    )
     assert other.poll() is None, procs.log_of(other)
     assert r.returncode == 1, str(r)
     assert "Traceback" not in r.stdout + r.stderr, str(r)

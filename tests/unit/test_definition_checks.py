@@ -315,6 +315,13 @@ def test_edge_values_are_accepted() -> None:
     assert sorted(agent.operations) == ["booking", "halve", "reserve"]
 
 
+def test_steps_given_as_a_set_are_refused_for_having_no_order() -> None:
+    with pytest.raises(InputError, match="steps must be in order"):
+        Workflow.of("order", {OK})
+    with pytest.raises(InputError, match="steps must be in order"):
+        App().workflow("order", frozenset([OK]))  # type: ignore[arg-type]
+
+
 def test_whole_floats_and_numpy_style_integers_are_counts() -> None:
     """3.0 from a configuration file (YAML, JSON) is a count of 3, as it was before the checks;
     it is stored as the int. A fraction, nan, a bool or text is not."""
