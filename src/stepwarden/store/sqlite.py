@@ -154,7 +154,10 @@ class SQLiteStore(Store):
         self._file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._closed = False
         self._lock = threading.Lock()
-        self._give_up_at = math.inf  # limit_lock_waits(): the monotonic moment lock waits end
+        # limit_lock_waits(): how long any one wait for the write lock may last, and since when
+        # (a wait already in progress counts from then).
+        self._wait_cap = math.inf
+        self._wait_cap_since = 0.0
         if migrate:
             self.migrate()
 
@@ -311,7 +314,8 @@ class SQLiteStore(Store):
             except sqlite3.OperationalError as e:
                 if not _busy(e):
                     raise
-            deadline = time.monotonic() + self.busy_timeout
+            started = time.monotonic()
+            deadline = started + self.busy_timeout
             delay = 0.0001
             while True:
                 time.sleep(delay)
@@ -319,7 +323,8 @@ class SQLiteStore(Store):
                     conn.execute("BEGIN IMMEDIATE")
                     return
                 except sqlite3.OperationalError as e:
-                    if not _busy(e) or time.monotonic() >= min(deadline, self._give_up_at):
+                    capped = max(started, self._wait_cap_since) + self._wait_cap
+                    if not _busy(e) or time.monotonic() >= min(deadline, capped):
                         raise
                 delay = min(delay * 1.5, 0.002)
         finally:
@@ -328,7 +333,8 @@ class SQLiteStore(Store):
     def limit_lock_waits(self, seconds: float) -> None:
         # Only BEGIN waits for the write lock (every statement after it holds it), and that wait
         # is this loop, not SQLite's busy handler: a new bound reaches the waits in progress too.
-        self._give_up_at = min(self._give_up_at, time.monotonic() + seconds)
+        self._wait_cap_since = time.monotonic()
+        self._wait_cap = min(self._wait_cap, seconds)
 
     def commit(self, conn: Any, tx: Any) -> None:
         tx.flush()
