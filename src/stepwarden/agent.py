@@ -25,7 +25,7 @@ from .agent_health import AgentHealth
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, Permanent, Transient
 from .logs import log_raised
-from .policies import Retry
+from .policies import MAX_INT, is_number, show, whole
 from .store import ApplyResult, RequestMsg, Store
 from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
 from .workflow import check_ident
@@ -109,8 +109,6 @@ class Agent:
     operations: dict[str, Handler] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from .policies import MAX_INT, is_number, show, whole
-
         check_ident("agent name", self.name)
         for option in ("concurrency", "breaker_threshold"):
             value = getattr(self, option)
@@ -134,8 +132,6 @@ class Agent:
 
         ``@agent.operation``, ``@agent.operation(name="reserve")`` or ``agent.operation(fn)``; a
         ``fn`` that is not callable raises :class:`~stepwarden.errors.InputError`."""
-        from .policies import show
-
         if fn is not None and not callable(fn):
             hint = f" (to name it, use @agent.operation(name={fn!r}))" if isinstance(fn, str) else ""
             raise InputError(f"agent {self.name!r}: an operation must be a function, not {show(fn)}{hint}")
@@ -533,10 +529,7 @@ class AgentRole:
             complete_by=msg.complete_by,
             deadline=deadline,
         )
-        # Read as the scheduler reads it: a value stored by an older version and refused now
-        # takes its default, instead of failing every attempt of a task submitted before.
-        policy = Retry.from_dict(msg.policy)
-        tries, backoff = policy.tries, policy.in_attempt
+        tries, backoff = msg.policy.tries, msg.policy.in_attempt
         health = self.health
         last = "no attempt made"
         for n in range(1, tries + 1):

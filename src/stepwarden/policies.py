@@ -6,6 +6,8 @@ is a function of its arguments and unit-tested without sleeping (DESIGN principl
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
 import numbers
@@ -180,7 +182,7 @@ class Retry:
         b = d.get("backoff")
         ia = d.get("in_attempt")
         assert isinstance(b, dict | None) and isinstance(ia, dict | None)
-        default = cls()
+        default = DEFAULT_RETRY
         return _stored(
             cls,
             {
@@ -192,6 +194,18 @@ class Retry:
                 "escalation_wait": d.get("escalation_wait", default.escalation_wait),
             },
         )
+
+
+DEFAULT_RETRY = Retry()  # frozen: one instance serves every reader
+
+
+@functools.lru_cache(maxsize=512)
+def stored_policy(text: str) -> Retry:
+    """A step's policy from its stored JSON text, parsed once per distinct text: every request
+    of a step carries the same text, so an agent's attempt and a scheduler's failure read it
+    without parsing and checking it again (and a value an older version stored, now refused,
+    is warned about once, not per attempt). A Retry is frozen, so one instance may be shared."""
+    return Retry.from_dict(json.loads(text))
 
 
 T = TypeVar("T", Backoff, Retry)

@@ -378,3 +378,18 @@ def test_an_agent_runs_a_step_whose_stored_in_attempt_backoff_is_now_refused(tmp
         assert ran == [1], "the first attempt ran, once"
     finally:
         app.close()
+
+
+def test_a_stored_policy_is_parsed_once_per_text_and_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every request of a step carries the same policy text: agents and schedulers read it per
+    attempt, so it is parsed (and a refused value warned about) once, not per attempt."""
+    from stepwarden.policies import stored_policy
+
+    text = '{"tries": 2, "in_attempt": {"initial": 0.01, "maximum": Infinity}, "sw_test": 1}'
+    with caplog.at_level(logging.WARNING, logger="stepwarden.policies"):
+        first, again = stored_policy(text), stored_policy(text)
+    assert first is again
+    assert (first.tries, first.in_attempt) == (2, Backoff(initial=0.01, maximum=Retry().in_attempt.maximum))
+    assert caplog.text.count("takes its default") == 1

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from ..policies import Retry
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -149,7 +151,7 @@ class RequestMsg:
     agent: str
     operation: str
     payload: dict[str, Any]
-    policy: dict[str, Any]
+    policy: Retry  # the step's, read once per distinct stored text (policies.stored_policy)
     idempotency_key: str
     complete_by: float
     remaining: float

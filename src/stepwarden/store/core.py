@@ -18,6 +18,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .. import liveness
 from ..errors import UnknownWorkflow
+from ..policies import stored_policy
 from ..workflow import Workflow
 from . import transitions as t
 from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx
@@ -257,7 +258,7 @@ def _requests(rows: list[Row]) -> list[RequestMsg]:
             agent=r["agent"],
             operation=r["operation"],
             payload=json.loads(r["payload"]),
-            policy=json.loads(r["policy"]),
+            policy=stored_policy(r["policy"]),
             idempotency_key=r["idempotency_key"],
             complete_by=r["complete_by"],
             remaining=float(r["remaining"]),

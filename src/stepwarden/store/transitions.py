@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import LostOwnership
-from ..policies import Decision, Retry
+from ..policies import Decision, stored_policy
 from ..workflow import Step, Workflow
 from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx
 
@@ -498,7 +498,7 @@ def fail_attempt(
     Returns what happened: ``"retry"``, ``"compensate"`` or ``"error"``.
     """
     undo = step["state"] == "compensating"
-    policy = Retry.from_dict(json.loads(step["policy"]))
+    policy = stored_policy(step["policy"])
     error = error[:2000]
     if undo:
         decision = policy.after_failure(step["comp_failures"] + 1, "error", rng)
