@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import numbers
-import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,6 +19,7 @@ from .alerts import AlertSink, ack_alert, as_sink
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, StoreError, UnknownWorkflow
 from .leader import LeaseSettings, Work, run_while_leader
+from .policies import is_number, show
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
 from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
 from .store.base import Tx
@@ -230,7 +229,7 @@ class App:
                 yield block
                 block._check_end()
             except BaseException as e:
-                if _in_transaction(conn):
+                if store.in_transaction(conn):
                     store.rollback(conn)
                 elif block._opened and not block._reported:
                     # Ended inside the block (a ROLLBACK on SQLite, after it nothing to undo): the
@@ -341,7 +340,7 @@ class AppTransaction:
         # Whether the block's transaction has begun (psycopg begins one with the first statement,
         # as sqlite3 does with the first write when it manages transactions itself): found ended
         # after that, the caller ended it.
-        self._opened = _in_transaction(conn)
+        self._opened = app.store.in_transaction(conn)
         self._submitted: list[int] = []  # the tasks this block created
         self._reported = False  # the end was raised as a StoreError already
 
@@ -353,7 +352,7 @@ class AppTransaction:
         a statement psycopg had prepared on it would fail ("cached plan must not change result
         type") once your schema changed under it."""
         conn = self.connection
-        was_open = _in_transaction(conn)
+        was_open = self._open_now()
         if self._opened and not was_open:
             raise self._ended_error()  # ended on the connection itself: this would run outside it
         if self.app.store.dialect != "postgres":
@@ -366,7 +365,7 @@ class AppTransaction:
                 if params and "?" in sql and "placeholder" in str(e):
                     e.add_note("stepwarden: on PostgreSQL tx.execute takes psycopg's %s placeholders, not ?")
                 raise
-        if _in_transaction(conn):
+        if self._open_now():
             self._opened = True
         elif was_open:  # this statement ended it: stopped here, what follows would run outside it
             raise self._ended_error()
@@ -383,7 +382,7 @@ class AppTransaction:
         reply_to: str | None = None,
     ) -> int:
         text, kw = self.app._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
-        if self._opened and not _in_transaction(self.connection):
+        if self._opened and not self._open_now():
             raise self._ended_error()  # ended on the connection itself: nothing written after it
         wf = self.app.workflows.get(workflow)
         if wf is None:  # look it up inside this transaction: another connection would wait on our lock
@@ -396,21 +395,23 @@ class AppTransaction:
         # the caller's code sends on the connection commits whole tasks, and nothing of ours
         # is left to write once the transaction has ended.
         self._tx.flush()
-        self._opened = self._opened or _in_transaction(self.connection)
+        self._opened = self._opened or self._open_now()
         if created:
             self._submitted.append(task_id)
         return task_id
 
+    def _open_now(self) -> bool:
+        return self.app.store.in_transaction(self.connection)
+
     def _check_end(self) -> None:
         """At the end of the block, before anything of ours is sent: the transaction is still open."""
-        conn = self.connection
-        if _aborted(conn):
+        if self.app.store.aborted(self.connection):
             raise StoreError(
                 "a statement inside the block failed and PostgreSQL aborted the transaction, so none"
                 " of it can commit; nothing was submitted (to go on after a failed statement, run it"
                 " after a SAVEPOINT and ROLLBACK TO that savepoint)"
             )
-        if self._opened and not _in_transaction(conn):
+        if self._opened and not self._open_now():
             raise self._ended_error()
 
     def _ended_error(self) -> StoreError:
@@ -440,7 +441,7 @@ class AppTransaction:
         marks = ", ".join("?" for _ in ids)
         rows = self._tx.sql(f"SELECT id FROM tasks WHERE id IN ({marks}) ORDER BY id", tuple(ids))
         found = [int(r["id"]) for r in rows]
-        if _in_transaction(self.connection):
+        if self._open_now():
             if found and hasattr(self._tx, "send_notifications"):
                 self.app.store.commit(self.connection, self._tx)
             else:
@@ -448,28 +449,16 @@ class AppTransaction:
         return found
 
 
-def _in_transaction(conn: Any) -> bool:
-    """Whether the block's connection (``sqlite3`` or psycopg) is inside a transaction now."""
-    if isinstance(conn, sqlite3.Connection):
-        return conn.in_transaction
-    return str(conn.info.transaction_status.name) != "IDLE"
-
-
-def _aborted(conn: Any) -> bool:
-    """Whether a PostgreSQL transaction was aborted by a failed statement: COMMIT would roll it back."""
-    return not isinstance(conn, sqlite3.Connection) and str(conn.info.transaction_status.name) == "INERROR"
-
-
 def _task_id(value: object) -> int:
     """A task id as the stores hold them (a positive 64-bit integer); anything else is bad input,
     not an OverflowError from the driver or a wait for a task that cannot exist."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= int(value) <= 2**63 - 1:
         return int(value)
-    raise InputError(f"a task id is a positive integer, not {str(repr(value))[:60]}")
+    raise InputError(f"a task id is a positive integer, not {show(value)}")
 
 
 def _seconds(name: str, value: object) -> float:
     """A finite, non-negative number of seconds: nan would never time out, a string is a slip."""
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise InputError(f"{name} must be a finite number of seconds >= 0, not {str(repr(value))[:60]}")
-    return float(value)
+    if not is_number(value) or float(value) < 0:  # type: ignore[arg-type]
+        raise InputError(f"{name} must be a finite number of seconds >= 0, not {show(value)}")
+    return float(value)  # type: ignore[arg-type]

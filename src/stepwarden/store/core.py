@@ -46,6 +46,15 @@ class Store:
         """A new connection of this dialect's driver, for a caller's own transaction (SUB2)."""
         raise NotImplementedError
 
+    def in_transaction(self, conn: Any) -> bool:
+        """Whether a caller's connection (SUB2) is inside a transaction now."""
+        raise NotImplementedError
+
+    def aborted(self, conn: Any) -> bool:
+        """Whether a caller's transaction was aborted by a failed statement (COMMIT would roll it
+        back): PostgreSQL's; SQLite has no such state."""
+        return False
+
     def migrate(self, target: int | None = None) -> int:
         """Apply the schema's missing migrations (up to ``target``); returns the version reached."""
         raise NotImplementedError

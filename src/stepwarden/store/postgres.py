@@ -630,6 +630,12 @@ class PostgresStore(Store):
                 self._caller_pool = pool
             return self._caller_pool
 
+    def in_transaction(self, conn: Any) -> bool:
+        return bool(conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE)
+
+    def aborted(self, conn: Any) -> bool:
+        return bool(conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR)
+
     def tx_on(self, conn: Any) -> PgTx:
         """A :class:`Tx` over the caller's psycopg connection, inside the caller's transaction (SUB2)."""
         if psycopg is None or not isinstance(conn, psycopg.Connection):

@@ -330,6 +330,9 @@ class SQLiteStore(Store):
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
 
+    def in_transaction(self, conn: Any) -> bool:
+        return bool(conn.in_transaction)
+
     def limit_lock_waits(self, seconds: float) -> None:
         # Only BEGIN waits for the write lock (every statement after it holds it), and that wait
         # is this loop, not SQLite's busy handler: a new bound reaches the waits in progress too.
