@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import IO, Any
 
 from rich.console import Console, Group
@@ -21,8 +20,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ..store import FINAL_TASK_STATES, open_store, views
+from ..store import FINAL_TASK_STATES, Store, open_store, views
 from ..store.core import _register
+from ..supervisor import SupervisorSettings
 from .ledger import OrderOutcome, check_ledger, fetch_ledger
 
 WORKFLOW = "process-order"
@@ -133,32 +133,34 @@ class _Procs:
 def run_demo(o: DemoOptions) -> bool:
     run_id = secrets.token_hex(3)
     prefix = f"order-{run_id}-"
-    if o.db:  # a store that cannot be opened fails before any folder or process exists
-        open_store(o.db).close()
+    # A store named by --db is opened first: one that cannot be, fails before any folder or
+    # process exists.
+    given = open_store(o.db) if o.db else None
     workdir = tempfile.mkdtemp(prefix="stepwarden-demo-")
     db = o.db or f"sqlite:///{os.path.join(workdir, 'demo.db')}"
+    store = given or open_store(db)
     out = Console(stderr=o.as_json)
     show_live = not o.as_json or sys.stderr.isatty()
     env = dict(os.environ)
     procs = _Procs(workdir, env, db)
     try:
-        return _run(o, db, prefix, workdir, procs, out, show_live)
+        return _run(o, store, prefix, workdir, procs, out, show_live)
     finally:
         procs.stop()
+        store.close()
 
 
 def _run(
-    o: DemoOptions, db: str, prefix: str, workdir: str, procs: _Procs, out: Console, show_live: bool
+    o: DemoOptions, store: Store, prefix: str, workdir: str, procs: _Procs, out: Console, show_live: bool
 ) -> bool:
     from .app import app
 
     url = procs.start_services(o)
     procs.env["STEPWARDEN_DEMO_SERVICES"] = url
-    store = open_store(db)
     app.use_store(store)
     store.transact_sync(_register, list(app.workflows.values()), "demo")
     first_event = store.transact_sync(views.max_event_id)
-    others = _live_workers(store)
+    others = store.transact_sync(views.live_workers, SupervisorSettings().dead_after)
     if others:
         out.print(
             f"[yellow]warning[/]: {others} worker(s) not started by the demo are live on this store; "
@@ -255,17 +257,6 @@ def _run(
             live.stop()
     elapsed = time.monotonic() - t0
     return _summarise(o, store, url, prefix, first_event, elapsed, chaos_log, out, workdir)
-
-
-def _live_workers(store: Any) -> int:
-    """Workers with a heartbeat in the last 15 s: on a fresh store none, on a store of one's own
-    perhaps the application's, whose agents of the same names would run the demo's steps."""
-    now = datetime.now(UTC)
-    return sum(
-        1
-        for w in store.transact_sync(views.list_workers)
-        if w["heartbeat_at"] and (now - datetime.fromisoformat(w["heartbeat_at"])).total_seconds() < 15
-    )
 
 
 def _kill_one(store: Any, procs: _Procs) -> str:

@@ -85,8 +85,12 @@ def _short(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _init_command(url: str) -> str:
+    return f"`stepwarden --db {_short(redact_url(url))} init`"
+
+
 def _create_hint(url: str) -> str:
-    return f"run `stepwarden --db {_short(redact_url(url))} init`, or start a worker, to create one"
+    return f"run {_init_command(url)}, or start a worker, to create one"
 
 
 def _check_version(version: int | None, dialect: str, url: str, where: str) -> None:
@@ -97,8 +101,7 @@ def _check_version(version: int | None, dialect: str, url: str, where: str) -> N
     if todo:
         raise MigrationError(
             f"the store's schema is version {version}, older than this stepwarden's {todo[-1][0]}: "
-            f"run `stepwarden --db {_short(redact_url(url))} init` to upgrade it (a worker also does, "
-            "on start)"
+            f"run {_init_command(url)} to upgrade it (a worker also does, on start)"
         )
 
 

@@ -186,8 +186,7 @@ class SQLiteStore(Store):
         A block inside another block on the same file in the same thread is refused at once:
         it would wait for the outer block's write lock, which its own thread holds, until
         ``busy_timeout``, and then fail with "database is locked"."""
-        blocks: set[str] = _BLOCKS.__dict__.setdefault("files", set())
-        if self._file in blocks:
+        if self._in_block():
             raise InputError(
                 "app.transaction() inside another app.transaction() block on the same SQLite"
                 " database, in the same thread: it would wait for the write lock the outer block"
@@ -199,7 +198,7 @@ class SQLiteStore(Store):
             conn = self.connect()
             if self._pristine is None:
                 self._pristine = _pragmas(conn)
-        file = self._file
+        file, blocks = self._file, _blocks()
         if file is not None:
             blocks.add(file)
         try:
@@ -262,7 +261,7 @@ class SQLiteStore(Store):
         if getattr(fn, "stepwarden_read_only", False):
             conn.execute("BEGIN")
         else:
-            if self._file is not None and self._file in _BLOCKS.__dict__.get("files", ()):
+            if self._in_block():
                 # app.submit (or any write) inside app.transaction() on this file, same thread:
                 # it would wait busy_timeout for the write lock its own thread's block holds.
                 raise InputError(
@@ -332,6 +331,10 @@ class SQLiteStore(Store):
 
     def in_transaction(self, conn: Any) -> bool:
         return bool(conn.in_transaction)
+
+    def _in_block(self) -> bool:
+        """This thread has an app.transaction() block open on this store's file (the write lock)."""
+        return self._file is not None and self._file in _blocks()
 
     def limit_lock_waits(self, seconds: float) -> None:
         # Only BEGIN waits for the write lock (every statement after it holds it), and that wait
@@ -458,6 +461,13 @@ class SQLiteStore(Store):
 CALLER_IDLE_MAX = 4  # connections kept for callers' transactions between their blocks
 # Per thread, the SQLite files (real paths) on which it has an app.transaction() block open.
 _BLOCKS = threading.local()
+
+
+def _blocks() -> set[str]:
+    files: set[str] = _BLOCKS.__dict__.setdefault("files", set())
+    return files
+
+
 # The settings that live on a connection and that a caller's block could change (locking_mode
 # EXCLUSIVE would keep the write lock; ignore_check_constraints would let the next block break a
 # CHECK): read back when it is given back, each must be as on a new connection of ours (~70 µs

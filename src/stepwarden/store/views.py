@@ -194,6 +194,16 @@ def list_leases(tx: Tx) -> list[dict[str, Any]]:
 
 
 @read_only
+def live_workers(tx: Tx, within: float) -> int:
+    """Workers not stopped whose heartbeat is under ``within`` seconds old, by the database's
+    clock (a supervisor presumes the others dead: see ``liveness``)."""
+    now = tx.one("now")
+    assert now is not None
+    sql = "SELECT COUNT(*) AS n FROM workers WHERE stopped_at IS NULL AND heartbeat_at > ?"
+    return int(tx.sql(sql, (float(now["now"]) - within,))[0]["n"])
+
+
+@read_only
 def state_counts(tx: Tx, correlation_prefix: str | None = None) -> dict[str, int]:
     if correlation_prefix is None:
         rows = tx.sql("SELECT state, COUNT(*) AS n FROM tasks GROUP BY state")
