@@ -45,9 +45,7 @@ def task_list(tx: Tx, state: str | None, query: str | None, before: int | None) 
     sql = (
         "SELECT id, workflow, state, correlation_id, priority, failure_count, locked_by, complete_by, "
         "last_error, created_at, updated_at FROM tasks"
-    )
-    if where:
-        sql += " WHERE " + " AND ".join(where)
+    ) + views.where_clause(where)
     rows = tx.sql(sql + " ORDER BY id DESC LIMIT ?", (*params, PAGE + 1))
     more = len(rows) > PAGE
     rows = rows[:PAGE]

@@ -57,9 +57,7 @@ def list_tasks(
     a submission whose outcome a lost connection left unknown; ``tasks_correlation`` serves it).
     ``newest``: the ``limit`` most recent ones (still listed oldest first)."""
     where, params = task_filter(state, correlation_prefix, correlation_id)
-    sql = f"SELECT {TASK_COLS} FROM tasks"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
+    sql = f"SELECT {TASK_COLS} FROM tasks" + where_clause(where)
     sql += " ORDER BY id DESC" if newest else " ORDER BY id"
     if limit is not None:
         sql += f" LIMIT {int(limit)}"
@@ -82,7 +80,7 @@ def list_tasks(
 def count_tasks(tx: Tx, state: str | None = None, correlation_id: str | None = None) -> int:
     """How many tasks :func:`list_tasks` would list with no limit."""
     where, params = task_filter(state, None, correlation_id)
-    sql = "SELECT COUNT(*) AS n FROM tasks" + (" WHERE " + " AND ".join(where) if where else "")
+    sql = "SELECT COUNT(*) AS n FROM tasks" + where_clause(where)
     return int(tx.sql(sql, tuple(params))[0]["n"])
 
 
@@ -104,6 +102,10 @@ def task_filter(
         where.append("substr(correlation_id, 1, ?) = ?")
         params += [len(correlation_prefix), correlation_prefix]
     return where, params
+
+
+def where_clause(conditions: list[str]) -> str:
+    return " WHERE " + " AND ".join(conditions) if conditions else ""
 
 
 @read_only
@@ -205,14 +207,9 @@ def live_workers(tx: Tx, within: float) -> int:
 
 @read_only
 def state_counts(tx: Tx, correlation_prefix: str | None = None) -> dict[str, int]:
-    if correlation_prefix is None:
-        rows = tx.sql("SELECT state, COUNT(*) AS n FROM tasks GROUP BY state")
-    else:
-        rows = tx.sql(
-            "SELECT state, COUNT(*) AS n FROM tasks WHERE substr(correlation_id, 1, ?) = ? GROUP BY state",
-            (len(correlation_prefix), correlation_prefix),
-        )
-    return {r["state"]: int(r["n"]) for r in rows}
+    where, params = task_filter(None, correlation_prefix)
+    sql = "SELECT state, COUNT(*) AS n FROM tasks" + where_clause(where)
+    return {r["state"]: int(r["n"]) for r in tx.sql(sql + " GROUP BY state", tuple(params))}
 
 
 @read_only
