@@ -1,10 +1,12 @@
 """PostgreSQL-only failure modes of the fenced supervisor: a task row held by another session must
 not stall the sweep (and with it the leader's own renewal), and a migration interrupted by a lost
-connection is retried instead of failing a worker's start."""
+connection is retried instead of failing a worker's start, while one that waits for another
+session's migration says whose and gives up, naming it, after a bound."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
@@ -13,9 +15,10 @@ import psycopg
 import pytest
 
 from stepwarden.clock import FakeClock
+from stepwarden.errors import MigrationError
 from stepwarden.store import open_store
 from stepwarden.store import transitions as t
-from stepwarden.store.postgres import PostgresStore
+from stepwarden.store.postgres import MIGRATION_LOCK, PostgresStore
 
 
 def _submit(store: Any, wf: Any, n: int) -> list[int]:
@@ -64,11 +67,11 @@ def test_a_migration_interrupted_by_a_lost_connection_is_retried(
     real = store._migrate_once
     calls: list[int] = []
 
-    def flaky(target: int | None) -> int:
+    def flaky(target: int | None, lock_wait: float) -> int:
         calls.append(1)
         if len(calls) == 1:
             raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return real(target)
+        return real(target, lock_wait)
 
     monkeypatch.setattr(store, "_migrate_once", flaky)
     monkeypatch.setattr("stepwarden.store.postgres.time.sleep", lambda s: None)  # no real back-off wait
@@ -76,6 +79,71 @@ def test_a_migration_interrupted_by_a_lost_connection_is_retried(
         assert store.migrate() == 0
         assert len(calls) == 2
     finally:
+        store.close()
+
+
+def _hold_migration_lock(pg_url: str) -> psycopg.Connection[Any]:
+    holder = psycopg.connect(pg_url, application_name="a migration in progress")
+    holder.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))  # held until rollback
+    return holder
+
+
+def test_a_migration_waits_for_another_sessions_migration_and_says_who_holds_it(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two processes starting at once on a fresh database: the second waits for the first's
+    migration, names it while waiting, and goes on once it ends (no lock-timeout error lines)."""
+    store = open_store(pg_url)
+    assert isinstance(store, PostgresStore)
+    holder = _hold_migration_lock(pg_url)
+    done: list[int | BaseException] = []
+
+    def migrate() -> None:
+        try:
+            done.append(store.migrate())
+        except BaseException as e:
+            done.append(e)
+
+    th = threading.Thread(target=migrate)
+    try:
+        with caplog.at_level(logging.WARNING, logger="stepwarden.postgres"):
+            th.start()
+            deadline = time.monotonic() + 10
+            while "waiting for another session" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert f"pid {holder.info.backend_pid}" in caplog.text, caplog.text
+            assert "'a migration in progress'" in caplog.text
+            assert done == [], "the migration did not wait for the lock"
+            holder.rollback()
+            th.join(timeout=10)
+        assert done == [0]
+        assert "interrupted" not in caplog.text and "lost" not in caplog.text
+    finally:
+        holder.close()
+        th.join(timeout=10)
+        store.close()
+
+
+def test_a_migration_lock_held_too_long_fails_naming_the_holder_and_leaves_no_waiter(pg_url: str) -> None:
+    store = open_store(pg_url)
+    assert isinstance(store, PostgresStore)
+    holder = _hold_migration_lock(pg_url)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MigrationError) as err:
+            store.migrate(lock_wait=0.6)
+        assert 0.5 < time.monotonic() - started < 5
+        message = str(err.value)
+        assert f"pid {holder.info.backend_pid}" in message
+        assert "pg_terminate_backend" in message and "0.6 s" in message
+        assert "\n" not in message
+        with psycopg.connect(pg_url, autocommit=True) as watch:  # our tries left no session waiting
+            waiting = watch.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchone()
+            assert waiting == (0,)
+    finally:
+        holder.close()
         store.close()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import select
 import threading
@@ -35,7 +36,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
-from ..errors import InputError, StoreError
+from ..errors import InputError, MigrationError, StoreError
 from .base import DEFERRED, AtCommit, Row, redact_url
 from .core import Store
 from .sql import load_queries, pending_migrations
@@ -69,6 +70,13 @@ FAKE_NOW = "COALESCE(NULLIF(current_setting('stepwarden.now', true), '')::float8
 # on its lease must not block the successor's acquire). Set once per connection when it is ours
 # alone, else at the start of every transaction (SET LOCAL), so it never outlives it on a session
 # that a pooler hands to someone else.
+# The advisory lock that serialises migrations across processes; how long a migration waits for
+# another session's (ours take well under a second; longer means a stuck session, named in the
+# error), how often it tries, and how often it says it is still waiting.
+MIGRATION_LOCK = 7413000001
+MIGRATION_LOCK_WAIT = 120.0
+MIGRATION_LOCK_POLL = 0.25
+MIGRATION_LOCK_REPORT = 10.0
 SESSION_LIMITS = (("idle_in_transaction_session_timeout", "5s"), ("lock_timeout", "10s"))
 # Every statement of ours reaches its rows through an index, but a store starts empty, and on an
 # empty table (never analysed: the planner assumes 10 pages) a sequential scan is the cheaper plan
@@ -663,39 +671,74 @@ class PostgresStore(Store):
     def rollback(self, conn: Any) -> None:
         conn.rollback()
 
-    def migrate(self, target: int | None = None) -> int:
-        """Apply missing migrations, serialised across processes by an advisory lock. A connection
-        lost meanwhile (a worker starting while the server restarts) is retried with back-off:
-        the migration transaction either committed whole or not at all."""
+    def migrate(self, target: int | None = None, *, lock_wait: float | None = None) -> int:
+        """Apply missing migrations, serialised across processes by an advisory lock (waited for
+        at most ``lock_wait`` seconds, :data:`MIGRATION_LOCK_WAIT` by default, saying who holds it).
+        A connection lost meanwhile (a worker starting while the server restarts), or a table lock
+        a migration waited ``lock_timeout`` for, is retried with back-off: the migration
+        transaction either committed whole or not at all."""
+        wait = MIGRATION_LOCK_WAIT if lock_wait is None else lock_wait
         for delay in (0.5, 1.0, 2.0, 4.0, None):
             try:
-                return self._migrate_once(target)
+                return self._migrate_once(target, wait)
             except psycopg.OperationalError as e:
                 if delay is None:
                     raise
-                log.warning("migration interrupted (%s); retrying in %.1fs", str(e).strip()[:200], delay)
+                why = str(e).strip()[:200]
+                if getattr(e, "sqlstate", None) == "55P03":
+                    log.warning(
+                        "a migration statement waited too long for a table lock (%s); retrying in %.1fs",
+                        why,
+                        delay,
+                    )
+                else:
+                    log.warning("connection lost during the migration (%s); retrying in %.1fs", why, delay)
                 time.sleep(delay)
                 self.pool.check()
         raise AssertionError("unreachable")
 
-    def _migrate_once(self, target: int | None) -> int:
-        with self.pool.connection() as conn, conn.transaction():
-            self._begin(conn, clock=False)
-            conn.execute("SELECT pg_advisory_xact_lock(7413000001)")
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
-                " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
-            )
-            row: Any = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
-            todo = pending_migrations("postgres", int(row["v"]), target)
-            for version, name, statements in todo:
-                for stmt in statements:
-                    conn.execute(stmt)
-                conn.execute(
-                    "INSERT INTO schema_migrations VALUES (%s, %s, extract(epoch from now()))",
-                    (version, name),
+    def _migrate_once(self, target: int | None, lock_wait: float) -> int:
+        """Take the migration lock without queueing behind it (``pg_try_advisory_xact_lock``, in
+        a fresh transaction each try): a plain lock wait would end at ``lock_timeout`` with an
+        error that reads like a failure, and would hold a transaction open meanwhile."""
+        deadline = time.monotonic() + lock_wait
+        said = -math.inf
+        while True:
+            with self.pool.connection() as conn, conn.transaction():
+                self._begin(conn, clock=False)
+                row: Any = conn.execute(
+                    "SELECT pg_try_advisory_xact_lock(%s) AS ok", (MIGRATION_LOCK,)
+                ).fetchone()
+                if row["ok"]:
+                    return self._apply_migrations(conn, target)
+                holder = _migration_lock_holder(conn)
+            now = time.monotonic()
+            if now >= deadline:
+                raise MigrationError(
+                    f"another session has held the migration lock for longer than {lock_wait:g} s"
+                    f" ({holder}); if it is stuck, end it with SELECT pg_terminate_backend(PID)"
+                    " and run init again"
                 )
-            return len(todo)
+            if now - said >= MIGRATION_LOCK_REPORT:
+                log.warning("waiting for another session's migration of this database (%s)", holder)
+                said = now
+            time.sleep(min(MIGRATION_LOCK_POLL, max(0.0, deadline - now)))
+
+    def _apply_migrations(self, conn: Any, target: int | None) -> int:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+            " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+        )
+        row: Any = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
+        todo = pending_migrations("postgres", int(row["v"]), target)
+        for version, name, statements in todo:
+            for stmt in statements:
+                conn.execute(stmt)
+            conn.execute(
+                "INSERT INTO schema_migrations VALUES (%s, %s, extract(epoch from now()))",
+                (version, name),
+            )
+        return len(todo)
 
     async def listen(
         self, wake: Callable[[str], None], stop: asyncio.Event, channels: Sequence[str] | None = None
@@ -762,6 +805,31 @@ def _run_to_commit(
 
 class _NoLiveConnection(Exception):
     """Three pooled connections in a row were found dead before anything was sent."""
+
+
+def _migration_lock_holder(conn: Any) -> str:
+    """Who holds the migration lock, for the operator: the backend's pid, its application name,
+    where from, and for how long (what a role may see of another role's session is less)."""
+    row: Any = conn.execute(
+        "SELECT a.pid, a.application_name AS app, host(a.client_addr) AS addr, a.state,"
+        " extract(epoch FROM now() - a.xact_start)::float8 AS held"
+        " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+        " AND l.classid::int8 * 4294967296 + l.objid::int8 = %s LIMIT 1",
+        (MIGRATION_LOCK,),
+    ).fetchone()
+    if row is None or row["pid"] is None:
+        return "held by a session this role cannot see"
+    parts = [f"pid {row['pid']}"]
+    if row["app"]:
+        parts.append(f"application {row['app']!r}")
+    if row["addr"]:
+        parts.append(f"from {row['addr']}")
+    if row["state"]:
+        parts.append(str(row["state"]))
+    if row["held"] is not None:
+        parts.append(f"its transaction open {row['held']:.1f} s")
+    return "held by " + ", ".join(parts)
 
 
 def _connection_lost(e: BaseException) -> bool:
