@@ -75,6 +75,12 @@ def _load_app(ref: str) -> App:
         raise InputError(
             f"cannot import {_quote(mod_name)} for --app: {type(e).__name__}: {_quote(reason)}"
         ) from None
+    except SystemExit as e:  # a script's code run at import: say so instead of exiting silently
+        code = "" if e.code is None else _one_line(repr(e.code), 60)
+        raise InputError(
+            f"importing {_quote(mod_name)} for --app called sys.exit({code});"
+            ' is the module\'s script code under `if __name__ == "__main__":`?'
+        ) from None
     if not hasattr(mod, attr):
         raise InputError(f"module {_quote(mod_name)} has no attribute {_quote(attr)} for --app")
     obj = getattr(mod, attr)

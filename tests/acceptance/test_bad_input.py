@@ -485,6 +485,20 @@ def test_an_app_reference_that_names_no_app_says_what_it_found(tmp_path: Path, r
     assert says in line, line
 
 
+@pytest.mark.parametrize("code", ["", "0", "3", "'usage: shop.py [-h]'"])
+def test_an_app_module_that_exits_at_import_says_so_in_one_line(tmp_path: Path, code: str) -> None:
+    """A module that runs its script code at import (no ``if __name__ == "__main__"``) used to
+    end the worker silently, with its exit code, even 0."""
+    (tmp_path / "shopscript.py").write_text(f"import sys\nsys.exit({code})\n")
+    missing = tmp_path / "never.db"
+    line = assert_one_error_line(
+        sw("--db", f"sqlite:///{missing}", "worker", "--app", "shopscript:app", cwd=tmp_path)
+    )
+    assert f"importing 'shopscript' for --app called sys.exit({code});" in line, line
+    assert "__main__" in line, line
+    assert not missing.exists()
+
+
 def test_a_busy_metrics_port_is_one_line_naming_it_and_creates_no_store(tmp_path: Path) -> None:
     import socket
 
