@@ -57,6 +57,11 @@ class WorkerSettings:
     heartbeat: float = 1.0
 
     def __post_init__(self) -> None:
+        # A name given twice (``--roles scheduler,scheduler``) means it once; heartbeats, logs and
+        # the dashboard then show each role and agent once.
+        object.__setattr__(self, "roles", tuple(dict.fromkeys(self.roles)))
+        if self.agents is not None:
+            object.__setattr__(self, "agents", tuple(dict.fromkeys(self.agents)))
         bad = [r for r in self.roles if r not in ROLES]
         if bad or not self.roles:
             shown = ", ".join(repr(r)[:40] for r in bad) or "(none)"

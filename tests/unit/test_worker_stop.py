@@ -18,6 +18,7 @@ import pytest
 
 from stepwarden import App
 from stepwarden.agent import AgentSettings
+from stepwarden.errors import InputError
 from stepwarden.worker import WorkerSettings
 from stepwarden.workflow import Step
 
@@ -109,3 +110,13 @@ def test_requests_a_round_brings_after_the_drain_are_not_started(
     assert [r["state"] for r in rows(app, "SELECT state FROM requests")] == ["taken"]  # for a rescue
     assert app.task(task_id)["state"] == "processing"
     assert "taken after the stop, not started" in caplog.text
+
+
+def test_a_role_or_agent_named_twice_counts_once() -> None:
+    """``--roles scheduler,scheduler`` is a slip, not two schedulers: the heartbeat, the start
+    line and the dashboard list each role and agent once, in the order given."""
+    s = WorkerSettings(roles=("scheduler", "agent", "scheduler"), agents=("b", "a", "b"))
+    assert s.roles == ("scheduler", "agent")
+    assert s.agents == ("b", "a")
+    with pytest.raises(InputError, match="unknown role"):
+        WorkerSettings(roles=("scheduler", "schedular", "scheduler"))
