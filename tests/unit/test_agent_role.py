@@ -719,7 +719,7 @@ def test_a_stop_with_the_database_not_answering_ends_within_its_bound(
 ) -> None:
     """DEP4 with the database gone quiet: the release of the unfinished attempt is tried once and
     given up after its bound, the role returns, and the attempt is left to expire at complete-by."""
-    monkeypatch.setattr("stepwarden.agent.STOP_WRITE_WAIT", 0.2)
+    monkeypatch.setattr("stepwarden.agent_role.STOP_WRITE_WAIT", 0.2)
     dispatch(rt_store, make_workflow, 1)
     agent = Agent("svc", concurrency=1)
     entered = asyncio.Event()

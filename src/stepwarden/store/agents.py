@@ -19,7 +19,7 @@ Two failures, two answers, both decided from rows every instance can see:
   healthy instances; it probes again after ``probe_at``.
 
 The functions here run inside one transaction each (``store.transact(fn, ...)``); the agent role
-(``agent.py``) keeps a local mirror of what they return.
+(``agent_role.py``, ``agent_health.py``) keeps a local mirror of what they return.
 """
 
 from __future__ import annotations

@@ -1,0 +1,123 @@
+"""What an application writes to define an agent: ``Agent``, its operations, and the ``Request`` they get.
+
+Agents are named wrappers around one remote service. Their definitions are kept apart from the agent
+role that runs them (``agent_role.py``): an application module, and the checks that reject a bad
+definition at once, need none of the role's machinery (the event loop, the thread pool, the store),
+and each reads without the other. ``stepwarden.agent`` re-exports both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .errors import InputError, Permanent, Transient
+from .policies import MAX_INT, is_number, show, whole
+from .workflow import check_ident
+
+Handler = Callable[["Request"], Any]
+F = TypeVar("F", bound=Handler)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What an operation receives: one attempt of one step (or of its compensation)."""
+
+    task_id: int
+    step: str
+    attempt: int
+    kind: str  # "do" or "undo"
+    idempotency_key: str  # stable across attempts: TASK_ID:STEP_NAME (an undo carries the key it undoes)
+    input: Any
+    results: dict[str, Any]
+    undo: Any  # for an undo: the result of the step being undone (None if it never completed)
+    complete_by: float  # absolute, on the database clock
+    deadline: float  # the same moment on this process's monotonic clock
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return {"input": self.input, "results": self.results}
+
+
+def default_classify(exc: BaseException) -> str:
+    """``"transient"`` or ``"permanent"`` (AGT5).
+
+    Timeouts, connection errors, HTTP 5xx and 429, and :class:`Transient` are worth retrying;
+    :class:`Permanent`, other HTTP 4xx, and anything else (a bug does not heal by retrying) are not.
+    """
+    if isinstance(exc, Permanent):
+        return "permanent"
+    if isinstance(exc, Transient | TimeoutError | ConnectionError):
+        return "transient"
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx is a dependency
+        return "permanent"
+    if isinstance(exc, httpx.HTTPStatusError):
+        code = exc.response.status_code
+        return "transient" if code >= 500 or code in (408, 425, 429) else "permanent"
+    if isinstance(exc, httpx.TransportError):
+        return "transient"
+    return "permanent"
+
+
+@dataclass
+class Agent:
+    """A named agent and its operations; define with ``app.agent(name)`` and ``@agent.operation``.
+
+    ``concurrency`` (calls at once per worker) and ``breaker_threshold`` (failures in a row that
+    open the circuit breaker) are ints from 1 to 2**31-1 (the stores' INTEGER columns), not bools
+    or floats; ``breaker_cool_off`` is a finite number of seconds >= 0; ``classify`` is callable.
+    A bad value raises :class:`~stepwarden.errors.InputError` naming the agent and the option.
+    """
+
+    name: str
+    concurrency: int = 8
+    breaker_threshold: int = 5
+    breaker_cool_off: float = 5.0
+    classify: Callable[[BaseException], str] = default_classify
+    operations: dict[str, Handler] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_ident("agent name", self.name)
+        for option in ("concurrency", "breaker_threshold"):
+            value = getattr(self, option)
+            count = whole(value)
+            if count is None or not 1 <= count <= MAX_INT:
+                raise InputError(
+                    f"agent {self.name!r}: {option} must be a whole number from 1 to {MAX_INT}, "
+                    f"not {show(value)}"
+                )
+            object.__setattr__(self, option, count)
+        if not is_number(self.breaker_cool_off) or self.breaker_cool_off < 0:
+            raise InputError(
+                f"agent {self.name!r}: breaker_cool_off must be a finite number of seconds >= 0, "
+                f"not {show(self.breaker_cool_off)}"
+            )
+        if not callable(self.classify):
+            raise InputError(f"agent {self.name!r}: classify must be a function, not {show(self.classify)}")
+
+    def operation(self, fn: F | None = None, *, name: str | None = None) -> Any:
+        """Register ``fn`` (async or plain) as operation ``name`` (default: the function's name).
+
+        ``@agent.operation``, ``@agent.operation(name="reserve")`` or ``agent.operation(fn)``; a
+        ``fn`` that is not callable raises :class:`~stepwarden.errors.InputError`."""
+        if fn is not None and not callable(fn):
+            hint = f" (to name it, use @agent.operation(name={fn!r}))" if isinstance(fn, str) else ""
+            raise InputError(f"agent {self.name!r}: an operation must be a function, not {show(fn)}{hint}")
+
+        def register(f: F) -> F:
+            if not callable(f):
+                raise InputError(f"agent {self.name!r}: an operation must be a function, not {show(f)}")
+            if name is None and not isinstance(getattr(f, "__name__", None), str):
+                raise InputError(
+                    f"agent {self.name!r}: operation {show(f)} has no __name__; give it one with name="
+                )
+            op = check_ident("operation name", name if name is not None else f.__name__)
+            if op in self.operations:
+                raise InputError(f"agent {self.name!r} already has an operation {op!r}")
+            self.operations[op] = f
+            return f
+
+        return register(fn) if fn is not None else register

@@ -1,0 +1,566 @@
+"""The agent role: runs the operations of the agents a worker serves (defined in ``agent_definition.py``).
+
+An agent instance pulls request messages only up to its capacity (AGT6), runs each operation under
+the attempt's complete-by (AGT2, AGT4), retries transient failures inside the attempt with
+back-off and jitter, and replies once. At complete-by it cancels the work and sends nothing: the
+supervisor, not the agent, decides what happens next. A plain (non-async) function cannot be
+interrupted; it keeps running in its thread, and its late result is discarded unsent.
+
+Kept apart from the definitions an application writes, which need none of this machinery. A test
+that patches a bound the role reads (``STOP_WRITE_WAIT``) patches it here, where the role reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import tracing
+from .agent_definition import Agent, Handler, Request
+from .agent_health import AgentHealth
+from .agent_settings import CANCELLED_WAIT, REPLIES_WAIT, STOP_WRITE_WAIT, AgentSettings
+from .clock import SYSTEM_CLOCK, Clock
+from .errors import Permanent, Transient
+from .logs import log_raised
+from .store import ApplyResult, RequestMsg, Store
+from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
+
+# The logger the agent role always had (agent_health.py logs under it too): log configurations and
+# tests select the role's records by this name.
+log = logging.getLogger("stepwarden.agent")
+
+# The sweep for lost takes waits this long for the transactions that hold reservations.
+SWEEP_WAIT = 1.0
+# An unanswered call's request is remembered this long past its complete-by: the agent's own
+# deadline (monotonic) and the store's clock may disagree by a little.
+UNANSWERED_MARGIN = 5.0
+UNANSWERED_KEPT = 1024  # past this many, the expired ones are forgotten at once
+
+
+class AgentRole:
+    """Pulls requests for some agents up to capacity and runs them; one per worker process."""
+
+    def __init__(
+        self,
+        store: Store,
+        agents: dict[str, Agent],
+        me: str,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        settings: AgentSettings | None = None,
+        wake: asyncio.Event | None = None,
+        on_reply: Callable[[], None] | None = None,
+        on_applied: Callable[[ApplyResult], None] | None = None,
+        on_attempt: Callable[[str, str, float], None] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.store = store
+        self.agents = agents
+        self.me = me
+        self.clock = clock
+        self.settings = settings or AgentSettings()
+        self.wake = wake or asyncio.Event()
+        self.on_reply = on_reply or (lambda: None)
+        self.on_applied = on_applied or (lambda r: None)
+        self.on_attempt = on_attempt or (lambda agent, outcome, seconds: None)
+        self.inflight: dict[str, int] = dict.fromkeys(agents, 0)
+        # The requests counted in `inflight`: a slot is held until its reply commits (AGT6), and
+        # given back by whichever comes first, that commit or the end of the call's task.
+        self._held: dict[int, str] = {}
+        # The breakers are shared through the store; this is the instance's mirror of them, and
+        # its own health (AGT3, AGT6; see agent_health.py).
+        self.health = AgentHealth(store, me, agents, clock, self.settings)
+        self.breakers = self.health.breakers
+        self.tracer = tracing.tracer(me)  # spans per attempt when the `otel` extra is installed
+        self.rng = random.Random()
+        self.pool = ThreadPoolExecutor(
+            max_workers=threads or max(4, sum(a.concurrency for a in agents.values())),
+            thread_name_prefix="stepwarden-agent",
+        )
+        self.tasks: dict[asyncio.Task[None], RequestMsg] = {}
+        self.completed = 0
+        self.batches = 0  # reply transactions committed: completed / batches is replies per batch
+        self._notes: set[asyncio.Task[None]] = set()
+        self._outbox: list[tuple[tuple[int, str, Any, str | None], asyncio.Future[None]]] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._replied: set[int] = set()  # request ids whose reply is queued or sent
+        # Calls started since the last reply batch was taken and not yet answered (nor ended):
+        # what the next batch lingers for. Calls that were running when a batch was taken are
+        # not waited for again, so a slow call delays at most one batch, not every batch.
+        self._young: set[int] = set()
+        self._no_young = asyncio.Event()  # set when the last of them answers, or the agent stops
+        self._stopping = False  # set by drain(): reply batches take no more requests
+        self._drained = False  # drain() has stopped waiting: nothing may start any more
+        # Reservations handed out and not yet settled by accept(): a transaction in flight may
+        # still bring requests for them, which drain() waits for.
+        self._reserving = 0
+        self._no_reservations = asyncio.Event()
+        self._no_reservations.set()
+        # A transaction that takes requests for this instance failed, and may have committed
+        # anyway (a connection lost in the round trip that carries COMMIT): the requests it took
+        # are this instance's in the store, and nothing here runs them. Set by accept() and
+        # pull(); run() then hands such requests back (see _release_unknown_takes).
+        self._takes_unknown = False
+        self._sweeping = False  # set while run() looks for them: reserve() hands out nothing
+        # Requests whose call ended here without a committed reply (silent at complete-by, reply
+        # never sent, cancelled), until just past their complete-by: they ran, so the sweep must
+        # not release them as never started; they are the supervisor's, and count as failed.
+        self._unanswered: dict[int, float] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        idle = self.settings.poll_interval
+        try:
+            await self._register()
+            while not stop.is_set():
+                got = 0
+                if self._takes_unknown:
+                    try:
+                        await self._release_unknown_takes()
+                    except Exception as e:  # the flag stays: tried again next round
+                        log.warning("agent %s: could not look for lost takes: %r", self.me, e)
+                try:
+                    got = await self.pull()
+                except Exception as e:  # database trouble: back off, keep going (REL3)
+                    log.warning("agent %s: pull failed: %r", self.me, e)
+                    idle = self.settings.idle_poll_max
+                if got:
+                    idle = self.settings.poll_interval
+                    continue
+                await _wait_any(self.clock, idle, stop, self.wake)
+                self.wake.clear()
+                idle = min(self.settings.idle_poll_max, idle * 2)
+        finally:
+            await self.drain()
+            try:
+                await asyncio.wait_for(self.health.stop(), STOP_WRITE_WAIT)
+            except Exception as e:
+                log.warning("agent %s: could not record the instances' stop: %r", self.me, e)
+
+    async def _register(self) -> None:
+        try:
+            await self.health.register({n: a.concurrency for n, a in self.agents.items()})
+        except Exception as e:  # retried at the next pull
+            log.warning("agent %s: could not register its agent instances: %r", self.me, e)
+
+    def load(self) -> dict[str, tuple[int, int]]:
+        """``{agent: (capacity, in flight)}``, for the heartbeat."""
+        return {n: (a.concurrency, self.inflight[n]) for n, a in self.agents.items()}
+
+    async def pull(self) -> int:
+        """Take requests up to capacity, for the agents whose shared breaker is closed (or whose
+        trial this instance won) and for which this instance is healthy (AGT6)."""
+        if not self.health.registered:
+            await self.health.register({n: a.concurrency for n, a in self.agents.items()})
+        rooms = {n: a.concurrency - self.inflight[n] for n, a in self.agents.items()}
+        try:
+            msgs, trials, probes, workflows = await self.health.pull(rooms, self.tracer.wants_workflows)
+        except Exception:
+            self._takes_unknown = True
+            raise
+        for msg in msgs:
+            self._start(msg, msg.agent in trials, msg.agent in probes, workflows.get(msg.task_id))
+        return len(msgs)
+
+    def _start(
+        self, msg: RequestMsg, trial: bool = False, probe: bool = False, workflow: str | None = None
+    ) -> None:
+        agent = self.agents[msg.agent]
+        self.inflight[agent.name] += 1
+        self._held[msg.id] = agent.name
+        span = self.tracer.attempt(msg, workflow)
+        t = asyncio.create_task(self.execute(agent, msg, trial, probe, span), name=f"request-{msg.id}")
+        self._young.add(msg.id)
+        self.tasks[t] = msg
+        t.add_done_callback(lambda done: self.tasks.pop(done, None))
+
+    # -- requests handed over in this worker's own transactions (see scheduler.LocalAgents) -------
+    def reserve(self, freeing: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Free slots per agent that a transaction of this worker may fill directly: only agents
+        whose shared breaker is closed and for which this instance is healthy (anything else goes
+        through :meth:`pull`, which knows about trials and probes). ``freeing``: slots that the
+        same transaction's replies give back. Held (counted in flight) until :meth:`accept`."""
+        out: dict[str, int] = {}
+        if not self.health.registered or self._stopping or self._sweeping:
+            return out
+        for name, a in self.agents.items():
+            b = self.breakers[name]
+            if b.state != "closed" or b.trial or not self.health.healthy(name):
+                continue
+            room = a.concurrency - self.inflight[name] + (freeing or {}).get(name, 0)
+            if room > 0:
+                out[name] = room
+                self.inflight[name] += room
+        if out:
+            self._reserving += 1
+            self._no_reservations.clear()
+        return out
+
+    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int], failed: bool = False) -> None:
+        """Start ``msgs`` and give back the reservation. ``failed``: the transaction raised, so
+        whether it took requests for this reservation is unknown (see ``_takes_unknown``)."""
+        for name, room in reserved.items():
+            self.inflight[name] -= room
+        if failed and reserved:
+            self._takes_unknown = True
+        if reserved:
+            self._reserving -= 1
+            if self._reserving == 0:
+                self._no_reservations.set()
+        if self._drained and msgs:
+            # A transaction that outlived the whole grace period: the pool is gone, the process is
+            # leaving. The requests stay taken by a stopped worker, which the supervisor rescues.
+            log.warning(
+                "agent %s: %d request(s) taken after the stop, not started: %s",
+                self.me,
+                len(msgs),
+                ", ".join(str(m.id) for m in msgs),
+            )
+            return
+        for msg in msgs:
+            self._start(msg)
+
+    async def execute(
+        self,
+        agent: Agent,
+        msg: RequestMsg,
+        trial: bool = False,
+        probe: bool = False,
+        span: AttemptSpan | NoAttempt = NO_ATTEMPT,
+    ) -> None:
+        try:
+            with span:
+                await self._execute(agent, msg, trial, span)
+        finally:
+            self._answered(msg.id)
+            if msg.id in self._held:  # a committed reply would have given its slot back already
+                self._remember_unanswered(msg)
+            self._release(msg.id)
+            self.wake.set()
+            if probe:
+                self.health.probe_done(agent.name)
+            if trial:  # a trial that ended without a verdict (complete-by passed) counts as failed
+                await self._guard(self.health.release_trial(agent.name, "the trial call gave no answer"))
+
+    def _release(self, request_id: int) -> None:
+        name = self._held.pop(request_id, None)
+        if name is not None:
+            self.inflight[name] -= 1
+
+    async def _execute(
+        self, agent: Agent, msg: RequestMsg, trial: bool, span: AttemptSpan | NoAttempt
+    ) -> None:
+        try:
+            started = self.clock.monotonic()
+            outcome = await self._attempt(agent, msg, trial, span)
+            span.finish(outcome[0] if outcome else "silent", outcome[2] if outcome else None)
+            self.on_attempt(agent.name, outcome[0] if outcome else "silent", self.clock.monotonic() - started)
+            if outcome is None:
+                log.info(
+                    "request %s (%s/%s attempt %d) passed complete-by: cancelled, no reply",
+                    msg.id,
+                    msg.task_id,
+                    msg.step_idx,
+                    msg.attempt,
+                )
+                return
+            await self._reply(msg, *outcome)
+            self._replied.discard(msg.id)  # committed; only a cancelled wait leaves it for drain()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never let one request kill the role
+            log.exception("request %s: unexpected failure: %r", msg.id, e)
+
+    async def _guard(self, coro: Awaitable[None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("agent %s: health bookkeeping failed: %r", self.me, e)
+
+    async def _reply(self, msg: RequestMsg, outcome: str, result: Any, error: str | None) -> None:
+        """Queue the reply and wait until it is committed. Replies that finish while a batch is
+        being written go together in the next transaction (group commit: one fsync for many)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._replied.add(msg.id)
+        self._outbox.append(((msg.id, outcome, result, error), fut))
+        self._answered(msg.id)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_outbox(), name="agent-replies")
+        await asyncio.shield(fut)
+
+    def _answered(self, request_id: int) -> None:
+        self._young.discard(request_id)
+        if not self._young:
+            self._no_young.set()
+
+    async def _linger(self) -> None:
+        """Wait, at most ``reply_linger``, until the calls started since the last batch have
+        answered (see AgentSettings). One wake-up, when the last of them answers: not one per
+        call, which would cost a task switch per reply on the hot path."""
+        if not self._young or self._stopping or self.settings.reply_linger <= 0:
+            return
+        self._no_young.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.reply_linger):
+                await self._no_young.wait()
+
+    async def _send_outbox(self) -> None:
+        while self._outbox:
+            await self._linger()
+            batch, self._outbox = self._outbox, []
+            self._young.clear()  # still running now: not waited for by the next batch
+            for n in range(1, 6):
+                try:
+                    items = [item for item, _ in batch]
+                    if self.settings.apply_replies:
+                        # One transaction records the replies, applies them (the next steps are
+                        # dispatched) and refills the slots they free: one commit per cycle.
+                        freeing: dict[str, int] = {}
+                        for request_id, *_ in items:
+                            name = self._held.get(request_id)  # slots given back already don't count
+                            if name is not None:
+                                freeing[name] = freeing.get(name, 0) + 1
+                        reserved = self.reserve(freeing)
+                        taken: list[RequestMsg] = []
+                        sent = False
+                        try:
+                            applied, taken = await self.store.send_replies_and_take(self.me, items, reserved)
+                            sent = True
+                        finally:
+                            self.accept(taken, reserved, failed=not sent)
+                    else:
+                        applied = await self.store.send_replies(self.me, items, apply=False)
+                except Exception as e:  # the attempts expire and are rescued if this never succeeds
+                    log.warning("%d repl(ies) failed to send (try %d): %r", len(batch), n, e)
+                    await self.clock.sleep(0.2 * n)
+                    continue
+                # Committed: these slots are free now, not once each call's task next runs. A
+                # refill taken with them is already counted; the next batch's reservation must not
+                # count them twice, or it would take nothing.
+                for request_id, *_ in items:
+                    self._release(request_id)
+                try:  # once: the batch is committed, whatever happens here
+                    self._committed(len(batch), applied)
+                except Exception as e:
+                    log.exception("agent %s: after a reply batch committed: %r", self.me, e)
+                break
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _committed(self, replies: int, applied: ApplyResult | None) -> None:
+        log_raised(log, applied.alerts if applied else ())
+        self.completed += replies
+        self.batches += 1
+        if applied is None:
+            self.on_reply()  # a scheduler has replies to apply
+        else:  # applied, and the next steps dispatched and taken as far as we have room
+            self.on_applied(applied)
+            self.tracer.applied(applied)
+
+    async def _attempt(
+        self, agent: Agent, msg: RequestMsg, trial: bool = False, span: AttemptSpan | NoAttempt = NO_ATTEMPT
+    ) -> tuple[str, Any, str | None] | None:
+        """Returns (outcome, result, error) to send, or None to stay silent (complete-by passed)."""
+        deadline = self.clock.monotonic() + msg.remaining
+        handler = agent.operations.get(msg.operation)
+        if handler is None:
+            return "error", None, f"agent {agent.name!r} has no operation {msg.operation!r} in this worker"
+        payload = msg.payload
+        req = Request(
+            task_id=msg.task_id,
+            step=msg.idempotency_key.split(":", 1)[1],
+            attempt=msg.attempt,
+            kind=msg.kind,
+            idempotency_key=msg.idempotency_key,
+            input=payload.get("input"),
+            results=payload.get("results") or {},
+            undo=payload.get("undo"),
+            complete_by=msg.complete_by,
+            deadline=deadline,
+        )
+        tries, backoff = msg.policy.tries, msg.policy.in_attempt
+        health = self.health
+        last = "no attempt made"
+        for n in range(1, tries + 1):
+            left = deadline - self.clock.monotonic()
+            if left <= 0:
+                return None
+            held = None if (trial and n == 1) else health.may_call(agent.name)
+            if held is not None:
+                last = held
+            else:
+                try:
+                    result = await self._call(handler, req, left)
+                except TimeoutError:
+                    if deadline - self.clock.monotonic() <= 0.001:
+                        return None  # complete-by: cancel and stay silent (AGT4)
+                    last = "operation timed out"
+                    span.try_failed(n, last)
+                    await self._guard(health.ended(agent.name, False, last, trial and n == 1))
+                except Exception as e:
+                    kind = agent.classify(e)
+                    if kind == "permanent":
+                        # the service answered: it is up
+                        await self._guard(health.ended(agent.name, True, None, trial and n == 1))
+                        return "error", None, _describe(e)
+                    last = _describe(e)
+                    span.try_failed(n, last)
+                    await self._guard(health.ended(agent.name, False, last, trial and n == 1))
+                else:
+                    await self._guard(health.ended(agent.name, True, None, trial and n == 1))
+                    return "ok", result, None
+                if not health.healthy(agent.name):
+                    # Others succeed where this instance fails: hand the attempt back, uncounted,
+                    # so that a healthy instance runs it now (AGT6).
+                    return "released", None, f"instance {self.me} unhealthy for {agent.name!r}: {last}"
+            delay = backoff.delay(n, self.rng)
+            if n == tries or self.clock.monotonic() + delay >= deadline:
+                break
+            await self.clock.sleep(delay)
+        # Transient failures used up this attempt's tries: say so before complete-by, so the step is
+        # retried now rather than after its deadline.
+        if self.clock.monotonic() >= deadline:
+            return None
+        return "retry", None, f"transient: {last}"
+
+    async def _call(self, handler: Handler, req: Request, timeout: float) -> Any:
+        if inspect.iscoroutinefunction(handler):
+            # Not wait_for: no task of its own per call (a no-op operation then replies within
+            # the loop iteration that started it).
+            async with asyncio.timeout(timeout):
+                result = await handler(req)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # A stop (drain) cancelled the call and the operation swallowed it: wait_for would
+                # still have raised, and so does this, rather than reply after drain released it.
+                raise asyncio.CancelledError
+            return result
+        loop = asyncio.get_running_loop()
+        # In the caller's context, so the attempt's span (and other context) is current in the thread.
+        fut = loop.run_in_executor(self.pool, contextvars.copy_context().run, handler, req)
+        # A thread cannot be interrupted: on timeout the call runs on, and its result is dropped.
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def _release_unknown_takes(self) -> None:
+        """Hand back the requests this instance holds in the store but never started: taken by a
+        transaction that failed after it may have committed. Left alone they would wait for
+        their complete-by and then count as a failed attempt of a call that never ran; released,
+        the scheduler dispatches a new attempt at once, with no failure counted, as for a
+        graceful stop (DEP4). New reservations are held back first (``_sweeping``) and the
+        ones out are waited for, so every request this instance took is then running (held),
+        ran and ended unanswered (``_unanswered``: the supervisor's), or lost. An attempt past
+        its complete-by is not touched either: that is the supervisor's to rescue."""
+        self._sweeping = True
+        try:
+            try:
+                await asyncio.wait_for(self._no_reservations.wait(), SWEEP_WAIT)
+            except TimeoutError:
+                return  # a transaction still out: next round
+            # Read before the store is: a call whose reply commits meanwhile leaves _held after
+            # that commit, so it is either in this copy or no longer taken in the store.
+            self._forget_unanswered()
+            known = set(self._held) | set(self._unanswered)
+            ids = await self.store.requests_taken_by(self.me)
+            lost = [i for i in ids if i not in known]
+            if lost:
+                await self._release_requests(
+                    lost, "taken in a transaction whose commit was not confirmed; never started"
+                )
+                log.warning(
+                    "agent %s: released %d request(s) taken by a transaction that failed after "
+                    "committing: %s",
+                    self.me,
+                    len(lost),
+                    ", ".join(map(str, lost)),
+                )
+                self.on_reply()  # a scheduler has replies to apply
+            await self.health.return_unknown_trials()
+            self._takes_unknown = False
+        finally:
+            self._sweeping = False
+
+    def _remember_unanswered(self, msg: RequestMsg) -> None:
+        """Counted from the call's end, not its start: off the path of calls that reply, and
+        only longer than needed by the call's own duration."""
+        self._unanswered[msg.id] = self.clock.monotonic() + msg.remaining + UNANSWERED_MARGIN
+        if len(self._unanswered) > UNANSWERED_KEPT:
+            self._forget_unanswered()
+
+    def _forget_unanswered(self) -> None:
+        now = self.clock.monotonic()
+        self._unanswered = {i: t for i, t in self._unanswered.items() if t > now}
+
+    async def _release_requests(self, ids: list[int], why: str) -> None:
+        """Hand attempts back without counting a failure (a ``released`` reply, applied by a
+        scheduler): one transaction for all of them."""
+        await self.store.send_replies(self.me, [(i, "released", None, why) for i in ids])
+
+    async def drain(self) -> None:
+        """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
+        self._stopping = True  # a reply batch still in flight takes nothing more
+        self._no_young.set()  # nor waits for calls that may never answer
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.settings.shutdown_grace
+        running: dict[asyncio.Task[None], RequestMsg] = {}
+        pending: set[asyncio.Task[None]] = set()
+        # A transaction already in flight (a reply batch, a scheduler round of this worker) may
+        # still bring requests reserved before the stop: wait for it, and for the calls it starts.
+        while (self.tasks or self._reserving > 0) and not pending:
+            left = max(0.0, end - loop.time())
+            if self.tasks:
+                running.update(self.tasks)
+                _, pending = await asyncio.wait(set(self.tasks), timeout=left)
+            else:
+                try:
+                    await asyncio.wait_for(self._no_reservations.wait(), left)
+                except TimeoutError:
+                    break
+        # From here on nothing starts: a transaction still in flight leaves its requests taken,
+        # for a rescue. Calls started during the last wait are cancelled with the rest.
+        self._drained = True
+        running.update(self.tasks)
+        pending = {t for t in running if not t.done()}
+        if running:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=CANCELLED_WAIT)
+            # Hand the unfinished attempts back at once, without counting a failure, instead of
+            # leaving them to expire at complete-by.
+            if self._sender is not None:  # replies already made are sent, not released
+                await asyncio.wait({self._sender}, timeout=REPLIES_WAIT)
+            unsent = [running[t].id for t in pending if running[t].id not in self._replied]
+            if unsent:
+                try:  # bounded: a stop has a deadline
+                    await asyncio.wait_for(
+                        self._release_requests(unsent, "agent stopped before the call finished"),
+                        STOP_WRITE_WAIT,
+                    )
+                except Exception as e:
+                    log.warning("requests %s: could not release them (they will expire): %r", unsent, e)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}"[:1000] if not isinstance(e, Permanent | Transient) else text[:1000]
+
+
+async def _wait_any(clock: Clock, seconds: float, *events: asyncio.Event) -> None:
+    """Sleep up to ``seconds``, waking early when any event is set."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    sleeper = asyncio.create_task(clock.sleep(seconds))
+    try:
+        await asyncio.wait({sleeper, *waiters}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (sleeper, *waiters):
+            t.cancel()
