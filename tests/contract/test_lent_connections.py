@@ -118,7 +118,7 @@ def set_aside_lines(caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[s
 
 def test_the_pools_warning_is_held_back_only_for_a_connection_the_store_set_aside(pg_url: str) -> None:
     """A connection the pool itself finds closed is a fault: its warning goes through."""
-    from stepwarden.store import postgres as pg
+    from stepwarden.store import pg_sessions as pg
 
     def record(conn: Any) -> logging.LogRecord:
         return logging.LogRecord(

@@ -16,6 +16,12 @@ Behind a transaction-mode pooler (PgBouncer ``pool_mode = transaction``) each tr
 on a different server session, so nothing may live in a session: ``?pooler=transaction`` turns off
 LISTEN and server-side prepared statements and sets the session limits per transaction instead of
 per connection (see :func:`pg_options`).
+
+This module is the store itself (opening, retrying and committing transactions, lending callers
+connections, migrating, listening); its parts live beside it: ``pg_tx.py`` (the transaction the
+transitions write through), ``pg_options.py`` (the URL's options and the first connection) and
+``pg_sessions.py`` (what a server session carries, and how a lent one is set back). The names
+that other code imports from here are still here (``__all__``).
 """
 
 from __future__ import annotations
@@ -24,52 +30,79 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import select
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
-from urllib.parse import unquote, urlsplit
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
 from ..errors import InputError, MigrationError, StoreError
-from .base import DEFERRED, AtCommit, Row, redact_url
+from .base import redact_url
 from .core import Store
+from .pg_options import (
+    TCP_DEFAULTS,
+    URL_OPTIONS,
+    PgOptions,
+    _first_connection,
+    _first_line,
+    parse_url,
+    pg_options,
+)
+from .pg_sessions import (
+    CALLER_RESET,
+    CALLER_SESSIONS,
+    OUR_SESSIONS,
+    PLANNER_SETTINGS,
+    SESSION_LIMITS,
+    _configure,
+    _quiet_deliberate_discards,
+    _settle_caller,
+)
+from .pg_tx import CHANNELS, NOTIFY_ON, REQUESTS, PgTx, _to_psycopg
 from .sql import load_queries, pending_migrations
 
 try:
     import psycopg
-    from psycopg.rows import dict_row, tuple_row
-    from psycopg.types.json import Jsonb
+    from psycopg.rows import dict_row
     from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 except ImportError:  # pragma: no cover - exercised only without the extra
     psycopg = None  # type: ignore[assignment]
+
+# The public names of this module before its parts moved out, so imports of them keep working.
+__all__ = [
+    "CALLER_POOL_MAX",
+    "CALLER_POOL_WAIT",
+    "CALLER_RESET",
+    "CALLER_SESSIONS",
+    "CHANNELS",
+    "FAKE_NOW",
+    "MIGRATION_LOCK",
+    "MIGRATION_LOCK_POLL",
+    "MIGRATION_LOCK_REPORT",
+    "MIGRATION_LOCK_WAIT",
+    "NOTIFY_ON",
+    "OUR_SESSIONS",
+    "PLANNER_SETTINGS",
+    "REQUESTS",
+    "SESSION_LIMITS",
+    "SYSTEM_NOW",
+    "TCP_DEFAULTS",
+    "URL_OPTIONS",
+    "PgOptions",
+    "PgTx",
+    "PostgresStore",
+    "parse_url",
+    "pg_options",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 log = logging.getLogger("stepwarden.postgres")
 
-# Channels of the wake-up hints, by the query that makes new work for someone.
-NOTIFY_ON = {
-    "insert_task": "stepwarden_tasks",
-    "insert_request": "stepwarden_requests",
-    "insert_reply": "stepwarden_replies",
-    "release_task": "stepwarden_tasks",
-    "finish_task": "stepwarden_done",
-}
-CHANNELS = sorted(set(NOTIFY_ON.values()))
-REQUESTS = NOTIFY_ON["insert_request"]
 SYSTEM_NOW = "extract(epoch from statement_timestamp())::float8"
 FAKE_NOW = "COALESCE(NULLIF(current_setting('stepwarden.now', true), '')::float8, " + SYSTEM_NOW + ")"
-# Our transactions never wait on the network, so a session idle inside one belongs to a paused or
-# partitioned process: the server ends it, releasing its row locks (a paused ex-leader's FOR SHARE
-# on its lease must not block the successor's acquire). Set once per connection when it is ours
-# alone, else at the start of every transaction (SET LOCAL), so it never outlives it on a session
-# that a pooler hands to someone else.
 # The advisory lock that serialises migrations across processes; how long a migration waits for
 # another session's (ours take well under a second; longer means a stuck session, named in the
 # error), how often it tries, and how often it says it is still waiting.
@@ -77,308 +110,11 @@ MIGRATION_LOCK = 7413000001
 MIGRATION_LOCK_WAIT = 120.0
 MIGRATION_LOCK_POLL = 0.25
 MIGRATION_LOCK_REPORT = 10.0
-SESSION_LIMITS = (("idle_in_transaction_session_timeout", "5s"), ("lock_timeout", "10s"))
-# Every statement of ours reaches its rows through an index, but a store starts empty, and on an
-# empty table (never analysed: the planner assumes 10 pages) a sequential scan is the cheaper plan
-# for `= ANY (ARRAY(...))` of the ids of a batch. A prepared statement keeps its generic plan until
-# an ANALYZE invalidates it, so a worker started on a new store scanned the whole of `steps` and
-# `requests` in every batch while they grew, until autovacuum's first ANALYZE (a minute or more):
-# 1,996 rows read for 8 after 2,000 tasks. With sequential scans priced out, the plan made while a
-# table is empty is the one that stays right once it is large (a query with no index still scans).
-PLANNER_SETTINGS = (("enable_seqscan", "off"),)
-# What each kind of session of ours gets: the pool's run only the store's statements; the one
-# opened for a caller's own transaction (``App.transaction()``) runs the caller's SQL too, planned
-# as usual; a caller's own connection (``tx_on``) gets nothing.
-OUR_SESSIONS = SESSION_LIMITS + PLANNER_SETTINGS
-CALLER_SESSIONS = SESSION_LIMITS
 # Connections kept for app.transaction() in one process (each opened on demand; idle ones are
 # closed one a minute). A block that finds them all lent for CALLER_POOL_WAIT seconds (a block
 # inside a block, or more blocks at once than this) opens a connection of its own, as before.
 CALLER_POOL_MAX = 16
 CALLER_POOL_WAIT = 0.5
-_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
-
-
-def _to_psycopg(sql: str) -> str:
-    return _PARAM.sub(r"%(\1)s", sql)
-
-
-class PgTx:
-    dialect = "postgres"
-
-    def __init__(
-        self,
-        conn: Any,
-        queries: dict[str, str],
-        notify: set[str],
-        pipeline: Any = None,
-        *,
-        prepare: bool = True,
-        caller_managed: bool = False,
-    ) -> None:
-        self.conn = conn
-        self.q = queries
-        self.notify = notify
-        self.pipeline = pipeline
-        # Server-side prepared statements, each prepared on its first use; off (``prepare=off``)
-        # they are never prepared, not even after psycopg's threshold: behind a pooler that does
-        # not track them, a statement prepared on one server session is missing on the next.
-        self.prepare = prepare
-        self.kept: dict[str, list[dict[str, Any]]] = {}  # events, messages: sent at commit
-        self.deferred: dict[str, list[dict[str, Any]]] = {}  # hot writes: sent at the next read
-        self.dispatched: list[str] = []
-        self.quieted: set[str] = set()
-        self.tail: list[tuple[str, dict[str, Any], AtCommit]] = []  # at_commit, not yet sent
-        self.tail_sent: list[tuple[Any, AtCommit]] = []  # sent: their cursors, read after COMMIT
-        self.if_queued: list[str] | None = None  # notify_if_queued's agents
-        self.caller_managed = caller_managed
-
-    def _exec(self, query: str, params: dict[str, Any]) -> Any:
-        if self.deferred:
-            self._send_deferred()
-        self._hint(query)
-        return self.conn.cursor(row_factory=dict_row).execute(self.q[query], params, prepare=self.prepare)
-
-    def _hint(self, query: str) -> None:
-        """Note the wake-up channel of work ``query`` creates; sent once, at commit."""
-        channel = NOTIFY_ON.get(query)
-        if channel:
-            self.notify.add(channel)
-
-    def _send_deferred(self) -> None:
-        deferred, self.deferred = self.deferred, {}
-        for query, rows in deferred.items():
-            keys = DEFERRED[query]
-            if len(rows) > 1 and (not keys or len({tuple(r[k] for k in keys) for r in rows}) == len(rows)):
-                self._send_many(query, rows)
-            else:
-                cur = self.conn.cursor()
-                for params in rows:
-                    cur.execute(self.q[query], params, prepare=self.prepare)
-
-    def _send_many(self, query: str, rows: list[dict[str, Any]]) -> None:
-        """Every row of ``rows`` through ``query``, in one statement when the query has a set-based
-        form, else one by one (in a pipeline either way: no round trip of its own)."""
-        many = self.q.get(query + "__many")
-        if many is None:
-            self.conn.cursor().executemany(self.q[query], rows)
-        else:
-            self.conn.cursor().execute(many, {"rows": Jsonb(rows)}, prepare=self.prepare)
-
-    def _sync(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.sync()  # a read needs its result: flush the pipelined writes and wait
-
-    @staticmethod
-    def _rows(cur: Any) -> list[Row]:
-        return list(cur.fetchall()) if cur.description else []
-
-    def one(self, query: str, /, **params: Any) -> Row | None:
-        rows = self.all(query, **params)
-        return rows[0] if rows else None
-
-    def all(self, query: str, /, **params: Any) -> list[Row]:
-        cur = self._exec(query, params)
-        self._sync()
-        return self._rows(cur)
-
-    def both(
-        self, first: tuple[str, dict[str, Any]], second: tuple[str, dict[str, Any]]
-    ) -> tuple[list[Row], list[Row]]:
-        # Pipelined: the server runs them in order (the second sees the first's locks), and one
-        # sync fetches both results.
-        a, b = self._exec(*first), self._exec(*second)
-        self._sync()
-        return self._rows(a), self._rows(b)
-
-    def run(self, query: str, /, **params: Any) -> int:
-        cur = self._exec(query, params)
-        self._sync()  # the row count is known only once the result is back
-        return int(cur.rowcount)
-
-    def put(self, query: str, /, **params: Any) -> None:
-        if query in DEFERRED:
-            self._hint(query)
-            self.deferred.setdefault(query, []).append(params)
-        else:
-            self._exec(query, params)
-
-    def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
-        if isinstance(params, tuple) and params:
-            text = text.replace("?", "%s")
-        if self.deferred:
-            self._send_deferred()
-        cur = self.conn.cursor(row_factory=dict_row).execute(
-            text, params or None, prepare=None if self.prepare else False
-        )
-        self._sync()
-        return self._rows(cur)
-
-    def quiet(self, channel: str) -> None:
-        self.quieted.add(channel)
-
-    def later(self, query: str, /, **params: Any) -> None:
-        self.kept.setdefault(query, []).append(params)
-
-    def flush(self) -> None:
-        self._send_deferred()
-        kept, self.kept = self.kept, {}
-        for query, rows in kept.items():
-            self._hint(query)
-            self._send_many(query, rows)
-        tail, self.tail = self.tail, []
-        for query, params, out in tail:
-            self.tail_sent.append((self._exec(query, params), out))
-
-    def at_commit(self, query: str, /, **params: Any) -> AtCommit:
-        out = AtCommit()
-        self.tail.append((query, params, out))
-        return out
-
-    def read_tail(self) -> None:
-        """The rows of the at_commit statements, for their callers; every path calls it once
-        COMMIT has come back (in pipeline mode the rows arrive only with it)."""
-        sent, self.tail_sent = self.tail_sent, []
-        for cur, out in sent:
-            out.set(self._rows(cur))
-
-    def notify_if_queued(self, agents: list[str]) -> None:
-        self.if_queued = agents
-
-    def send_notifications(self) -> None:
-        channels = sorted(self.notify - self.quieted)
-        if self.if_queued is not None and REQUESTS in channels:
-            # Evaluated after the statements that took requests for our own slots: a hint only
-            # if some are left for other workers.
-            channels.remove(REQUESTS)
-            self._exec("notify_requests_left", {"channel": REQUESTS, "agents": self.if_queued})
-        if channels:  # one statement for all channels: each statement costs a message exchange
-            calls = ", ".join("pg_notify(%s, '')" for _ in channels)
-            self.conn.execute(f"SELECT {calls}", channels, prepare=None if self.prepare else False)
-        self.notify.clear()
-
-
-URL_OPTIONS = ("listen", "pool_size", "prepare", "pooler")
-# A partition (packets dropped, not refused) gives a socket no error: a statement waits for an
-# answer that never comes, a LISTEN connection for notifications, for as long as the kernel keeps
-# the connection: about 15 minutes of retransmissions while data is unacknowledged, else until
-# libpq's keepalives (on by default, with the kernel's timings: a first probe after 2 hours). These
-# settings end such a connection within about 30 s of silence, so the pool replaces it and the
-# transaction's caller sees an error it already handles (REL3), instead of a thread that never
-# returns. A live server answers the probes at the TCP level, so a slow statement or a long wait
-# on a lock is not cut short. Given in the URL, the user's values win; ignored for Unix sockets.
-TCP_DEFAULTS = (
-    ("keepalives", "1"),
-    ("keepalives_idle", "10"),  # seconds of silence before the first probe
-    ("keepalives_interval", "5"),
-    ("keepalives_count", "3"),  # unanswered probes, then the connection is dead: 10 + 3 * 5 s
-    ("tcp_user_timeout", "30000"),  # ms that sent data may stay unacknowledged
-)
-_ON = ("on", "1", "true", "yes")
-_OFF = ("off", "0", "false", "no")
-
-
-def parse_url(url: str) -> tuple[str, dict[str, str]]:
-    """Split our own options (``?listen=off&pool_size=N&prepare=off&pooler=transaction``) off a
-    libpq URL; the rest of the query string is libpq's and goes to the server as given."""
-    try:
-        urlsplit(url)
-    except ValueError as e:  # e.g. an unclosed IPv6 bracket
-        raise InputError(f"bad PostgreSQL URL: {e}") from None
-    # Cut the text itself: urlunsplit would drop an empty host (postgresql:///db?host=/tmp).
-    head, _, rest = url.partition("?")
-    query, hash_, fragment = rest.partition("#")
-    ours: dict[str, str] = {}
-    theirs: list[str] = []
-    # libpq's parameters are passed on exactly as written: decoding and encoding them again would
-    # turn a %20 into a '+', which libpq does not read as a space (options=-c%20name%3Dvalue).
-    for raw in filter(None, query.split("&")):
-        key, _, value = raw.partition("=")
-        if unquote(key) in URL_OPTIONS:
-            ours[unquote(key)] = unquote(value)
-        else:
-            theirs.append(raw)
-    return head + ("?" + "&".join(theirs) if theirs else "") + hash_ + fragment, ours
-
-
-@dataclass(frozen=True)
-class PgOptions:
-    """How the store uses its connections, from the URL's options (and constructor overrides)."""
-
-    conninfo: str
-    listen: bool  # a LISTEN connection for wake-ups (else polling alone)
-    prepare: bool  # server-side prepared statements
-    pool_size: int
-    pooled: bool  # behind a transaction-mode pooler: no session state at all
-    tcp: tuple[tuple[str, str], ...] = ()  # TCP_DEFAULTS the URL does not set, for every connection
-
-
-def _switch(opts: dict[str, str], key: str, default: bool) -> bool:
-    value = opts.get(key)
-    if value is None:
-        return default
-    if value.lower() in _ON:
-        return True
-    if value.lower() in _OFF:
-        return False
-    raise InputError(f"URL option {key}={value!r}: expected on or off")
-
-
-def pg_options(
-    url: str, *, listen: bool | None = None, prepare: bool | None = None, pool_size: int | None = None
-) -> PgOptions:
-    """Our URL options, checked, with their defaults.
-
-    ``pooler=transaction``: the URL names a transaction-mode pooler (PgBouncer), which gives each
-    transaction whatever server session is free. Nothing may then rely on a session: LISTEN is
-    off, server-side prepared statements are off (``prepare=on`` keeps them, for a pooler that
-    tracks them: PgBouncer >= 1.22 with ``max_prepared_statements`` > 0), and the session limits
-    are set per transaction. ``pooler=session`` (or ``none``) changes nothing. ``listen`` and
-    ``prepare`` also work alone; ``pool_size`` is this process's own pool (default 4).
-    """
-    conninfo, opts = parse_url(url)
-    pooler = opts.get("pooler", "none").lower()
-    if pooler == "statement":
-        raise InputError(
-            "URL option pooler=statement: a statement-mode pooler refuses multi-statement "
-            "transactions, which every transition needs; use pool_mode = transaction"
-        )
-    if pooler not in ("transaction", "session", "none"):
-        raise InputError(f"URL option pooler={opts['pooler']!r}: expected transaction, session or none")
-    pooled = pooler == "transaction"
-    listen_on = listen if listen is not None else _switch(opts, "listen", not pooled)
-    if pooled and listen_on:
-        raise InputError(
-            "URL options pooler=transaction and listen=on: LISTEN needs a session of its own, "
-            "which a transaction-mode pooler does not give; leave listen off (workers poll)"
-        )
-    try:
-        size = pool_size or int(opts.get("pool_size", "4"))
-    except ValueError:
-        raise InputError(f"URL option pool_size={opts['pool_size']!r}: expected a whole number") from None
-    if size < 1:
-        raise InputError(f"URL option pool_size={size}: expected at least 1")
-    return PgOptions(
-        conninfo=conninfo,
-        listen=listen_on,
-        prepare=prepare if prepare is not None else _switch(opts, "prepare", not pooled),
-        pool_size=size,
-        pooled=pooled,
-        tcp=_tcp_defaults(conninfo),
-    )
-
-
-def _tcp_defaults(conninfo: str) -> tuple[tuple[str, str], ...]:
-    """The :data:`TCP_DEFAULTS` that ``conninfo`` leaves unset (and that this libpq knows). A
-    conninfo libpq cannot parse gets them all: the first connection then reports what is wrong with
-    it, in one line. A ``service=`` entry's own settings are not seen here, so ours win over them."""
-    given: dict[str, Any] = {}
-    if psycopg is not None:
-        with contextlib.suppress(psycopg.ProgrammingError):
-            given = psycopg.conninfo.conninfo_to_dict(conninfo)
-        if psycopg.pq.version() < 120000:  # libpq 10 and 11 reject tcp_user_timeout as unknown
-            given["tcp_user_timeout"] = None
-    return tuple((k, v) for k, v in TCP_DEFAULTS if k not in given)
 
 
 class PostgresStore(Store):
@@ -861,127 +597,7 @@ class _Quiet(logging.Filter):
         return record.levelno >= logging.ERROR
 
 
-def _first_connection(conninfo: str) -> str | None:
-    """Fail at once, in one line, on a URL that cannot work: a malformed one is bad input (exit 2);
-    a server that answers with an error (no such database, authentication failed) or a client
-    setting libpq rejects will not get better by waiting. A server that cannot be reached
-    (refused, timed out: perhaps restarting; a name not yet in DNS) is left to the pool's patient
-    open; the reason is returned, for the message if the pool gives up too."""
-    try:
-        given = psycopg.conninfo.conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError as e:
-        raise InputError(f"bad PostgreSQL URL: {_first_line(e)}") from None
-    try:
-        # The probe waits 5 s at most (less if the URL says less); a bad connect_timeout of the
-        # URL's is bad input here, not a pool that never opens.
-        probe_timeout = min(5, psycopg.conninfo.timeout_from_conninfo(given))
-    except psycopg.ProgrammingError as e:
-        raise InputError(f"bad PostgreSQL URL {redact_url(conninfo)}: {_first_line(e)}") from None
-    try:
-        psycopg.connect(conninfo, connect_timeout=probe_timeout).close()
-    except psycopg.OperationalError as e:
-        text = _first_line(e)
-        if e.sqlstate is None and "invalid" in text and "value" in text:  # e.g. invalid sslmode value
-            raise InputError(f"bad PostgreSQL URL {redact_url(conninfo)}: {text}") from None
-        if "FATAL:" in text and not any(t in text for t in _TRANSIENT_FATAL):  # e.g. no such database
-            raise StoreError(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {text}") from None
-        return text
-    return None
-
-
-# A server's refusals that pass: it is starting, stopping or full. Any other FATAL at connect time
-# (no such database or role, authentication failed) stays until someone changes something.
-_TRANSIENT_FATAL = ("starting up", "shutting down", "recovery mode", "too many", "connection slots")
-
-
-def _first_line(e: BaseException) -> str:
-    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
-    return text[:400] or type(e).__name__
-
-
 def _check_live(conn: Any) -> None:
     """The caller pool's check when it lends a connection: a dead one is replaced, not lent."""
     if _stale(conn):
         raise psycopg.OperationalError("the pooled connection was closed by the server")
-
-
-# How a lent session is set back, in one round trip (every part runs inside a transaction
-# block): what DISCARD ALL does but DEALLOCATE ALL and DISCARD PLANS, then CALLER_SESSIONS again.
-# - Prepared statements stay (ours, and psycopg's of the caller's SQL): psycopg keeps its own list
-#   of them, and a DISCARD ALL it does not notice (it looks only at statements new to it) left it
-#   naming one the server had forgotten.
-# - DISCARD PLANS would have our statements planned again in every block (523 one-task blocks/s
-#   with it, 750 without).
-# - The first statement counts the statements the caller PREPAREd by hand (psycopg's are named
-#   _pg3_*): a session with one is closed rather than lent again with it.
-CALLER_RESET = (
-    r"SELECT count(*) FROM pg_prepared_statements WHERE name !~ '^_pg3_';"
-    " CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; RESET ROLE; UNLISTEN *;"
-    " SELECT pg_advisory_unlock_all(); DISCARD TEMP; DISCARD SEQUENCES; "
-    + "; ".join(f"SET {name} = '{value}'" for name, value in CALLER_SESSIONS)
-)
-
-
-# The callers' connections that _settle_caller closed instead of lending them again. The pool
-# warns of each closed connection given back ("discarding closed connection"), as of a fault;
-# for these the store has decided, and says why itself (at INFO).
-_SET_ASIDE: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-class _NotForSetAside(logging.Filter):
-    """Drops the pool's "discarding closed connection" record for a connection in ``_SET_ASIDE``
-    only: any other connection's (one found closed by the pool itself) still gets its warning."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args if isinstance(record.args, tuple) else ()
-        return not (
-            str(record.msg).startswith("discarding closed connection") and args and args[0] in _SET_ASIDE
-        )
-
-
-_NOT_FOR_SET_ASIDE = _NotForSetAside()
-
-
-def _quiet_deliberate_discards() -> None:
-    logging.getLogger("psycopg.pool").addFilter(_NOT_FOR_SET_ASIDE)  # addFilter skips a repeat
-
-
-def _set_aside(conn: Any, why: str, level: int = logging.INFO) -> None:
-    _SET_ASIDE.add(conn)
-    conn.close()
-    log.log(level, "a connection given back by app.transaction() is closed, not lent again: %s", why)
-
-
-def _settle_caller(conn: Any, pooled: bool) -> None:
-    """A caller's connection given back, set back as it was lent: its transaction ended, the
-    driver's per-connection options as opened, and (on a session of ours alone) the server
-    session's settings, role, cursors, LISTENs, advisory locks, temporary tables and sequence
-    state discarded (:data:`CALLER_RESET`), then ``CALLER_SESSIONS`` set again, and the
-    notifications a LISTEN of the block received dropped. A connection that cannot be set back,
-    or holds a statement the caller PREPAREd by hand, is closed: the pool replaces it. Behind a
-    transaction pooler the session is not ours to discard, nor kept between blocks."""
-    try:
-        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            conn.rollback()
-        conn.row_factory = tuple_row
-        conn.isolation_level = conn.read_only = conn.deferrable = None
-        if not pooled:
-            conn.autocommit = True
-            cur = conn.execute(CALLER_RESET)
-            if cur.fetchone()[0]:
-                _set_aside(conn, "it holds a statement the block PREPAREd")
-                return
-            for _ in conn.notifies(timeout=0):  # what a LISTEN of the block received meanwhile
-                pass
-        conn.autocommit = False
-    except psycopg.Error as e:
-        # A fault, not a choice: the block may have committed and raised nothing.
-        _set_aside(conn, f"it could not be set back ({_first_line(e)})", logging.WARNING)
-
-
-def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:
-    """A session's settings (``OUR_SESSIONS``, ``CALLER_SESSIONS``), once per connection that is
-    ours alone."""
-    for name, value in session:
-        conn.execute(f"SET {name} = '{value}'")
-    conn.commit()

@@ -1,0 +1,123 @@
+"""The state of the PostgreSQL server sessions the store uses: the settings each kind of session
+of ours gets, and how a session lent to a caller's own transaction (``app.transaction()``) is set
+back before it is lent again, or closed when it cannot be. Kept apart from the store because a
+session outlives every transaction on it: what is set here is what the next one finds.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from .pg_options import _first_line
+
+try:
+    import psycopg
+    from psycopg.rows import tuple_row
+except ImportError:  # pragma: no cover - exercised only without the extra
+    psycopg = None  # type: ignore[assignment]
+
+log = logging.getLogger("stepwarden.postgres")
+
+# Our transactions never wait on the network, so a session idle inside one belongs to a paused or
+# partitioned process: the server ends it, releasing its row locks (a paused ex-leader's FOR SHARE
+# on its lease must not block the successor's acquire). Set once per connection when it is ours
+# alone, else at the start of every transaction (SET LOCAL), so it never outlives it on a session
+# that a pooler hands to someone else.
+SESSION_LIMITS = (("idle_in_transaction_session_timeout", "5s"), ("lock_timeout", "10s"))
+# Every statement of ours reaches its rows through an index, but a store starts empty, and on an
+# empty table (never analysed: the planner assumes 10 pages) a sequential scan is the cheaper plan
+# for `= ANY (ARRAY(...))` of the ids of a batch. A prepared statement keeps its generic plan until
+# an ANALYZE invalidates it, so a worker started on a new store scanned the whole of `steps` and
+# `requests` in every batch while they grew, until autovacuum's first ANALYZE (a minute or more):
+# 1,996 rows read for 8 after 2,000 tasks. With sequential scans priced out, the plan made while a
+# table is empty is the one that stays right once it is large (a query with no index still scans).
+PLANNER_SETTINGS = (("enable_seqscan", "off"),)
+# What each kind of session of ours gets: the pool's run only the store's statements; the one
+# opened for a caller's own transaction (``App.transaction()``) runs the caller's SQL too, planned
+# as usual; a caller's own connection (``tx_on``) gets nothing.
+OUR_SESSIONS = SESSION_LIMITS + PLANNER_SETTINGS
+CALLER_SESSIONS = SESSION_LIMITS
+
+
+# How a lent session is set back, in one round trip (every part runs inside a transaction
+# block): what DISCARD ALL does but DEALLOCATE ALL and DISCARD PLANS, then CALLER_SESSIONS again.
+# - Prepared statements stay (ours, and psycopg's of the caller's SQL): psycopg keeps its own list
+#   of them, and a DISCARD ALL it does not notice (it looks only at statements new to it) left it
+#   naming one the server had forgotten.
+# - DISCARD PLANS would have our statements planned again in every block (523 one-task blocks/s
+#   with it, 750 without).
+# - The first statement counts the statements the caller PREPAREd by hand (psycopg's are named
+#   _pg3_*): a session with one is closed rather than lent again with it.
+CALLER_RESET = (
+    r"SELECT count(*) FROM pg_prepared_statements WHERE name !~ '^_pg3_';"
+    " CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; RESET ROLE; UNLISTEN *;"
+    " SELECT pg_advisory_unlock_all(); DISCARD TEMP; DISCARD SEQUENCES; "
+    + "; ".join(f"SET {name} = '{value}'" for name, value in CALLER_SESSIONS)
+)
+
+
+# The callers' connections that _settle_caller closed instead of lending them again. The pool
+# warns of each closed connection given back ("discarding closed connection"), as of a fault;
+# for these the store has decided, and says why itself (at INFO).
+_SET_ASIDE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class _NotForSetAside(logging.Filter):
+    """Drops the pool's "discarding closed connection" record for a connection in ``_SET_ASIDE``
+    only: any other connection's (one found closed by the pool itself) still gets its warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (
+            str(record.msg).startswith("discarding closed connection") and args and args[0] in _SET_ASIDE
+        )
+
+
+_NOT_FOR_SET_ASIDE = _NotForSetAside()
+
+
+def _quiet_deliberate_discards() -> None:
+    logging.getLogger("psycopg.pool").addFilter(_NOT_FOR_SET_ASIDE)  # addFilter skips a repeat
+
+
+def _set_aside(conn: Any, why: str, level: int = logging.INFO) -> None:
+    _SET_ASIDE.add(conn)
+    conn.close()
+    log.log(level, "a connection given back by app.transaction() is closed, not lent again: %s", why)
+
+
+def _settle_caller(conn: Any, pooled: bool) -> None:
+    """A caller's connection given back, set back as it was lent: its transaction ended, the
+    driver's per-connection options as opened, and (on a session of ours alone) the server
+    session's settings, role, cursors, LISTENs, advisory locks, temporary tables and sequence
+    state discarded (:data:`CALLER_RESET`), then ``CALLER_SESSIONS`` set again, and the
+    notifications a LISTEN of the block received dropped. A connection that cannot be set back,
+    or holds a statement the caller PREPAREd by hand, is closed: the pool replaces it. Behind a
+    transaction pooler the session is not ours to discard, nor kept between blocks."""
+    try:
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()
+        conn.row_factory = tuple_row
+        conn.isolation_level = conn.read_only = conn.deferrable = None
+        if not pooled:
+            conn.autocommit = True
+            cur = conn.execute(CALLER_RESET)
+            if cur.fetchone()[0]:
+                _set_aside(conn, "it holds a statement the block PREPAREd")
+                return
+            for _ in conn.notifies(timeout=0):  # what a LISTEN of the block received meanwhile
+                pass
+        conn.autocommit = False
+    except psycopg.Error as e:
+        # A fault, not a choice: the block may have committed and raised nothing.
+        _set_aside(conn, f"it could not be set back ({_first_line(e)})", logging.WARNING)
+
+
+def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:
+    """A session's settings (``OUR_SESSIONS``, ``CALLER_SESSIONS``), once per connection that is
+    ours alone."""
+    for name, value in session:
+        conn.execute(f"SET {name} = '{value}'")
+    conn.commit()
