@@ -8,7 +8,7 @@ it, in ``stepwarden.agent_role``.
 """
 
 from .agent_definition import Agent, Handler, Request, default_classify
-from .agent_role import AgentRole, _wait_any
+from .agent_role import AgentRole
 from .agent_settings import STOP_WRITE_WAIT, AgentSettings
 
 __all__ = [
@@ -18,6 +18,5 @@ __all__ = [
     "AgentSettings",
     "Handler",
     "Request",
-    "_wait_any",
     "default_classify",
 ]

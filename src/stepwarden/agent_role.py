@@ -26,7 +26,7 @@ from . import tracing
 from .agent_definition import Agent, Handler, Request
 from .agent_health import AgentHealth
 from .agent_settings import CANCELLED_WAIT, REPLIES_WAIT, STOP_WRITE_WAIT, AgentSettings
-from .clock import SYSTEM_CLOCK, Clock
+from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
 from .errors import Permanent, Transient
 from .logs import log_raised
 from .store import ApplyResult, RequestMsg, Store
@@ -133,7 +133,7 @@ class AgentRole:
                 if got:
                     idle = self.settings.poll_interval
                     continue
-                await _wait_any(self.clock, idle, stop, self.wake)
+                await sleep_or_wake(self.clock, idle, stop, self.wake)
                 self.wake.clear()
                 idle = min(self.settings.idle_poll_max, idle * 2)
         finally:
@@ -553,14 +553,3 @@ class AgentRole:
 def _describe(e: BaseException) -> str:
     text = str(e) or type(e).__name__
     return f"{type(e).__name__}: {text}"[:1000] if not isinstance(e, Permanent | Transient) else text[:1000]
-
-
-async def _wait_any(clock: Clock, seconds: float, *events: asyncio.Event) -> None:
-    """Sleep up to ``seconds``, waking early when any event is set."""
-    waiters = [asyncio.create_task(e.wait()) for e in events]
-    sleeper = asyncio.create_task(clock.sleep(seconds))
-    try:
-        await asyncio.wait({sleeper, *waiters}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (sleeper, *waiters):
-            t.cancel()

@@ -77,3 +77,15 @@ class FakeClock:
 
 
 SYSTEM_CLOCK = SystemClock()
+
+
+async def sleep_or_wake(clock: Clock, seconds: float, *events: asyncio.Event) -> None:
+    """Sleep up to ``seconds`` on ``clock``, waking early when any event is set: a role's idle
+    wait, cut short by a wake-up hint (NOTIFY, a local submission) or by stop."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    sleeper = asyncio.create_task(clock.sleep(seconds))
+    try:
+        await asyncio.wait({sleeper, *waiters}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (sleeper, *waiters):
+            t.cancel()

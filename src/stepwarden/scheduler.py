@@ -14,8 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .agent import _wait_any
-from .clock import SYSTEM_CLOCK, Clock
+from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
 from .logs import log_raised
 from .store import ApplyResult, RequestMsg, Store
 
@@ -118,6 +117,6 @@ class SchedulerRole:
                     # deadline depends on (a fake clock in tests would hold it until advanced).
                     await asyncio.sleep(self.settings.gather)
                 continue
-            await _wait_any(self.clock, idle, stop, self.wake)
+            await sleep_or_wake(self.clock, idle, stop, self.wake)
             self.wake.clear()
             idle = min(self.settings.idle_poll_max, idle * 2)
