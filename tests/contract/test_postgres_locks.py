@@ -59,6 +59,55 @@ def test_a_locked_task_is_skipped_by_the_sweep_and_renewal_is_not_blocked(
         store.close()
 
 
+def test_lease_work_runs_while_every_roles_connection_waits_on_a_lock(pg_url: str) -> None:
+    """The lease lane has a connection of its own: with the roles' whole pool held by
+    transactions waiting on another session's lock, a worker still beats and its lease is still
+    taken and renewed, at once (sharing the pool, they waited up to the pool's 5 s and failed)."""
+    store = PostgresStore(pg_url + "?pool_size=1")
+    blocked: list[BaseException | None] = []
+
+    def wait_on_the_lock(tx: Any) -> None:
+        tx.sql("SELECT pg_advisory_xact_lock(%s)", (424242,))
+
+    def roles_transaction() -> None:
+        try:
+            asyncio.run(store.transact(wait_on_the_lock))
+            blocked.append(None)
+        except BaseException as e:
+            blocked.append(e)
+
+    try:
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute("SELECT pg_advisory_lock(%s)", (424242,))
+            th = threading.Thread(target=roles_transaction)
+            th.start()
+            deadline = time.monotonic() + 5
+            while not other.execute(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchone():
+                assert time.monotonic() < deadline, "the roles' transaction never waited on the lock"
+                time.sleep(0.01)
+
+            async def lease_work() -> tuple[int, bool]:
+                await store.worker_beat("w1", ["supervisor"], [])
+                got = await store.acquire_lease("supervisor", "w1", 10)
+                assert got is not None
+                return got[0], await store.renew_lease("supervisor", "w1", got[0], 10)
+
+            started = time.monotonic()
+            term, renewed = asyncio.run(asyncio.wait_for(lease_work(), 4))
+            assert time.monotonic() - started < 2
+            assert renewed and term >= 1
+            assert th.is_alive() and blocked == [], "the roles' transaction should still be waiting"
+            other.execute("SELECT pg_advisory_unlock(%s)", (424242,))
+            th.join(timeout=10)
+        assert blocked == [None], blocked
+        beats = store.transact_sync(lambda tx: tx.sql("SELECT id FROM workers", ()))
+        assert [r["id"] for r in beats] == ["w1"]
+    finally:
+        store.close()
+
+
 def test_a_migration_interrupted_by_a_lost_connection_is_retried(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

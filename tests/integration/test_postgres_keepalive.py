@@ -64,8 +64,9 @@ def _with(url: str, **params: str) -> str:
 
 
 def _open_everything(url: str) -> list[dict[str, int]]:
-    """Open a store on ``url``, check out every pooled connection and a caller's own, and start
-    LISTEN; the TCP options of each of its connections to the server while all of them are open."""
+    """Open a store on ``url``, check out every pooled connection (the lease lane's too) and a
+    caller's own, and start LISTEN; the TCP options of each of its connections to the server
+    while all of them are open."""
     port = _port(url)
     before = frozenset(_tcp_options_of_connections_to(port))
     store = PostgresStore(url)
@@ -82,6 +83,7 @@ def _open_everything(url: str) -> list[dict[str, int]]:
         with contextlib.ExitStack() as held:
             for _ in range(store.options.pool_size):
                 held.enter_context(store.pool.connection())
+            held.enter_context(store.lease_pool.connection())
             held.enter_context(store.connect())
             seen.extend(_tcp_options_of_connections_to(port, before).values())
         stop.set()
@@ -91,7 +93,7 @@ def _open_everything(url: str) -> list[dict[str, int]]:
         asyncio.run(main())
     finally:
         store.close()
-    assert len(seen) == store.options.pool_size + 2, seen  # the pool's, the caller's, LISTEN's
+    assert len(seen) == store.options.pool_size + 3, seen  # the pools' (roles, lease), a caller's, LISTEN's
     return seen
 
 

@@ -177,8 +177,27 @@ class PostgresStore(Store):
             raise StoreError(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {why}") from None
         finally:
             logging.getLogger("psycopg.pool").removeFilter(quiet)
+        # The lease lane's own connection (Store.transact runs lease transactions on a thread of
+        # their own): a renewal or a heartbeat never waits for one of the roles' connections,
+        # which may all be held by transactions waiting on row locks. Opened by the first lease
+        # transaction, so a process that only submits never holds it.
+        self.lease_pool = ConnectionPool(
+            self.dsn,
+            min_size=0,
+            max_size=1,
+            open=False,
+            name="stepwarden-lease",
+            kwargs=self._connect_kwargs(row_factory=dict_row),
+            configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
+            timeout=5.0,
+        )
+        self.lease_pool.open()
         if migrate:
-            self.migrate()
+            try:
+                self.migrate()
+            except BaseException:
+                self.close()  # a caller that goes on after the error keeps no pools open behind it
+                raise
 
     def _connect_kwargs(self, **kw: Any) -> dict[str, Any]:
         kw["autocommit"] = False
@@ -218,7 +237,7 @@ class PostgresStore(Store):
             if stage[0] == "commit" or not _connection_lost(e):
                 raise
             log.info("connection lost before commit; retrying the transaction on a fresh connection")
-            self.pool.check()  # the other idle connections likely died with it: replace them now
+            self._pool_for(fn).check()  # the other idle connections likely died with it: replace them now
             return self._transact_once(stage, fn, *args, **kwargs)
 
     def _autocommit(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -274,7 +293,7 @@ class PostgresStore(Store):
         # which has no reply, and so keeps it linked to this idle client until its next
         # transaction (PgBouncer does; other poolers do not support pipelining at all).
         piped = getattr(fn, "stepwarden_pipeline", True) and not self.options.pooled
-        with self.pool.connection() as conn:
+        with self._pool_for(fn).connection() as conn:
             if piped:
                 return self._piped(conn, stage, notify, fn, *args, **kwargs)
             with conn.transaction():
@@ -283,6 +302,10 @@ class PostgresStore(Store):
                 out = _run_to_commit(tx, stage, fn, *args, **kwargs)
             tx.read_tail()
             return out
+
+    def _pool_for(self, fn: Callable[..., Any]) -> Any:
+        """The lease lane's transactions run on its own connection; every other on the roles' pool."""
+        return self.lease_pool if getattr(fn, "stepwarden_lane", "main") == "lease" else self.pool
 
     def _piped(
         self,
@@ -518,6 +541,7 @@ class PostgresStore(Store):
     def close(self) -> None:
         super().close()
         self.pool.close()
+        self.lease_pool.close()
         with self._callers_lock:
             self._closed = True
             if self._caller_pool is not None:
