@@ -2,7 +2,7 @@
 PostgreSQL, in one run; writes ``bench/results/bench-<date>.json`` and ``.md``.
 
     .venv/bin/python bench/run.py                 # everything, 3 repetitions (about an hour on 2 cores)
-    .venv/bin/python bench/run.py --quick         # W1, W2, L1 and the floor, 1 repetition, 1 worker
+    .venv/bin/python bench/run.py --quick         # W1, W2, L1, floor, submission alone: 1 rep, 1 worker
     .venv/bin/python bench/run.py --workloads w1,floor --stores sqlite --peers none --reps 1
 
 See bench/README.md for what each workload measures and how.
@@ -1274,7 +1274,11 @@ def csv(text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 repetition of W1, W2, L1 and the floor, 1 worker")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 repetition of W1, W2, L1, the floor and submission alone, 1 worker",
+    )
     ap.add_argument("--stores", default="sqlite,postgres")
     ap.add_argument(
         "--workloads", default=None, help=f"comma-separated, from {','.join(WORKLOADS)} (default all)"

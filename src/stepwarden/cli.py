@@ -393,7 +393,7 @@ def task_retry(ctx: click.Context, task_id: str, step: str | None) -> None:
 @click.argument("task_id")
 @click.pass_context
 def task_cancel(ctx: click.Context, task_id: str) -> None:
-    """Cancel a task: it stops after its running step and its completed steps are compensated."""
+    """Cancel a task: it stops after its running step; the steps it started are compensated, newest first."""
     tid = _task_id(task_id)
     state = _open(ctx).transact_sync(tr.cancel_task, tid, "cli")
     click.echo(f"task {tid}: cancel requested (now {state})")
