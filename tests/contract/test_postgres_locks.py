@@ -196,6 +196,32 @@ def test_a_migration_lock_held_too_long_fails_naming_the_holder_and_leaves_no_wa
         store.close()
 
 
+def test_a_store_whose_migration_fails_at_open_leaves_no_pool_behind(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An application that catches the error and goes on keeps no connections or pool threads."""
+    monkeypatch.setattr("stepwarden.store.postgres.MIGRATION_LOCK_WAIT", 0.3)
+    holder = _hold_migration_lock(pg_url)
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(MigrationError, match="pg_terminate_backend") as failed:
+            PostgresStore(pg_url)
+        # The error's traceback still holds the half-opened store, as a caller's would while it
+        # logs or handles it: nothing may wait for garbage collection to be closed.
+        assert failed.tb is not None
+        left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+        assert left == [], left
+        with psycopg.connect(pg_url, autocommit=True) as watch:
+            ours = watch.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND pid NOT IN (pg_backend_pid(), %s)",
+                (holder.info.backend_pid,),
+            ).fetchone()
+            assert ours == (0,), "the failed store left connections open"
+    finally:
+        holder.close()
+
+
 def test_prune_skips_a_task_another_session_holds_and_does_not_wait(
     pg_url: str, clock: FakeClock, make_workflow: Any
 ) -> None:

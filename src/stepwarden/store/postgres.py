@@ -190,14 +190,16 @@ class PostgresStore(Store):
             kwargs=self._connect_kwargs(row_factory=dict_row),
             configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
+            num_workers=1,
         )
-        self.lease_pool.open()
-        if migrate:
-            try:
+        try:
+            self.lease_pool.open()
+            if migrate:
                 self.migrate()
-            except BaseException:
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that stopped the opening is the one to see
                 self.close()  # a caller that goes on after the error keeps no pools open behind it
-                raise
+            raise
 
     def _connect_kwargs(self, **kw: Any) -> dict[str, Any]:
         kw["autocommit"] = False
@@ -229,7 +231,7 @@ class PostgresStore(Store):
                 return self._autocommit(fn, *args, **kwargs)
             except _NoLiveConnection:
                 log.info("pooled connections found dead; taking the transactional path")
-                self.pool.check()
+                self._pool_for(fn).check()
         stage = ["begin"]
         try:
             return self._transact_once(stage, fn, *args, **kwargs)
@@ -255,7 +257,7 @@ class PostgresStore(Store):
         where the transactional path must set something for the transaction (a fake clock in
         tests, the session limits behind a pooler) is that path taken instead."""
         for _ in range(3):
-            with self.pool.connection() as conn:
+            with self._pool_for(fn).connection() as conn:
                 if _stale(conn):
                     conn.close()  # the pool discards it and opens a replacement
                     continue
