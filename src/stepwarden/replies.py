@@ -98,7 +98,7 @@ def sequence(tx: Tx, queue: str, limit: int = SEQUENCE_BATCH) -> int:
     base = int(row["last_seq"])
     n = tx.run("reply_sequence", queue=queue, base=base, limit=limit)
     if n:
-        tx.run("reply_queue_advance", queue=queue, last_seq=base + n)
+        tx.run("reply_queue_advance", queue=queue)  # to the highest position given (gaps allowed)
     return n
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -202,6 +203,44 @@ def test_a_message_committed_late_with_a_lower_id_is_not_skipped(pg_url: str, ma
         rest = consume(store, "web-1", "app", 2)
         assert [(m.task_id, m.seq) for m in rest] == [(fast, 1), (early, 2)]  # the first unacknowledged
         assert rest[1].id < rest[0].id
+    finally:
+        store.close()
+
+
+def test_a_message_pruned_while_positions_are_given_leaves_a_gap_not_a_jammed_queue(
+    pg_url: str, make_workflow: Factory
+) -> None:
+    """A message deleted (by the leader's prune) while the reader waits for its row lock is passed
+    over by the positioning, which gives the others their positions with a gap. The queue's last
+    position is the highest one given, so the next message gets a free one: before, it was base +
+    the rows positioned, a position already taken, and every later read failed on the unique
+    index while the reader retried, delivering nothing."""
+    import psycopg
+
+    store = open_store(pg_url)
+    try:
+        wf = make_workflow("a")
+        ids = [submit(store, wf, correlation_id=f"o-{i}") for i in range(3)]
+        with psycopg.connect(pg_url) as pruner:
+            middle = pruner.execute("SELECT id FROM messages WHERE task_id = %s", (ids[1],)).fetchone()
+            assert middle is not None
+            pruner.execute("SELECT id FROM messages WHERE id = %s FOR UPDATE", middle)
+            got: list[list[ReplyMessage]] = []
+            reader = threading.Thread(target=lambda: got.append(queue(store)))
+            reader.start()
+            deadline = time.monotonic() + 10
+            while not pruner.execute(
+                "SELECT 1 FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone():
+                assert time.monotonic() < deadline, "the reader never waited for the row"
+                time.sleep(0.01)
+            pruner.execute("DELETE FROM messages WHERE id = %s", middle)
+            pruner.commit()
+            reader.join(timeout=10)
+        assert [(m.task_id, m.seq) for m in got[0]] == [(ids[0], 1), (ids[2], 3)]
+        later = submit(store, wf, correlation_id="o-later")
+        assert [(m.task_id, m.seq) for m in queue(store)] == [(ids[0], 1), (ids[2], 3), (later, 4)]
     finally:
         store.close()
 

@@ -9,7 +9,12 @@ ON CONFLICT (queue) DO UPDATE SET last_seq = reply_queues.last_seq
 RETURNING last_seq;
 
 -- name: reply_queue_advance
-UPDATE reply_queues SET last_seq = :last_seq WHERE queue = :queue;
+-- To the highest position given, not base + the rows positioned: on PostgreSQL a message deleted
+-- (pruned) while reply_sequence waited for its row lock is skipped by it, leaving a gap between
+-- the positions it did give, so base + n would hand out a position already taken.
+UPDATE reply_queues
+SET last_seq = (SELECT max(seq) FROM messages WHERE queue = :queue)
+WHERE queue = :queue;
 
 -- name: reply_read
 SELECT seq, id, queue, task_id, correlation_id, kind, body, created_at FROM messages
