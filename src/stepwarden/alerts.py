@@ -20,12 +20,13 @@ plain or async), configured with :meth:`stepwarden.App.alert_sink`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -235,11 +236,46 @@ class CallableSink(_Sink):
             await out
 
 
+class _OwnSink(_Sink):
+    """An application's own object with ``name`` and ``send(alert)``: what it leaves out (``timeout``,
+    ``backoff``, ``max_attempts``) takes the defaults of the sinks here, and its name is checked
+    like theirs. Without this, delivery read ``sink.timeout`` from it and every round failed."""
+
+    def __init__(self, inner: Any) -> None:
+        timeout = getattr(inner, "timeout", 5.0)
+        max_attempts = getattr(inner, "max_attempts", None)
+        backoff = getattr(inner, "backoff", None)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool):
+            raise InputError(f"alert sink {inner!r}: timeout must be a number of seconds")
+        if max_attempts is not None and (not isinstance(max_attempts, int) or isinstance(max_attempts, bool)):
+            raise InputError(f"alert sink {inner!r}: max_attempts must be an integer or None")
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise InputError(f"alert sink {inner!r}: backoff must be a stepwarden Backoff or None")
+        name = inner.name
+        if not isinstance(name, str):
+            raise InputError(f"alert sink {inner!r}: name must be a string")
+        super().__init__(name, float(timeout), backoff, max_attempts)
+        self.inner = inner
+
+    async def send(self, alert: Alert) -> None:
+        out = self.inner.send(alert)
+        if inspect.isawaitable(out):
+            await out
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
+
+
 def as_sink(sink: AlertSink | Callable[[Alert], Any], name: str | None = None) -> AlertSink:
     if isinstance(sink, _Sink) or (hasattr(sink, "send") and hasattr(sink, "name")):
         if name is not None:
             raise InputError("name= is for a plain callable; give the sink its name when you make it")
-        return sink  # type: ignore[return-value]
+        return sink if isinstance(sink, _Sink) else _OwnSink(sink)
     if callable(sink):
         return CallableSink(sink, name=name)
     raise InputError(f"an alert sink must be a sink or a callable, not {type(sink).__name__}")
@@ -353,27 +389,41 @@ class AlertDispatcher:
             except Exception as e:  # the store is down: try again next round (REL3)
                 log.warning("alert delivery round failed: %r", e)
             leadership.progress()
-            await self.clock.sleep(self.settings.interval)
+            # A wait of known length is not a stall: an interval longer than the lease's
+            # stall_after made every idle round give the lease up.
+            end = self.clock.monotonic() + self.settings.interval
+            while (left := end - self.clock.monotonic()) > 0:
+                await self.clock.sleep(min(left, ALIVE_EVERY))
+                leadership.progress()
 
     async def tick(self, leadership: Leadership | None = None) -> int:
         """One round: send what is due to every sink; returns how many deliveries succeeded."""
         s = self.settings
         todo = await self.store.transact(due, [k.name for k in self.sinks], s.batch, s.max_age)
         jobs = [self._drain(k, todo[k.name], leadership) for k in self.sinks if todo.get(k.name)]
-        return sum(await asyncio.gather(*jobs)) if jobs else 0
+        # Every sink's round ends before this one does: with a plain gather, one sink's store
+        # error ended the round while the others' loops ran on untracked, sending again what the
+        # next round read as still due, even after the lease was gone.
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return sum(r for r in results if isinstance(r, int))
 
     async def _drain(self, sink: AlertSink, items: list[tuple[Alert, int]], lead: Leadership | None) -> int:
         ok = 0
         for alert, attempts in items:
-            ok += await self.deliver(sink, alert, attempts)
+            ok += await self.deliver(sink, alert, attempts, lead)
             if lead is not None:
                 lead.progress()
         return ok
 
-    async def deliver(self, sink: AlertSink, alert: Alert, attempts: int = 0) -> bool:
+    async def deliver(
+        self, sink: AlertSink, alert: Alert, attempts: int = 0, lead: Leadership | None = None
+    ) -> bool:
         """Send one alert to one sink and record the outcome."""
         try:
-            await asyncio.wait_for(sink.send(alert), timeout=sink.timeout)
+            await _alive_while(lead, asyncio.wait_for(sink.send(alert), timeout=sink.timeout))
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -398,3 +448,28 @@ class AlertDispatcher:
         await self.store.transact(record_delivered, sink.name, alert.id, self.me)
         self.delivered += 1
         return True
+
+
+# How often a leader waiting on something bounded (a send under its sink's timeout, the interval
+# between rounds) tells its lease keeper it is alive; below LeaseSettings.stall_after's default.
+ALIVE_EVERY = 1.0
+
+
+async def _alive_while(lead: Leadership | None, bounded: Awaitable[None]) -> None:
+    """Await ``bounded`` (it ends by itself: a send under ``wait_for``), reporting progress to the
+    lease keeper meanwhile. A sink timeout above the lease's ``stall_after`` had the keeper cancel
+    the send as a stall: no failure was recorded, so the alert never reached ``max_attempts``
+    and the lease went from worker to worker, each sending it again."""
+    job = asyncio.ensure_future(bounded)
+    try:
+        while True:
+            done, _ = await asyncio.wait({job}, timeout=ALIVE_EVERY)
+            if lead is not None:
+                lead.progress()
+            if done:
+                return job.result()
+    finally:
+        if not job.done():
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await job

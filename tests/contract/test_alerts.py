@@ -252,6 +252,143 @@ def test_sink_configuration_on_the_app() -> None:
         CallableSink(page, name="bad name!")
 
 
+class Pager:
+    """An application's own sink: a name and an async send, nothing else."""
+
+    name = "pager-duty"
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+        self.closed = False
+
+    async def send(self, alert: Alert) -> None:
+        self.got.append(alert.id)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_an_object_with_a_name_and_send_is_a_sink_with_the_defaults(store: Store, clock: FakeClock) -> None:
+    """Delivery read ``timeout``, ``backoff`` and ``max_attempts`` off such an object: every round
+    failed with AttributeError and nothing was delivered."""
+    app = App()
+    pager = Pager()
+    assert app.alert_sink(pager) is pager  # returned as given, so it works as a decorator
+    sink = app.alert_sinks[0]
+    assert (sink.name, sink.timeout, sink.max_attempts) == ("pager-duty", 5.0, None)
+    d = AlertDispatcher(store, app.alert_sinks, ME, clock=clock)
+    asyncio.run(d.register())
+    a = raise_alert(store)
+    assert tick(d) == 1 and pager.got == [a]
+    assert [(x["sink"], x["delivered_by"]) for x in deliveries(store)] == [("pager-duty", ME)]
+    d.close()
+    assert pager.closed
+
+
+@pytest.mark.parametrize(
+    "attrs, match",
+    [
+        ({"name": "bad name!"}, "alert sink name"),
+        ({"name": 7}, "name must be a string"),
+        ({"timeout": "5"}, "timeout must be a number"),
+        ({"timeout": 0}, "timeout must be positive"),
+        ({"max_attempts": 0}, "max_attempts must be at least 1"),
+        ({"backoff": 3}, "backoff must be a stepwarden Backoff"),
+    ],
+)
+def test_an_own_sink_with_a_bad_setting_is_refused_when_configured(attrs: dict[str, Any], match: str) -> None:
+    pager = Pager()
+    for k, v in attrs.items():
+        setattr(pager, k, v)
+    app = App()
+    with pytest.raises(InputError, match=match):
+        app.alert_sink(pager)
+    assert app.alert_sinks == []
+
+
+def test_a_store_error_in_one_sinks_round_leaves_no_other_sink_sending(
+    store: Store, clock: FakeClock
+) -> None:
+    """The round waits for every sink's loop before it reports the error: with a plain gather the
+    others ran on untracked, and the next round sent the same alerts to them a second time."""
+    sent: list[int] = []
+
+    def down(alert: Alert) -> None:
+        raise ConnectionError("the service is down")
+
+    async def slow(alert: Alert) -> None:
+        await asyncio.sleep(0.05)
+        sent.append(alert.id)
+
+    d = AlertDispatcher(store, [CallableSink(down, name="a"), CallableSink(slow, name="b")], ME, clock=clock)
+    asyncio.run(d.register())
+    ids = [raise_alert(store) for _ in range(3)]
+    real = store.transact
+    failures = [1]
+
+    async def flaky(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(fn, "__name__", "") == "record_failed" and failures:
+            failures.pop()
+            raise ConnectionError("store connection dropped")
+        return await real(fn, *args, **kwargs)
+
+    async def rounds() -> int:
+        store.transact = flaky  # type: ignore[method-assign]
+        try:
+            with pytest.raises(ConnectionError, match="store connection dropped"):
+                await d.tick()
+            after_first = list(sent)
+            assert after_first == ids, "the round ended before sink b's loop did"
+            return await d.tick()
+        finally:
+            del store.transact
+
+    assert asyncio.run(rounds()) == 0  # b has them all; a failed again, recorded this time
+    assert sent == ids, "an alert reached sink b twice"
+    outcomes = {(x["sink"], x["delivered_at"] is not None) for x in deliveries(store)}
+    assert outcomes == {("a", False), ("b", True)}
+
+
+def test_a_sink_timeout_longer_than_the_lease_stall_limit_is_recorded_not_taken_for_a_stall(
+    store: Store,
+) -> None:
+    """A send under its sink's timeout is bounded, so it counts as progress: the lease keeper used
+    to cancel it as a stall (stall_after 10 s against a 15 s webhook timeout), no failure was
+    recorded, max_attempts never came, and each next leader sent the alert again."""
+    from stepwarden.alerts import ALERT_LEASE, AlertSettings
+    from stepwarden.leader import LeaseKeeper, LeaseSettings
+
+    calls: list[float] = []
+
+    async def hung(alert: Alert) -> None:
+        calls.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(3600)
+
+    sink = CallableSink(hung, name="hook", timeout=1.5, max_attempts=1)
+    d = AlertDispatcher(store, [sink], ME, settings=AlertSettings(interval=2.5))
+    settings = LeaseSettings(ttl=3.0, renew_every=0.2, margin=0.5, retry_every=0.2, stall_after=1.2)
+    keeper = LeaseKeeper(store, ALERT_LEASE, ME, d.lead, settings=settings)
+
+    async def main() -> None:
+        await d.register()
+        raise_alert(store)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(keeper.run(stop))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while not any(x["gave_up_at"] for x in deliveries(store)):
+            assert loop.time() < deadline, f"never recorded: {deliveries(store)}"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(3.0)  # an idle round longer than stall_after: still the same term
+        stop.set()
+        await asyncio.wait_for(runner, 10)
+
+    asyncio.run(main())
+    assert len(calls) == 1, calls
+    assert [(x["attempts"], x["delivered_at"]) for x in deliveries(store)] == [(1, None)]
+    assert keeper.terms_held == 1
+
+
 # -- the webhook sink against a real HTTP server --------------------------------------------------------
 
 
