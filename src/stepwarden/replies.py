@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .clock import SYSTEM_CLOCK, Clock
+from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
 from .errors import NotFound
 from .store import FINAL_TASK_STATES, Store
 from .store.base import Row, Tx, read_only
@@ -117,6 +117,17 @@ def read(
             after = int(row["position"]) if row else 0
     rows = tx.all("reply_read", queue=queue, after=after, limit=limit)
     return after, [_message(r, queue) for r in rows]
+
+
+@read_only
+def anything_to_read(tx: Tx, queue: str, after: int) -> bool:
+    """Whether :func:`read` would position or return anything after ``after``: asked first on
+    SQLite, in a transaction that takes no write lock, so that an idle consumer polling its queue
+    does not take the workers' write lock several times a second for nothing."""
+    return (
+        tx.one("reply_unsequenced", queue=queue) is not None
+        or tx.one("reply_after", queue=queue, after=after) is not None
+    )
 
 
 def ack(tx: Tx, queue: str, consumer: str, position: int) -> None:
@@ -216,6 +227,12 @@ class Replies:
         return msg
 
     async def _fetch(self) -> int:
+        if (
+            self.position is not None
+            and self.store.dialect == "sqlite"
+            and not await self.store.transact(anything_to_read, self.queue, self.position)
+        ):
+            return 0
         after, msgs = await self.store.transact(read, self.queue, self.consumer, self.position, self.batch)
         if self.position is None:
             self.position = self.acked = after
@@ -229,13 +246,7 @@ class Replies:
             self._wake = asyncio.Event()
         self._start_listening()
         events = [self._wake] + ([self.stop] if self.stop is not None else [])
-        waiters = [asyncio.ensure_future(e.wait()) for e in events]
-        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
-        try:
-            await asyncio.wait({sleeper, *waiters}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (sleeper, *waiters):
-                t.cancel()
+        await sleep_or_wake(self.clock, seconds, *events)
         self._wake.clear()
         spent = self.clock.monotonic() - last_poll
         if spent < self.poll_interval and not (self.stop is not None and self.stop.is_set()):

@@ -245,6 +245,47 @@ def test_a_message_pruned_while_positions_are_given_leaves_a_gap_not_a_jammed_qu
         store.close()
 
 
+def test_an_idle_consumer_on_sqlite_does_not_wait_for_the_write_lock(
+    tmp_path: Any, make_workflow: Factory
+) -> None:
+    """An idle consumer's poll asks first, in a transaction that takes no write lock, whether
+    there is anything to read: it neither waits for a long write of the workers' nor makes them
+    wait for it. Before, every poll was a write transaction, and with a write held elsewhere the
+    consumer sat in it (up to the busy timeout, 30 s), deaf to its stop."""
+    import sqlite3
+
+    path = tmp_path / "replies.db"
+    store = open_store(f"sqlite:///{path}")
+    try:
+        first = submit(store, make_workflow("a"), reply_to="q")
+
+        async def go() -> tuple[list[int], float]:
+            stop = asyncio.Event()
+            r = Replies(store, "q", "app", stop=stop, listen=False, poll_interval=0.01, idle_poll_max=0.02)
+            seen = [(await r.__anext__()).task_id]
+            await r.ack()  # acknowledged (a write) before the lock is taken: from here on it only polls
+            writer = sqlite3.connect(path, isolation_level=None)
+            writer.execute("BEGIN IMMEDIATE")  # a long write of someone else's holds the lock
+            try:
+                loop = asyncio.get_running_loop()
+                loop.call_later(0.3, stop.set)
+                began = loop.time()
+                async for msg in r:
+                    seen.append(msg.task_id)
+                return seen, loop.time() - began
+            finally:
+                writer.execute("ROLLBACK")
+                writer.close()
+
+        seen, took = asyncio.run(go())
+        assert seen == [first]
+        assert took < 2.0, f"the idle consumer waited {took:.1f}s for the write lock"
+        later = submit(store, make_workflow("b"), reply_to="q")  # and it still reads what comes
+        assert [m.task_id for m in consume(store, "q", "app", 1)] == [later]
+    finally:
+        store.close()
+
+
 # -- operators: retry and cancel (OPS2, OPS3) --------------------------------------------------------
 
 

@@ -3,6 +3,9 @@
 -- name: reply_unsequenced
 SELECT 1 AS found FROM messages WHERE queue = :queue AND seq IS NULL LIMIT 1;
 
+-- name: reply_after
+SELECT 1 AS found FROM messages WHERE queue = :queue AND seq > :after LIMIT 1;
+
 -- name: reply_queue_lock
 INSERT INTO reply_queues (queue, last_seq) VALUES (:queue, 0)
 ON CONFLICT (queue) DO UPDATE SET last_seq = reply_queues.last_seq
