@@ -106,3 +106,61 @@ def test_the_command_loads_without_the_extra_and_says_what_to_install(tmp_path: 
     p = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stderr
     assert "pip install 'stepwarden[dashboard]'" in p.stderr and "Traceback" not in p.stderr
+
+
+def _serve_and_get(app: Any, host_header: str, **kw: Any) -> Any:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    with TestClient(app, base_url=f"http://{host_header}", follow_redirects=False) as c:
+        return c.get("/", **kw)
+
+
+def test_a_loopback_address_other_than_127_0_0_1_answers_on_its_own_name(
+    tmp_path: Path, served: list[dict[str, Any]]
+) -> None:
+    """Every 127.x address is loopback; the dashboard listening on one refused the very URL it
+    printed ("invalid Host header"), as only 127.0.0.1, localhost and ::1 were allowed."""
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    open_store(url).close()
+    r = CliRunner().invoke(
+        group(),
+        ["--db", url, "dashboard", "--host", "127.0.0.2", "--port", "0"],
+        env={"STEPWARDEN_DASHBOARD_TOKEN": ""},
+    )
+    assert r.exit_code == 0, r.output
+    app = served[0]["app"]
+    port = served[0]["name"][1]
+    assert _serve_and_get(app, f"127.0.0.2:{port}").status_code == 200
+    assert _serve_and_get(app, f"localhost:{port}").status_code == 200
+    assert _serve_and_get(app, f"rebind.evil.example:{port}").status_code == 400
+
+
+def test_public_origin_behind_a_tls_proxy(tmp_path: Path, served: list[dict[str, Any]]) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    open_store(url).close()
+    r = CliRunner().invoke(
+        group(),
+        ["--db", url, "dashboard", "--port", "0", "--public-origin", "HTTPS://Ops.Example.com/"],
+        env={"STEPWARDEN_DASHBOARD_TOKEN": "tok"},
+    )
+    assert r.exit_code == 0, r.output
+    guard = served[0]["app"].state.dashboard.guard
+    assert guard.public_origin == "https://ops.example.com" and guard.secure_cookies
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["ftp://ops.example.com", "ops.example.com", "https://ops.example.com/dash", "https://x?y=1", "https://"],
+)
+def test_a_public_origin_that_is_not_an_origin_is_one_error_line(
+    tmp_path: Path, served: list[dict[str, Any]], value: str
+) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    open_store(url).close()
+    r = CliRunner().invoke(group(), ["--db", url, "dashboard", "--public-origin", value])
+    assert r.exit_code == 2 and "--public-origin" in r.output and "is not an origin" in r.output
+    assert not served

@@ -350,6 +350,101 @@ def test_loopback_dashboard_refuses_foreign_host_names(scene: Scene) -> None:
         assert c.get("/", headers={"Host": "127.0.0.1.evil.example"}).status_code == 400
 
 
+def test_hostile_cookies_and_csrf_values_are_refused_not_a_server_error(scene: Scene) -> None:
+    """hmac.compare_digest raises TypeError on a str with non-ASCII characters: an auth cookie like
+    that (which any page on this host can set) made every page a 500, and such a CSRF value a 503."""
+    tid = scene.errored("order-1")
+    app = create_app(scene.store, TOKEN)
+    with TestClient(app, follow_redirects=False, raise_server_exceptions=False) as c:
+        sign_in(c)
+        sid = c.cookies.get("sw_session") or ""
+        c.cookies.clear()  # sent by hand from here: a cookie jar refuses non-ASCII values
+        poisoned = f"sw_session={sid}; sw_auth=alice!9999999999!".encode() + b"\xe9\xe9"
+        page = c.get("/", headers={"Cookie": poisoned})
+        assert page.status_code == 200 and "Sign in" in page.text  # signed out, not broken
+        session = f"sw_session={sid}".encode()
+        r = c.post(
+            f"/tasks/{tid}/retry",
+            content=b"csrf=" + b"%C3%A9" * 64,
+            headers={
+                "Cookie": session,
+                "Origin": ORIGIN,
+                "Content-Type": "application/x-www-form-urlencoded",
+            },
+        )
+        assert r.status_code == 403 and "CSRF" in r.text
+        r = c.post(
+            "/login",
+            content=b"csrf=%C3%A9&token=" + TOKEN.encode(),
+            headers={
+                "Cookie": session,
+                "Origin": ORIGIN,
+                "Content-Type": "application/x-www-form-urlencoded",
+            },
+        )
+        assert r.status_code == 403
+
+
+def test_an_id_too_long_for_any_row_is_not_found(scene: Scene, client: TestClient) -> None:
+    """Starlette's int path convertor took any length, and int() of 4,300+ digits raised while
+    routing: a 503 naming the store, with the whole path in the log."""
+    long = "9" * 5000
+    assert client.get(f"/tasks/{long}").status_code == 404
+    assert client.post(f"/tasks/{long}/retry", headers={"Origin": ORIGIN}).status_code == 404
+    assert client.get("/tasks/" + "9" * 19).status_code == 404  # the longest id the route takes
+
+
+def test_signing_in_from_a_refused_action_goes_back_to_its_page(scene: Scene, client: TestClient) -> None:
+    """The page a refused form post shows has the sign-in form; its ``next`` was the action's own
+    path, which only answers POST: signing in landed on a 405."""
+    tid = scene.errored("order-1")
+    csrf = csrf_of(client.get("/").text)
+    refused = client.post(f"/tasks/{tid}/retry", data={"csrf": csrf}, headers={"Origin": ORIGIN})
+    assert refused.status_code == 401
+    assert f'name="next" value="/tasks/{tid}"' in refused.text
+    r = client.post(
+        "/login",
+        data={"csrf": csrf_of(refused.text), "token": TOKEN, "next": f"/tasks/{tid}"},
+        headers={"Origin": ORIGIN},
+    )
+    assert r.status_code == 303 and client.get(r.headers["location"]).status_code == 200
+
+
+def test_behind_a_tls_proxy_the_public_origin_may_act(scene: Scene) -> None:
+    """The proxy speaks https to the browser and http to the dashboard, so the pages' Origin is
+    not the dashboard's own: without --public-origin every sign-in and action was refused. The
+    cookies are Secure then, and a browser sends them only over https: here they are sent by hand,
+    as the browser would through the proxy."""
+    from http.cookies import SimpleCookie
+
+    tid = scene.errored("order-1")
+    proxy = "https://ops.example.com"
+
+    def cookies_of(r: Any) -> dict[str, str]:
+        jar: SimpleCookie = SimpleCookie()
+        for header in r.headers.get_list("set-cookie"):
+            assert "secure" in header.lower(), header
+            jar.load(header)
+        return {k: m.value for k, m in jar.items()}
+
+    with make_client(scene, public_origin=proxy) as c:
+        first = c.get("/")
+        jar = cookies_of(first)
+        sent = {"Origin": proxy, "Cookie": "; ".join(f"{k}={v}" for k, v in jar.items())}
+        r = c.post("/login", data={"csrf": csrf_of(first.text), "token": TOKEN, "next": "/"}, headers=sent)
+        assert r.status_code == 303, r.text
+        jar.update(cookies_of(r))
+        sent["Cookie"] = "; ".join(f"{k}={v}" for k, v in jar.items())
+        csrf = csrf_of(c.get("/", headers={"Cookie": sent["Cookie"]}).text)
+        assert c.post(f"/tasks/{tid}/retry", data={"csrf": csrf}, headers=sent).status_code == 200
+        foreign = {**sent, "Origin": "https://evil.example"}
+        assert c.post(f"/tasks/{tid}/cancel", data={"csrf": csrf}, headers=foreign).status_code == 403
+    with make_client(scene) as c:  # without it, the proxy's origin is another site's
+        csrf = csrf_of(c.get("/").text)
+        r = c.post("/login", data={"csrf": csrf, "token": TOKEN}, headers={"Origin": proxy})
+        assert r.status_code == 403
+
+
 def test_operator_names_are_checked_and_recorded(scene: Scene, client: TestClient) -> None:
     tid = scene.errored("order-1")
     csrf = csrf_of(client.get("/").text)
@@ -377,6 +472,9 @@ def test_store_trouble_is_a_clear_503(scene: Scene, monkeypatch: pytest.MonkeyPa
     with TestClient(create_app(scene.store, TOKEN), raise_server_exceptions=False) as c:
         r = c.get("/")
         assert r.status_code == 503 and "could not be read" in r.text
+        # Starlette runs the error handler outside the middleware: the headers are still there.
+        assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["cache-control"] == "no-store"
         assert c.get("/tasks").status_code == 200
 
 

@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import socket
 import sys
+from urllib.parse import urlsplit
 
 import click
 
@@ -28,6 +29,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def check_public_origin(value: str) -> str:
+    """``scheme://host[:port]`` and nothing else, as browsers send it in ``Origin``."""
+    parts = urlsplit(value.strip())
+    bare = parts.path in ("", "/") and not parts.query and not parts.fragment
+    if parts.scheme not in ("http", "https") or not parts.netloc or not bare:
+        raise click.BadParameter(
+            f"{value[:80]!r} is not an origin such as https://ops.example.com (scheme and host, no path)",
+            param_hint="--public-origin",
+        )
+    return f"{parts.scheme}://{parts.netloc}".lower()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -61,6 +74,13 @@ def bind(host: str, port: int) -> socket.socket:
     "without one the dashboard is read-only). Prefer the environment variable: a command line is visible.",
 )
 @click.option(
+    "--public-origin",
+    default=None,
+    metavar="URL",
+    help="The origin browsers reach the dashboard at through a TLS proxy (https://ops.example.com): "
+    "sign-in and actions from it are accepted, and cookies are marked Secure.",
+)
+@click.option(
     "--poll",
     type=click.FloatRange(0.5, 60),
     default=2.0,
@@ -68,7 +88,9 @@ def bind(host: str, port: int) -> socket.socket:
     help="Seconds between live refreshes.",
 )
 @click.pass_context
-def dashboard(ctx: click.Context, host: str, port: int, token: str | None, poll: float) -> None:
+def dashboard(
+    ctx: click.Context, host: str, port: int, token: str | None, public_origin: str | None, poll: float
+) -> None:
     """Serve the web dashboard: tasks, timelines, alerts, leases, workers, metrics (OPS5, OPS6)."""
     try:
         import uvicorn
@@ -86,17 +108,26 @@ def dashboard(ctx: click.Context, host: str, port: int, token: str | None, poll:
         raise click.ClickException(str(e)) from None
     ctx.call_on_close(store.close)
     token = token or None
+    if public_origin is not None:
+        public_origin = check_public_origin(public_origin)
     loopback = is_loopback(host)
     sock = bind(host, port)  # a host or port that cannot work is one error line, with no warning first
     if not loopback:
         click.echo(
             f"warning: listening on {host}, beyond this machine; "
-            + ("the token travels in clear unless a TLS proxy is in front" if token else "it is read-only"),
+            + (
+                "the token travels in clear unless a TLS proxy is in front (see --public-origin)"
+                if token
+                else "it is read-only"
+            ),
             err=True,
         )
     bound = sock.getsockname()[1]
     shown = f"[{host.strip('[]')}]" if ":" in host else host
-    app = create_app(store, token, allowed_hosts=LOOPBACK_HOSTS if loopback else None, poll=poll)
+    # On a loopback address, the Host header must name a loopback host (DNS-rebinding defence):
+    # the usual names, and the address it was told to listen on (127.0.0.2 is loopback too).
+    hosts = (*LOOPBACK_HOSTS, host.strip("[]").lower()) if loopback else None
+    app = create_app(store, token, allowed_hosts=hosts, poll=poll, public_origin=public_origin)
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="off", server_header=False, proxy_headers=False
     )

@@ -61,6 +61,9 @@ def check_actor(name: str) -> str:
 class Guard:
     token: str | None
     secure_cookies: bool = False
+    # The origin browsers see (``https://ops.example.com``) when a TLS proxy is in front: the
+    # dashboard itself serves plain http, so the Origin its pages send is not its own scheme.
+    public_origin: str | None = None
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
     @property
@@ -85,7 +88,9 @@ class Guard:
         if sid is None or not self.actions_enabled or raw.count("!") != 2:
             return None
         actor, expires, sig = raw.split("!")
-        if not hmac.compare_digest(sig, self._sign("auth", sid, actor, expires)):
+        # As bytes: compare_digest refuses str with non-ASCII characters (TypeError), and any page
+        # on this host can set a cookie that every page of the dashboard then failed on.
+        if not hmac.compare_digest(sig.encode(), self._sign("auth", sid, actor, expires).encode()):
             return None
         try:
             if float(expires) < time.time():
@@ -137,10 +142,14 @@ class Guard:
 
     def check_form(self, request: Request, form: FormData) -> None:
         """Same origin and a valid CSRF token for this session, or :class:`Refused`."""
-        check_origin(request)
+        check_origin(request, self.public_origin)
         sid = self.session_id(request)
         given = form.get("csrf")
-        if sid is None or not isinstance(given, str) or not hmac.compare_digest(given, self.csrf_token(sid)):
+        if (
+            sid is None
+            or not isinstance(given, str)
+            or not hmac.compare_digest(given.encode(), self.csrf_token(sid).encode())  # bytes: see actor
+        ):
             raise Refused(403, "refused: missing or invalid CSRF token (reload the page and try again)")
 
     def check_action(self, request: Request, form: FormData) -> str:
@@ -175,8 +184,9 @@ def own_origin(request: Request) -> str:
     return f"{request.url.scheme}://{host}".lower()
 
 
-def check_origin(request: Request) -> None:
-    """The request comes from a page of this dashboard: ``Origin`` (else ``Referer``) matches."""
+def check_origin(request: Request, public_origin: str | None = None) -> None:
+    """The request comes from a page of this dashboard: ``Origin`` (else ``Referer``) matches its
+    own origin, or the public origin it is served under behind a proxy."""
     origin = request.headers.get("origin")
     if origin is None:
         referer = request.headers.get("referer")
@@ -184,7 +194,8 @@ def check_origin(request: Request) -> None:
             raise Refused(403, "refused: the request names no Origin or Referer")
         parts = urlsplit(referer)
         origin = f"{parts.scheme}://{parts.netloc}"
-    if origin.lower() != own_origin(request):
+    allowed = {own_origin(request)} | ({public_origin.lower()} if public_origin else set())
+    if origin.lower() not in allowed:
         raise Refused(403, "refused: cross-origin request")
 
 

@@ -21,6 +21,7 @@ from jinja2 import Environment, PackageLoader
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.datastructures import FormData
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -173,7 +174,7 @@ class Dashboard:
             actions_enabled=self.guard.actions_enabled,
             poll=self.poll,
             partial_url=request.url.path + "?" + urlencode([*query, ("partial", "1")]),
-            here=request.url.path + (("?" + urlencode(query)) if query else ""),
+            here=_page_of(request, query),
         )
         name = ("_" + template) if partial else template
         response.body = self.env.get_template(name).render(**ctx).encode()
@@ -351,6 +352,35 @@ class Dashboard:
         return await self._act(request, "ack", run)
 
 
+def _page_of(request: Request, query: list[tuple[str, str]]) -> str:
+    """Where signing in from this page goes back to. After an action (a POST) that is the page
+    the action was on, not the action's own path, which answers only POST (a 405 after sign-in)."""
+    path = request.url.path
+    if request.method == "GET":
+        return path + (("?" + urlencode(query)) if query else "")
+    if path.startswith("/tasks/"):
+        return path.rsplit("/", 1)[0]  # /tasks/7/retry -> /tasks/7
+    if path.startswith("/alerts/"):
+        return "/alerts"
+    return "/"
+
+
+class _RowId(Convertor[int]):
+    """A row id in a path: 1 to 19 digits. Starlette's ``int`` took any length, and ``int()`` of
+    more than 4,300 digits raises ValueError while routing: a 503 instead of a 404."""
+
+    regex = "[0-9]{1,19}"
+
+    def convert(self, value: str) -> int:
+        return int(value)
+
+    def to_string(self, value: int) -> str:
+        return str(value)
+
+
+register_url_convertor("rowid", _RowId())
+
+
 def _path_id(request: Request, key: str) -> int:
     """A row id from the path; ids beyond what the store can hold become 0, which no row has."""
     value = int(request.path_params[key])
@@ -381,18 +411,21 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     poll: float = 2.0,
     secure_cookies: bool = False,
+    public_origin: str | None = None,
 ) -> Starlette:
     """The dashboard over ``store``. ``token`` enables operator actions; ``allowed_hosts`` (host
-    names without port) restricts the ``Host`` header, e.g. to loopback names."""
-    d = Dashboard(store, Guard(token or None, secure_cookies), poll)
+    names without port) restricts the ``Host`` header, e.g. to loopback names; ``public_origin``
+    is the origin browsers reach it at through a proxy (``https://...`` also marks cookies Secure)."""
+    secure = secure_cookies or (public_origin or "").lower().startswith("https://")
+    d = Dashboard(store, Guard(token or None, secure, public_origin), poll)
     routes = [
         Route("/", d.overview),
         Route("/tasks", d.tasks),
-        Route("/tasks/{task_id:int}", d.task),
-        Route("/tasks/{task_id:int}/retry", d.retry, methods=["POST"]),
-        Route("/tasks/{task_id:int}/cancel", d.cancel, methods=["POST"]),
+        Route("/tasks/{task_id:rowid}", d.task),
+        Route("/tasks/{task_id:rowid}/retry", d.retry, methods=["POST"]),
+        Route("/tasks/{task_id:rowid}/cancel", d.cancel, methods=["POST"]),
         Route("/alerts", d.alerts),
-        Route("/alerts/{alert_id:int}/ack", d.ack, methods=["POST"]),
+        Route("/alerts/{alert_id:rowid}/ack", d.ack, methods=["POST"]),
         Route("/leases", d.leases),
         Route("/workers", d.workers),
         Route("/metrics", d.prometheus),
@@ -405,10 +438,14 @@ def create_app(
         middleware.append(Middleware(HostCheck, allowed=list(allowed_hosts)))
 
     async def failed(request: Request, exc: Exception) -> Response:
-        log.warning("dashboard: %s %s failed: %r", request.method, request.url.path, exc)
-        return d.message(
+        log.warning("dashboard: %s %s failed: %r", request.method, request.url.path[:200], exc)
+        response = d.message(
             request, 503, f"the store could not be read or written ({type(exc).__name__}); retrying"
         )
+        # Starlette runs this handler outside the middleware: the headers are set here.
+        for k, v in SECURITY_HEADERS:
+            response.headers.setdefault(k.decode(), v.decode())
+        return response
 
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={Exception: failed})
     app.state.dashboard = d
