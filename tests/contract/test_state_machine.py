@@ -832,7 +832,9 @@ class StoreMachine(RuleBasedStateMachine):
             return
         now_state = self.store.transact_sync(t.cancel_task, task_id, OPERATOR)
         task.cancel_requested = True
-        if task.state == "error" or (task.state == "pending" and task.locked_by is None):
+        if self._reopen_undos(task):
+            pass  # it ended in error while being undone: the undo resumes, with a fresh budget
+        elif task.state == "error" or (task.state == "pending" and task.locked_by is None):
             for s in task.steps:
                 if not s.started and s.state == "pending":
                     s.state = "skipped"
@@ -851,6 +853,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert snapshot(self.store) == before, "a refused retry changed the store"
             return
         self.store.transact_sync(t.retry_task, task_id, step, OPERATOR)
+        if self._reopen_undos(task):  # ended in error while being undone: the undo resumes
+            return
         if task.state != "error":  # undone effects: a step counts as started again once it reruns
             for s in task.steps:
                 if s.state == "compensated":
@@ -863,10 +867,28 @@ class StoreMachine(RuleBasedStateMachine):
         self.undo_order.pop(task_id, None)
 
     @staticmethod
-    def _retry_start(task: MTask | None, step: str | None) -> int | None:
+    def _failed_undos(task: MTask) -> list[MStep]:
+        """The steps whose compensation failed for good (the task ended in error being undone)."""
+        if task.state != "error":
+            return []
+        return [s for s in task.steps if s.state == "failed" and s.comp_failures > 0]
+
+    def _reopen_undos(self, task: MTask) -> bool:
+        """A retry or cancel of a task whose undo failed: the undo resumes, its failures forgotten."""
+        undos = self._failed_undos(task)
+        for s in undos:
+            s.comp_failures, s.complete_by = 0, None
+        if undos:
+            task.state, task.locked_by, task.run_at = "compensating", None, 0.0
+        return bool(undos)
+
+    @classmethod
+    def _retry_start(cls, task: MTask | None, step: str | None) -> int | None:
         """OPS2: where an operator retry resumes, or None when it must be refused."""
         if task is None or task.state not in ("error", "compensated", "cancelled"):
             return None
+        if cls._failed_undos(task):  # it resumes its undo: no step to resume from
+            return None if step is not None else 0
         names = [s.name for s in task.steps]
         if step is not None and step not in names:
             return None

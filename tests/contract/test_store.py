@@ -678,6 +678,75 @@ def test_a_compensation_that_keeps_failing_ends_in_error_naming_the_step(
     assert r.alerts[0]["kind"] == "compensation_failed"
 
 
+def _undo_of_b_fails_for_good(store: Store, make_workflow: Factory, cancel: bool) -> int:
+    """a and b done, c running; undoing (after a cancel, or c's permanent failure) c succeeds and
+    b's undo is refused for good: the task ends in error while being undone."""
+    wf = make_workflow(steps={"c": {"on_error": "compensate"}})
+    task_id = submit(store, wf, reply_to="web-1")
+    claim(store)
+    complete(store, task_id, "a")
+    complete(store, task_id, "b")
+    if cancel:
+        store.transact_sync(t.cancel_task, task_id, "operator")
+        complete(store, task_id, "c")  # c's own reply comes, then the undo begins
+    else:
+        reply(store, task_id, "c", "error", error="out of stock")
+        apply(store)
+    assert last_request(store, task_id, "c")["kind"] == "undo"
+    complete(store, task_id, "c")
+    assert last_request(store, task_id, "b")["kind"] == "undo"
+    reply(store, task_id, "b", "error", error="refund refused")
+    apply(store)
+    assert states(store, task_id) == ("error", ["completed", "failed", "compensated"])
+    return task_id
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["after-cancel", "after-escalation"])
+def test_retry_of_a_task_whose_undo_failed_resumes_the_undo_not_the_steps(
+    store: Store, make_workflow: Factory, cancel: bool
+) -> None:
+    """A retry used to resume from the first step not completed, b, running b and c forward again
+    over c's undone effect (and dropping the cancel)."""
+    task_id = _undo_of_b_fails_for_good(store, make_workflow, cancel)
+    before = len(requests(store, task_id))
+    store.transact_sync(t.retry_task, task_id, None, "operator")
+    assert states(store, task_id) == ("compensating", ["completed", "failed", "compensated"])
+    assert step(store, task_id, "b")["comp_failures"] == 0  # a fresh budget for the undo
+    assert claim(store) == 1
+    new = requests(store, task_id)[before:]
+    assert [(r["step_idx"], r["kind"]) for r in new] == [(1, "undo")]
+    complete(store, task_id, "b")
+    complete(store, task_id, "a")
+    final = "cancelled" if cancel else "compensated"
+    assert states(store, task_id) == (final, ["compensated", "compensated", "compensated"])
+    assert all(r["kind"] == "undo" for r in requests(store, task_id)[before:])
+    with pytest.raises(InputError, match="undo"):  # and a step to resume from is refused, writing nothing
+        fresh = _undo_of_b_fails_for_good(store, make_workflow, cancel)
+        store.transact_sync(t.retry_task, fresh, "b", "operator")
+    assert states(store, fresh) == ("error", ["completed", "failed", "compensated"])
+
+
+def test_cancel_of_a_task_whose_undo_failed_gives_the_undo_its_full_budget(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """Cancelling it resumed the undo with its failures still counted: of the policy's 3, the
+    first refusal had used one, so the second transient failure ended the task in error again,
+    with a second compensation_failed alert."""
+    task_id = _undo_of_b_fails_for_good(store, make_workflow, cancel=False)
+    assert store.transact_sync(t.cancel_task, task_id, "operator") == "compensating"
+    for _ in range(2):
+        assert claim(store) == 1
+        reply(store, task_id, "b", "retry", error="transient: 502")
+        apply(store)
+        assert task(store, task_id)["state"] == "compensating"
+        clock.advance(60.0)  # past the back-off
+    assert [a["kind"] for a in alerts(store)] == ["compensation_failed"]
+    assert claim(store) == 1
+    complete(store, task_id, "b")
+    complete(store, task_id, "a")
+    assert states(store, task_id) == ("cancelled", ["compensated", "compensated", "compensated"])
+
+
 # -- cancel and retry -----------------------------------------------------------------------------------
 
 

@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 from ..errors import InputError, NotFound
-from .base import Tx
+from .base import Row, Tx
 from .transitions import _now, event, message
 
 
+def _failed_undos(steps: list[Row]) -> list[Row]:
+    """The steps whose compensation failed for good: the task ended in ``error`` while being
+    undone. (A forward failure never counts a compensation failure.)"""
+    return [s for s in steps if s["state"] == "failed" and int(s["comp_failures"] or 0) > 0]
+
+
+def _reopen_undos(tx: Tx, task_id: int) -> None:
+    """The failed compensations get a fresh budget of attempts, as a retried step gets for its
+    operation; the task goes back to being undone, picked up at once by a scheduler."""
+    tx.sql(
+        "UPDATE steps SET comp_failures = 0, locked_by = NULL, complete_by = NULL, finished_at = NULL "
+        "WHERE task_id = ? AND state = 'failed' AND comp_failures > 0",
+        (task_id,),
+    )
+    tx.sql(
+        "UPDATE tasks SET state = 'compensating', locked_by = NULL, complete_by = NULL, finished_at = NULL, "
+        "last_error = NULL, run_at = 0, updated_at = ? WHERE id = ?",
+        (_now(tx), task_id),
+    )
+
+
 def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
-    """Resubmit an errored task from its failed step, or from ``step_name`` (OPS2)."""
+    """Resubmit an errored task from its failed step, or from ``step_name`` (OPS2). A task that
+    ended in ``error`` while being undone (a compensation failed for good) resumes its undo: its
+    steps must not run forward again over effects already undone."""
     task = tx.one("task_for_update", task_id=task_id)
     if task is None:
         raise NotFound(f"no task {task_id}")
@@ -18,6 +41,18 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
         )
     steps = tx.all("steps_of_task", task_id=task_id)
     names = [s["name"] for s in steps]
+    undos = _failed_undos(steps) if task["state"] == "error" else []
+    if undos:
+        failed = undos[-1]["name"]
+        if step_name is not None:
+            raise InputError(
+                f"task {task_id} failed while undoing step {failed!r}: a retry resumes the undo from"
+                " there, so it takes no step"
+            )
+        _reopen_undos(tx, task_id)
+        event(tx, "retried", task_id, actor, undos[-1]["idx"], step=failed, kind="undo")
+        message(tx, task, "retried", step=failed)
+        return
     if step_name is not None and step_name not in names:
         raise InputError(f"task {task_id} has no step {step_name!r}; its steps are {', '.join(names)}")
     first_open = next((i for i, s in enumerate(steps) if s["state"] != "completed"), len(steps) - 1)
@@ -60,6 +95,12 @@ def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
         raise InputError(f"task {task_id} is already {task['state']}; nothing to cancel")
     tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
     event(tx, "cancel_requested", task_id, actor)
+    if task["state"] == "error" and _failed_undos(tx.all("steps_of_task", task_id=task_id)):
+        # Ended while being undone: the undo resumes, with a fresh budget of attempts (one more
+        # failure used to end it in error again at once).
+        _reopen_undos(tx, task_id)
+        message(tx, task, "compensating", reason="cancel requested")
+        return "compensating"
     if task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
         tx.put("skip_unstarted", task_id=task_id)
         tx.sql(
