@@ -31,6 +31,7 @@ from .errors import Permanent, Transient
 from .logs import log_raised
 from .store import ApplyResult, RequestMsg, Store
 from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
+from .workflow import result_problem, storable_text
 
 # The logger the agent role always had (agent_health.py logs under it too): log configurations and
 # tests select the role's records by this name.
@@ -417,6 +418,9 @@ class AgentRole:
                     await self._guard(health.ended(agent.name, False, last, trial and n == 1))
                 else:
                     await self._guard(health.ended(agent.name, True, None, trial and n == 1))
+                    problem = result_problem(result)
+                    if problem is not None:  # the step's error, not the whole reply batch's
+                        return "error", None, f"the operation's result cannot be stored: {problem}"
                     return "ok", result, None
                 if not health.healthy(agent.name):
                     # Others succeed where this instance fails: hand the attempt back, uncounted,
@@ -551,5 +555,5 @@ class AgentRole:
 
 
 def _describe(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
+    text = storable_text(str(e) or type(e).__name__)
     return f"{type(e).__name__}: {text}"[:1000] if not isinstance(e, Permanent | Transient) else text[:1000]

@@ -16,6 +16,10 @@ from .policies import ESCALATIONS, MAX_INT, Escalation, Retry, is_number, show, 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
+# How deeply a task input or an operation's result may nest. The store's readers decode it inside
+# their own call stacks: an input Python could still parse at ~990 levels made every scheduler
+# round fail with RecursionError, holding up every other task with it.
+MAX_JSON_DEPTH = 100
 MAX_KEY_LEN = 255
 MAX_COMPLETE_BY = 86400 * 7  # one attempt's budget, in seconds
 
@@ -57,7 +61,52 @@ def encode_input(value: Any, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> str:
     size = _utf8_size(text)
     if size > max_bytes:
         raise PayloadTooLarge(f"task input is {size} bytes, over the limit of {max_bytes} bytes")
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise InputError(f"task input is nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     return text
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value`` (0 for a scalar), without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            items: Iterable[Any] = v.values()
+        elif isinstance(v, list | tuple):
+            items = v
+        else:
+            continue
+        deepest = max(deepest, d)
+        if d > MAX_JSON_DEPTH:
+            return d  # deep enough to refuse: no need to walk the rest
+        stack.extend((x, d + 1) for x in items)
+    return deepest
+
+
+def result_problem(result: Any) -> str | None:
+    """Why an operation's result cannot be stored as its reply (JSON, as ``encode_result`` writes
+    it, valid UTF-8, not nested too deeply), or None. Asked by the agent before it replies, so that
+    such a result is that step's error, not a failure of the whole batch of replies it would go in."""
+    if result is None:
+        return None
+    if json_depth(result) > MAX_JSON_DEPTH:
+        return f"nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+    try:
+        json.dumps(result, default=str, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "not valid Unicode (a lone surrogate)"
+    except (TypeError, ValueError) as e:
+        return f"not JSON ({e})"[:300]
+    except RecursionError:
+        return "nested too deeply"
+    return None
+
+
+def storable_text(text: str) -> str:
+    """Error text as the store can keep it: a lone surrogate (from an exception's message) is
+    written as its escape; the database refused the whole batch of replies it was in."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def parse_input(text: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Any:

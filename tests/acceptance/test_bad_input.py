@@ -257,6 +257,14 @@ def test_deeply_nested_input_is_bad_input(seeded: tuple[Db, int], tmp_path: Path
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", f"@{f}")
 
 
+def test_input_nested_past_the_depth_limit_is_bad_input(seeded: tuple[Db, int], tmp_path: Path) -> None:
+    """150 levels: Python parses it, but the scheduler decoding it in its own stack failed every
+    round (RecursionError at ~960 levels), holding up every other task; 100 is the limit."""
+    f = tmp_path / "deep.json"
+    f.write_text("[" * 150 + "]" * 150)
+    refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", f"@{f}")
+
+
 def test_non_utf8_stdin_is_bad_input(seeded: tuple[Db, int]) -> None:
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", "-", stdin=b'{"order_id": "caf\xe9"}')
 

@@ -380,6 +380,67 @@ def test_an_agent_runs_a_step_whose_stored_in_attempt_backoff_is_now_refused(tmp
         app.close()
 
 
+def test_a_result_or_error_the_store_cannot_keep_is_that_steps_error_not_the_batchs(tmp_path: Any) -> None:
+    """A NaN result, a result nested too deeply and an error message with a lone surrogate used to
+    fail the whole batch of replies they were sent in (the database refused it), so the other
+    tasks' replies were lost too and their steps rescued as if the worker had died. (No supervisor
+    runs here: a lost reply leaves its task unfinished, and the test says so.)"""
+    from stepwarden import Permanent
+    from stepwarden.workflow import MAX_JSON_DEPTH
+
+    app = App(f"sqlite:///{tmp_path / 'r.db'}")
+    svc = app.agent("svc", concurrency=8)
+
+    @svc.operation
+    async def good(req: Request) -> Any:
+        await asyncio.sleep(0.05)  # in the same reply batch as the others
+        return {"fine": req.input["n"]}
+
+    @svc.operation
+    async def nan(req: Request) -> Any:
+        return {"x": float("nan")}
+
+    @svc.operation
+    async def deep(req: Request) -> Any:
+        value: Any = 1
+        for _ in range(MAX_JSON_DEPTH + 20):
+            value = [value]
+        return value
+
+    @svc.operation
+    async def surrogate(req: Request) -> Any:
+        raise Permanent("refused \ud800 by the service")
+
+    for name in ("good", "nan", "deep", "surrogate"):
+        app.workflow(name, [Step("s", f"svc.{name}", complete_by=10, retry=Retry(max_failures=1, tries=1))])
+    ids = {name: app.submit(name, {"n": i}) for i, name in enumerate(["good", "nan", "deep", "surrogate"])}
+    ids["good2"] = app.submit("good", {"n": 9})
+
+    async def run_until_final() -> None:
+        stop = asyncio.Event()
+        worker = asyncio.create_task(app.worker(roles=("scheduler", "agent")).run(stop))
+        try:
+            for _ in range(200):  # 10 s at most
+                if all(app.task(t)["state"] in ("processed", "error") for t in ids.values()):
+                    return
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await worker
+
+    try:
+        asyncio.run(run_until_final())
+        views = {name: app.task(t) for name, t in ids.items()}
+        assert views["good"]["state"] == "processed" and views["good2"]["state"] == "processed"
+        for name in ("nan", "deep", "surrogate"):
+            assert views[name]["state"] == "error", views[name]
+        assert "cannot be stored: not JSON" in views["nan"]["last_error"]
+        assert "cannot be stored: nested too deeply" in views["deep"]["last_error"]
+        assert views["surrogate"]["last_error"] == "refused \\ud800 by the service"
+    finally:
+        app.close()
+
+
 def test_a_stored_policy_is_parsed_once_per_text_and_warned_about_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
