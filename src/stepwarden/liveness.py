@@ -49,6 +49,26 @@ def proc_start(pid: int) -> str | None:
     return fields[19]
 
 
+def hidden(pid: int) -> bool:
+    """Whether process ``pid`` exists but this process may not read it: ``/proc`` mounted with
+    ``hidepid``, a worker of another user. Its start time cannot be compared, so it is judged by
+    its heartbeat alone; before, every sweep took such a live worker for gone and rescued its steps."""
+    try:
+        Path(f"/proc/{pid}/stat").read_text()
+        return False  # readable: proc_start's answer stands (a zombie, say)
+    except PermissionError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether it exists
+    except PermissionError:
+        return True  # it exists, under another user
+    except OSError:
+        return False
+    return True
+
+
 def me() -> dict[str, Any]:
     """What a worker records about its own process."""
     pid = os.getpid()
@@ -76,6 +96,7 @@ def presumed_dead(rows: list[dict[str, Any]], now: float, dead_after: float) -> 
             and r.get("pid")
             and r.get("proc_start")
             and proc_start(int(r["pid"])) != r["proc_start"]
+            and not hidden(int(r["pid"]))
         ):
             out.append(Verdict(r["id"], f"process {r['pid']} is gone"))
         elif now - float(r["heartbeat_at"]) > dead_after:  # alive elsewhere, or hung

@@ -56,24 +56,35 @@ class Supervisor:
         self.pruned = 0
         self._next_prune = 0.0
 
-    async def sweep(self, term: int) -> SweepResult:
-        """Sweep until fewer than a batch of expired attempts remain; each batch one transaction."""
+    async def sweep(self, term: int, leadership: Leadership | None = None) -> SweepResult:
+        """Sweep until fewer than a batch of expired attempts remain; each batch one transaction.
+
+        Each committed batch is progress for the lease (``leadership``): a backlog of thousands
+        of expired steps took longer than ``stall_after`` to sweep, and the leader gave up its
+        lease in the middle of it. What committed batches did is counted and logged even when a
+        later batch fails (the store went away mid-sweep)."""
         total = SweepResult()
-        await self._rescue_orphans(term, total)
-        while True:
-            r = await self.store.sweep_expired(self.me, LEASE, term, self.settings.batch)
-            total.rescued += r.rescued
-            total.escalated += r.escalated
-            total.alerts.extend(r.alerts)
-            if r.rescued < self.settings.batch:
-                break
-        self.rescued += total.rescued
-        log_raised(log, total.alerts)
-        if total.rescued:
-            log.info("supervisor %s (term %d) rescued %d expired attempt(s)", self.me, term, total.rescued)
+        try:
+            await self._rescue_orphans(term, total, leadership)
+            while True:
+                r = await self.store.sweep_expired(self.me, LEASE, term, self.settings.batch)
+                total.rescued += r.rescued
+                total.escalated += r.escalated
+                total.alerts.extend(r.alerts)
+                if leadership is not None:
+                    leadership.progress()
+                if r.rescued < self.settings.batch:
+                    break
+        finally:
+            self.rescued += total.rescued
+            log_raised(log, total.alerts)
+            if total.rescued:
+                log.info(
+                    "supervisor %s (term %d) rescued %d expired attempt(s)", self.me, term, total.rescued
+                )
         return total
 
-    async def _rescue_orphans(self, term: int, total: SweepResult) -> None:
+    async def _rescue_orphans(self, term: int, total: SweepResult, leadership: Leadership | None) -> None:
         """Rescue the steps of workers presumed dead, before their complete-by passes."""
         owners = [r for r in await self.store.transact(transitions.owners_in_flight) if r["id"] != self.me]
         if not owners:
@@ -94,6 +105,8 @@ class Supervisor:
                 total.rescued += r.rescued
                 total.escalated += r.escalated
                 total.alerts.extend(r.alerts)
+                if leadership is not None:
+                    leadership.progress()
                 if r.rescued:
                     log.warning(
                         "supervisor %s: rescued %d step(s) of worker %s, presumed dead (%s)",
@@ -105,7 +118,7 @@ class Supervisor:
                 if r.rescued < self.settings.batch:
                     break
 
-    async def prune(self, term: int) -> int:
+    async def prune(self, term: int, leadership: Leadership | None = None) -> int:
         """Delete finished tasks past their retention, a bounded number of batches per call."""
         s = self.settings
         if s.retention is None:
@@ -114,6 +127,8 @@ class Supervisor:
         for _ in range(s.prune_rounds):
             n = await self.store.transact(transitions.prune, self.me, LEASE, term, s.retention, s.prune_batch)
             total += n
+            if leadership is not None:
+                leadership.progress()
             # Until a round finds nothing to delete: a short round is not the end of the backlog
             # when the prune left a task another transaction holds (transitions.prune).
             if n == 0:
@@ -128,11 +143,11 @@ class Supervisor:
         while True:
             try:
                 started = self.clock.monotonic()
-                r = await self.sweep(leadership.term)
+                r = await self.sweep(leadership.term, leadership)
                 self.on_sweep(r, self.clock.monotonic() - started)
                 if self.clock.monotonic() >= self._next_prune:
                     self._next_prune = self.clock.monotonic() + self.settings.prune_every
-                    await self.prune(leadership.term)
+                    await self.prune(leadership.term, leadership)
             except Exception as e:
                 from .errors import LostOwnership
 

@@ -965,6 +965,33 @@ def test_supervisor_sweeps_batch_after_batch_until_done(
     assert sizes == [2, 2, 1]
 
 
+def test_each_committed_sweep_batch_is_progress_for_the_lease(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """A backlog swept batch after batch used to report progress only at the end: at a second per
+    batch, ten batches passed stall_after (10 s) and the healthy leader gave up its lease."""
+    from stepwarden.leader import Leadership
+
+    term = lease(store)
+    for _ in range(5):
+        submit(store, make_workflow())
+    claim(store)
+    clock.advance(10.5)
+    sup = Supervisor(store, SUP, clock=clock, settings=SupervisorSettings(batch=1))
+    leadership = Leadership("supervisor", SUP, term, clock)
+    silent: list[float] = []
+    real = store.sweep_expired
+
+    async def slow(*args: Any) -> SweepResult:
+        silent.append(clock.monotonic() - leadership.last_progress)
+        clock.advance(1.0)  # each batch takes a second
+        return await real(*args)
+
+    store.sweep_expired = slow  # type: ignore[method-assign,assignment]
+    assert run(sup.sweep(term, leadership)).rescued == 5
+    assert len(silent) == 6 and max(silent) <= 1.0, silent
+
+
 # -- pruning finished tasks (the leader keeps the hot tables small) ----------------------------------
 
 

@@ -72,3 +72,54 @@ def test_a_live_but_silent_process_here_is_presumed_dead_and_a_stopped_one_at_on
         v.worker: v.reason for v in liveness.presumed_dead([hung, stopped], now=101.0, dead_after=3.0)
     }
     assert verdicts == {"hung": "no heartbeat for 11.0s", "gone": "stopped"}
+
+
+def test_a_process_this_one_may_not_read_is_judged_by_its_heartbeat(monkeypatch: Any) -> None:
+    """/proc mounted with hidepid, or a worker of another user: reading its stat fails with EPERM
+    (or it is hidden, and signal 0 says EPERM). It was taken for gone at every sweep and its
+    steps rescued while it ran; now only a stale heartbeat condemns it."""
+    from pathlib import Path
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        r = row(
+            "other-user",
+            host_key=liveness.host_key(),
+            pid=child.pid,
+            proc_start=liveness.proc_start(child.pid),
+        )
+        real_read = Path.read_text
+
+        def unreadable(self: Path, *args: Any, **kw: Any) -> str:
+            if str(self) == f"/proc/{child.pid}/stat":
+                raise PermissionError(13, "Permission denied")
+            return real_read(self, *args, **kw)
+
+        monkeypatch.setattr(Path, "read_text", unreadable)
+        assert liveness.presumed_dead([r], now=101.0, dead_after=3.0) == []
+        (verdict,) = liveness.presumed_dead([r], now=110.0, dead_after=3.0)
+        assert "no heartbeat" in verdict.reason
+
+        def hidden(self: Path, *args: Any, **kw: Any) -> str:  # hidepid=2: as if it did not exist
+            if str(self) == f"/proc/{child.pid}/stat":
+                raise FileNotFoundError(2, "No such file or directory")
+            return real_read(self, *args, **kw)
+
+        real_kill = os.kill
+
+        def kill(pid: int, sig: int) -> None:
+            if pid == child.pid and sig == 0:
+                raise PermissionError(1, "Operation not permitted")
+            real_kill(pid, sig)
+
+        monkeypatch.setattr(Path, "read_text", hidden)
+        monkeypatch.setattr(os, "kill", kill)
+        assert liveness.presumed_dead([r], now=101.0, dead_after=3.0) == []
+        monkeypatch.undo()
+        child.kill()
+        child.wait(timeout=10)
+        (gone,) = liveness.presumed_dead([r], now=101.0, dead_after=3.0)
+        assert f"process {child.pid} is gone" in gone.reason
+    finally:
+        child.kill()
+        child.wait(timeout=10)
