@@ -254,9 +254,10 @@ class App:
                 raise NotFound(f"no task {task_id}")
             if state in FINAL_TASK_STATES:
                 return self.task(task_id)
-            if time.monotonic() >= end:
+            left = end - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"task {task_id} is still {state} after {timeout}s")
-            time.sleep(poll)
+            time.sleep(min(poll, left))  # a poll longer than the timeout does not outlast it
 
     def wait_for_result(self, task_id: int, timeout: float = 30.0) -> TaskResult:
         """Block until the task is final; its result, read from the task's status messages (SCH8)

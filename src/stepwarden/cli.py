@@ -23,7 +23,7 @@ from . import __version__
 from .alerts import SINK_THREAD_PREFIX, ack_alert
 from .app import App
 from .cli_params import FiniteRange
-from .errors import InputError, NotFound, StepwardenError
+from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
 from .replies import Replies
 from .store import FINAL_TASK_STATES, TASK_STATES, Store, Tx, open_existing, open_store, resolve_url, views
 from .store import transitions as tr
@@ -249,6 +249,8 @@ def _read_input(value: str) -> Any:
     limit = DEFAULT_MAX_INPUT_BYTES
     where = "standard input"
     if value == "-":
+        if sys.stdin is None:  # started with standard input closed (<&-)
+            raise InputError("--input -: standard input is closed")
         data = sys.stdin.buffer.read(limit + 1)
     elif value.startswith("@"):
         where = f"input file {value[1:]!r}"
@@ -299,6 +301,10 @@ def submit(
     app._prepare(
         workflow, data, correlation_id, idempotency_key, priority, reply_to
     )  # validate before opening
+    if app_ref is not None and workflow not in app.workflows:
+        # Refused before the store is opened: --app creates and migrates it, and bad input writes nothing.
+        known = ", ".join(sorted(app.workflows)) or "none"
+        raise UnknownWorkflow(f"unknown workflow {workflow!r}; this app defines: {known}")
     app.use_store(_open(ctx, create=app_ref is not None))
     click.echo(
         app.submit(

@@ -7,6 +7,7 @@ Every case runs on both stores, SQLite and PostgreSQL, against a store holding o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -269,6 +270,29 @@ def test_non_utf8_stdin_is_bad_input(seeded: tuple[Db, int]) -> None:
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", "-", stdin=b'{"order_id": "caf\xe9"}')
 
 
+def test_input_from_a_closed_standard_input_is_bad_input(seeded: tuple[Db, int]) -> None:
+    """``submit --input - <&-``: Python then has no sys.stdin, and this was exit 1 with an
+    AttributeError; it is bad input, named."""
+    import subprocess
+
+    from .helpers import SW, Result, clean_env
+
+    db = seeded[0]
+    before = db.snapshot()
+    p = subprocess.run(
+        [str(SW), "--db", db.url, "submit", WORKFLOW, "--input", "-"],
+        cwd=db.cwd,
+        env=clean_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+        preexec_fn=lambda: os.close(0),
+    )
+    r = Result(["submit"], p.returncode, p.stdout.decode(), p.stderr.decode(), 0.0)
+    assert "standard input is closed" in assert_one_error_line(r)
+    assert db.snapshot() == before
+
+
 def test_lone_surrogate_in_json_is_bad_input(seeded: tuple[Db, int]) -> None:
     refused_and_unchanged(seeded[0], "submit", WORKFLOW, "--input", '{"order_id": "\\ud800"}')
 
@@ -357,6 +381,7 @@ NO_STORE_NEEDED = [
     ("worker", "--roles", "bogus"),
     ("worker", "--app", "os:path"),
     ("worker", "--app", DEMO_APP, "--agents", "bogus"),
+    ("submit", "nosuch", "--input", GOOD, "--app", DEMO_APP),  # --app creates the store: not for this
 ]
 NO_STORE_IDS = ["-".join(x[:12] for x in a[:3]) for a in NO_STORE_NEEDED]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,12 @@ def test_submit_async_and_wait_timeout(tmp_path: Path) -> None:
     assert app.store.transact_sync(views.task_state, task_id) == "pending"
     with pytest.raises(TimeoutError):
         app.wait(task_id, timeout=0.2, poll=0.05)  # no worker runs: it stays pending
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        app.wait(task_id, timeout=0.2, poll=30)  # a poll longer than the timeout: slept 30 s before
+    assert time.monotonic() - began < 5
+    with pytest.raises(TimeoutError):
+        app.wait(task_id, timeout=0.1, poll=1e308)  # was an OverflowError from time.sleep
 
 
 @pytest.mark.parametrize(
