@@ -530,6 +530,8 @@ def watch(
             check_name("consumer name", consumer)
         _watch_queue(_open(ctx), reply_to, consumer, timeout)
         return
+    from .cli_render import safe_text
+
     tid = _task_id(task_id) if task_id is not None else 0
     store = _open(ctx)
     end = None if timeout is None else time.monotonic() + timeout
@@ -538,9 +540,8 @@ def watch(
         for e in store.transact_sync(views.events_after, tid, after):
             after = e["id"]
             detail = json.loads(e["detail"]) if e["detail"] else {}
-            click.echo(
-                f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items())
-            )
+            line = f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items())
+            click.echo(safe_text(line))  # a reason or error from a service may hold ESC sequences
         state = store.transact_sync(views.task_state, tid)
         if state is None:
             raise NotFound(f"no task {tid}")

@@ -7,9 +7,12 @@ of ``[/]``, an error message with brackets) and must be shown literally. Colour 
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -35,6 +38,42 @@ STATE_STYLE = {
 # Free text, which may wrap; every other column (ids, states, times, names) stays on one line and
 # is cut short with an ellipsis only if the terminal is too narrow for it.
 WRAPS = {"message", "detail", "last error", "error", "steps", "breakers", "correlation", "agents"}
+
+
+# Control characters (C0, DEL, C1) in text that came from a service or a user: an error message
+# with ESC sequences could clear the operator's screen, retitle it or draw fake lines. Shown as
+# escapes instead (rich itself drops only a few of them, and passes ESC and CSI through).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def safe_text(text: str) -> str:
+    """``text`` fit for a terminal: tabs and line breaks as spaces, other control characters as
+    escapes (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: " " if m.group() in "\t\n\r" else f"\\x{ord(m.group()):02x}", text)
+
+
+def _clean(value: Any) -> Any:
+    """Every string in a view (dicts and lists, as the store's views return them) made safe_text."""
+    if isinstance(value, str):
+        return safe_text(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def _renders_safely(fn: F) -> F:
+    """The view a renderer gets has its text made safe for the terminal first."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        fn(*_clean(list(args)), **{k: _clean(v) for k, v in kwargs.items()})
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _console() -> Console:
@@ -63,6 +102,7 @@ def _short(t: str | None) -> str:
     return (t or "-").replace("T", " ").rstrip("Z")
 
 
+@_renders_safely
 def tasks_table(rows: list[dict[str, Any]], total: int | None = None) -> None:
     console = _console()
     if not rows:
@@ -88,6 +128,7 @@ def tasks_table(rows: list[dict[str, Any]], total: int | None = None) -> None:
         )
 
 
+@_renders_safely
 def task_detail(v: dict[str, Any]) -> None:
     console = _console()
     head = Text(f"task {v['id']} ", style="bold").append(
@@ -171,6 +212,7 @@ def _detail_value(key: str, value: object) -> object:
     return value
 
 
+@_renders_safely
 def alerts_table(rows: list[dict[str, Any]]) -> None:
     console = _console()
     if not rows:
@@ -190,6 +232,7 @@ def alerts_table(rows: list[dict[str, Any]]) -> None:
     console.print(t)
 
 
+@_renders_safely
 def leases_table(rows: list[dict[str, Any]]) -> None:
     console = _console()
     if not rows:
@@ -207,6 +250,7 @@ def leases_table(rows: list[dict[str, Any]]) -> None:
     console.print(t)
 
 
+@_renders_safely
 def workers_table(rows: list[dict[str, Any]]) -> None:
     console = _console()
     if not rows:
@@ -226,6 +270,7 @@ def workers_table(rows: list[dict[str, Any]]) -> None:
     console.print(t)
 
 
+@_renders_safely
 def agents_tables(view: dict[str, list[dict[str, Any]]]) -> None:
     """Each agent's shared breaker, then every live agent instance (AGT3, AGT6)."""
     console = _console()
