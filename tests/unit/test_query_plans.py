@@ -10,7 +10,7 @@ import pytest
 
 from stepwarden.store import SQLiteStore
 
-PARAMS = {"me": "w:1:a", "limit": 10, "agent": "inventory", "own": "[]"}
+PARAMS = {"me": "w:1:a", "limit": 10, "agent": "inventory", "own": "[]", "retention": 3600.0}
 
 
 @pytest.fixture
@@ -33,6 +33,7 @@ def plan(store: SQLiteStore, query: str) -> str:
         ("expired_steps", "steps_inflight"),
         ("new_replies_with_tasks", "replies_new"),
         ("steps_of_new_replies", "replies_new"),
+        ("prunable_tasks", "tasks_finished"),  # the leader's prune: oldest finished first
     ],
 )
 def test_hot_queries_use_their_partial_index_without_sorting(

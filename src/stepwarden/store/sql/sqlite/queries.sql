@@ -82,3 +82,12 @@ SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_erro
        failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
        started_at, finished_at
 FROM steps WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, idx;
+
+-- name: prunable_tasks
+-- As the common query, read through tasks_finished: without statistics (the store runs no
+-- ANALYZE) SQLite's planner took tasks_state and sorted every finished task at each prune round,
+-- under the write lock (0.25 s a round with a million finished tasks inside their retention).
+SELECT id FROM tasks INDEXED BY tasks_finished
+WHERE finished_at IS NOT NULL AND finished_at < {now} - :retention
+  AND state IN ('processed', 'compensated', 'cancelled')
+ORDER BY finished_at LIMIT :limit;
