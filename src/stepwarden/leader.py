@@ -129,7 +129,13 @@ class LeaseKeeper:
         if not verdicts:
             return None
         got = await self.store.transact(
-            transitions.take_lease, self.name, self.holder, row["id"], int(row["term"]), self.settings.ttl
+            transitions.take_lease,
+            self.name,
+            self.holder,
+            row["id"],
+            int(row["term"]),
+            self.settings.ttl,
+            dead_after if verdicts[0].silent else None,
         )
         if got is not None:
             log.warning(

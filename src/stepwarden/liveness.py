@@ -80,6 +80,9 @@ def me() -> dict[str, Any]:
 class Verdict:
     worker: str
     reason: str
+    # Judged by its heartbeat's age alone: it may still beat again before the rescue, so the
+    # rescue checks the heartbeat again in its own transaction (a process gone stays gone).
+    silent: bool = False
 
 
 def presumed_dead(rows: list[dict[str, Any]], now: float, dead_after: float) -> list[Verdict]:
@@ -100,5 +103,6 @@ def presumed_dead(rows: list[dict[str, Any]], now: float, dead_after: float) -> 
         ):
             out.append(Verdict(r["id"], f"process {r['pid']} is gone"))
         elif now - float(r["heartbeat_at"]) > dead_after:  # alive elsewhere, or hung
-            out.append(Verdict(r["id"], f"no heartbeat for {now - float(r['heartbeat_at']):.1f}s"))
+            age = now - float(r["heartbeat_at"])
+            out.append(Verdict(r["id"], f"no heartbeat for {age:.1f}s", silent=True))
     return out

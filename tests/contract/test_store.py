@@ -992,6 +992,41 @@ def test_each_committed_sweep_batch_is_progress_for_the_lease(
     assert len(silent) == 6 and max(silent) <= 1.0, silent
 
 
+def test_a_worker_that_beats_again_after_its_verdict_is_not_rescued_nor_its_lease_taken(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """The verdict "no heartbeat for 3.5 s" is read before the rescue's transaction; a beat may
+    commit in between (the worker's transactions waited on the same lock). The rescue and the
+    lease take-over check the heartbeat again: before, the live worker's step was redone and the
+    failure counted against its budget."""
+    term = lease(store)
+    task_id = submit(store, make_workflow())
+    claim(store)
+    run(store.worker_beat(AGENT, ["agent"], ["svc"]))
+    assert len(take(store)) == 1
+    clock.advance(3.5)  # silent past dead_after (3 s): judged dead...
+    run(store.worker_beat(AGENT, ["agent"], ["svc"]))  # ...and then it beats
+    rescue = store.transact_sync(
+        t.rescue_orphans, SUP, "supervisor", term, AGENT, "no heartbeat for 3.5s", 10, random.Random(0), 3.0
+    )
+    assert rescue.rescued == 0 and step(store, task_id, "a")["failure_count"] == 0
+    clock.advance(3.5)  # silent again, for real this time
+    rescue = store.transact_sync(
+        t.rescue_orphans, SUP, "supervisor", term, AGENT, "no heartbeat for 3.5s", 10, random.Random(0), 3.0
+    )
+    assert rescue.rescued == 1
+    # the same for a lease whose holder beats again after it was judged
+    other = "alerts"
+    run(store.acquire_lease(other, AGENT, 60.0))
+    held = store.transact_sync(t.lease_holder, other)
+    assert held is not None
+    clock.advance(3.5)
+    run(store.worker_beat(AGENT, ["agent"], ["svc"]))
+    assert store.transact_sync(t.take_lease, other, SUP, AGENT, int(held["term"]), 10.0, 3.0) is None
+    clock.advance(3.5)
+    assert store.transact_sync(t.take_lease, other, SUP, AGENT, int(held["term"]), 10.0, 3.0) is not None
+
+
 # -- pruning finished tasks (the leader keeps the hot tables small) ----------------------------------
 
 

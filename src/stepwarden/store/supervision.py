@@ -26,7 +26,15 @@ def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: rando
 
 
 def rescue_orphans(
-    tx: Tx, me: str, lease: str, term: int, worker: str, reason: str, limit: int, rng: random.Random
+    tx: Tx,
+    me: str,
+    lease: str,
+    term: int,
+    worker: str,
+    reason: str,
+    limit: int,
+    rng: random.Random,
+    silent_for: float | None = None,
 ) -> SweepResult:
     """Rescue the in-flight attempts of a worker presumed dead (see ``liveness``) without waiting
     for their complete-by: the same fenced transition as an expiry, counted as a failure (a step
@@ -34,10 +42,20 @@ def rescue_orphans(
     service did nothing wrong, so there is nothing to spare it from."""
     _fence(tx, me, lease, term)
     out = SweepResult()
+    if not _still_silent(tx, worker, silent_for):
+        return out  # it beat again since it was judged: alive after all
     for x in tx.all("orphaned_steps", worker=worker, limit=limit):
         why = f"attempt {x['attempt']} was taken by worker {worker}, presumed dead: {reason}"
         _rescue(tx, x, me, term, rng, out, "still_orphaned", {"worker": worker}, why, immediate=True)
     return out
+
+
+def _still_silent(tx: Tx, worker: str, silent_for: float | None) -> bool:
+    """A worker presumed dead by its heartbeat's age (``silent_for``: the bound it passed) is
+    still silent, or stopped, by the database's clock now; a verdict of another kind stands."""
+    if silent_for is None:
+        return True
+    return tx.one("worker_still_silent", worker=worker, silent_for=silent_for) is not None
 
 
 def _fence(tx: Tx, me: str, lease: str, term: int) -> None:
@@ -116,8 +134,12 @@ def lease_holder(tx: Tx, name: str) -> Row | None:
     return tx.one("lease_holder", name=name)
 
 
-def take_lease(tx: Tx, name: str, holder: str, dead: str, term: int, ttl: float) -> tuple[int, float] | None:
+def take_lease(
+    tx: Tx, name: str, holder: str, dead: str, term: int, ttl: float, silent_for: float | None = None
+) -> tuple[int, float] | None:
     """Take lease ``name`` from ``dead`` (presumed dead) if it still holds ``term``; see ``lease_take``."""
+    if not _still_silent(tx, dead, silent_for):
+        return None
     row = tx.one("lease_take", name=name, holder=holder, dead=dead, term=term, ttl=ttl)
     if row is None:
         return None

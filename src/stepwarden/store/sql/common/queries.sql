@@ -205,6 +205,12 @@ UPDATE leases SET holder = :holder, term = term + 1, expires_at = {now} + :ttl, 
 WHERE name = :name AND holder = :dead AND term = :term
 RETURNING term, expires_at;
 
+-- name: worker_still_silent
+-- Checked again in the rescue's own transaction: a worker judged dead by its heartbeat's age may
+-- have beaten since (its transactions waited on the same lock as the supervisor's).
+SELECT 1 AS found FROM workers
+WHERE id = :worker AND (stopped_at IS NOT NULL OR heartbeat_at < {now} - :silent_for);
+
 -- name: orphaned_steps
 -- In-flight attempts whose request a (presumed) dead worker had taken and not answered.
 SELECT s.task_id, s.idx, s.attempt, s.state, s.complete_by
