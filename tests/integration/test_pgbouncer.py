@@ -269,14 +269,17 @@ def test_server_side_prepared_statements_collide_behind_pgbouncer_without_tracki
         bouncer.stop()
         bouncer = start_bouncer(pool_size=1, max_prepared_statements=0)
     url = bouncer.url(_db_name(pg_url), "listen=off")
-    a, b = open_store(url, migrate=False), open_store(url, migrate=False)
-    try:
-        a.transact_sync(lambda tx: tx.one("task_by_key", key="k"))
-        with pytest.raises(psycopg.errors.DuplicatePreparedStatement, match='"_pg3_0" already exists'):
-            b.transact_sync(lambda tx: tx.one("task_by_key", key="k"))
-    finally:
-        a.close()
-        b.close()
+    # The first client prepares its first statement (psycopg names it _pg3_0) on the one server
+    # session, outside a pipeline: a pipelined client can keep that session linked to itself while
+    # idle (PgBouncer and the pipeline's lone Flush), and the store would then wait for it instead.
+    with psycopg.connect(bouncer.url(_db_name(pg_url)), autocommit=True, prepare_threshold=0) as a:
+        a.execute("SELECT 1 WHERE %s::text IS NOT NULL", ("k",), prepare=True)
+        b = open_store(url, migrate=False)
+        try:
+            with pytest.raises(psycopg.errors.DuplicatePreparedStatement, match='"_pg3_0" already exists'):
+                b.transact_sync(lambda tx: tx.one("task_by_key", key="k"))
+        finally:
+            b.close()
 
 
 def test_prepare_off_on_a_direct_connection_prepares_nothing(pg_url: str) -> None:
