@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import datetime as dt
 import json
@@ -133,8 +134,9 @@ class Databases:
             return str(row[0]) if row else None
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+        server, self.server = self.server, None  # once: close() also runs at exit
+        if server is not None:
+            server.stop()
 
 
 class Reader:
@@ -1341,6 +1343,9 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="stepwarden-bench-"))
     dbs = Databases(work, a.postgres, need_pg="postgres" in stores)
+    # Also at exit: a failure before the measurements (a peer that cannot be installed) left the
+    # throwaway PostgreSQL running after the harness ended.
+    atexit.register(dbs.close)
     settings = {
         "tasks per W1/W2 run": a.tasks,
         "tasks per peer W1/W2 run": a.peer_tasks or a.tasks,
