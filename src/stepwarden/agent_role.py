@@ -27,11 +27,11 @@ from .agent_definition import Agent, Handler, Request
 from .agent_health import AgentHealth
 from .agent_settings import CANCELLED_WAIT, REPLIES_WAIT, STOP_WRITE_WAIT, AgentSettings
 from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
-from .errors import Permanent, Transient
+from .errors import InputError, Permanent, Transient
 from .logs import log_raised
 from .store import ApplyResult, RequestMsg, Store
 from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
-from .workflow import result_problem, storable_text
+from .workflow import encode_result, storable_text
 
 # The logger the agent role always had (agent_health.py logs under it too): log configurations and
 # tests select the role's records by this name.
@@ -418,10 +418,10 @@ class AgentRole:
                     await self._guard(health.ended(agent.name, False, last, trial and n == 1))
                 else:
                     await self._guard(health.ended(agent.name, True, None, trial and n == 1))
-                    problem = result_problem(result)
-                    if problem is not None:  # the step's error, not the whole reply batch's
-                        return "error", None, f"the operation's result cannot be stored: {problem}"
-                    return "ok", result, None
+                    try:  # encoded once, here: a result the store cannot keep is this step's error
+                        return "ok", encode_result(result), None
+                    except InputError as e:
+                        return "error", None, f"the operation's result cannot be stored: {e}"
                 if not health.healthy(agent.name):
                     # Others succeed where this instance fails: hand the attempt back, uncounted,
                     # so that a healthy instance runs it now (AGT6).

@@ -84,23 +84,29 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-def result_problem(result: Any) -> str | None:
-    """Why an operation's result cannot be stored as its reply (JSON, as ``encode_result`` writes
-    it, valid UTF-8, not nested too deeply), or None. Asked by the agent before it replies, so that
-    such a result is that step's error, not a failure of the whole batch of replies it would go in."""
-    if result is None:
-        return None
+class JsonText(str):
+    """A result already encoded by :func:`encode_result`: stored as it is, not encoded again."""
+
+
+def encode_result(result: Any) -> JsonText | None:
+    """An operation's result as a reply stores it: JSON text, or None for None; InputError says
+    why a result cannot be stored (not JSON, NaN, a lone surrogate, nested too deeply). The agent
+    encodes each result once, as it gets it, so that such a result is that step's error, not a
+    failure of the whole batch of replies it would have gone in; the store keeps the text."""
+    if result is None or isinstance(result, JsonText):
+        return result
     if json_depth(result) > MAX_JSON_DEPTH:
-        return f"nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+        raise InputError(f"nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     try:
-        json.dumps(result, default=str, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        text = json.dumps(result, default=str, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")
     except UnicodeEncodeError:
-        return "not valid Unicode (a lone surrogate)"
-    except (TypeError, ValueError) as e:
-        return f"not JSON ({e})"[:300]
+        raise InputError("not valid Unicode (a lone surrogate)") from None
     except RecursionError:
-        return "nested too deeply"
-    return None
+        raise InputError("nested too deeply") from None
+    except (TypeError, ValueError) as e:
+        raise InputError(f"not JSON ({e})"[:300]) from None
+    return JsonText(text)
 
 
 def storable_text(text: str) -> str:

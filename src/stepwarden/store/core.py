@@ -19,7 +19,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from .. import liveness
 from ..errors import UnknownWorkflow
 from ..policies import stored_policy
-from ..workflow import Workflow
+from ..workflow import Workflow, encode_result
 from . import transitions as t
 from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx
 
@@ -296,7 +296,7 @@ def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, err
         "insert_reply",
         request_id=request_id,
         outcome=outcome,
-        result=t.encode_result(result),
+        result=encode_result(result),
         error=error,
         me=me,
     )

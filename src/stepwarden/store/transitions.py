@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import LostOwnership
 from ..policies import Decision, stored_policy
-from ..workflow import Step, Workflow
+from ..workflow import Step, Workflow, encode_result
 from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx
 
 
@@ -277,11 +277,6 @@ def dispatch(
 
 def _results(steps: list[Row]) -> dict[str, Any]:
     return {s["name"]: json.loads(s["result"]) for s in steps if s["state"] == "completed" and s["result"]}
-
-
-def encode_result(result: Any) -> str | None:
-    """An operation's result as a reply stores it: JSON text, or NULL for None."""
-    return None if result is None else json.dumps(result, default=str)
 
 
 def apply_replies(
