@@ -135,7 +135,7 @@ class LeaseKeeper:
             row["id"],
             int(row["term"]),
             self.settings.ttl,
-            dead_after if verdicts[0].silent else None,
+            verdicts[0].silent_for,
         )
         if got is not None:
             log.warning(

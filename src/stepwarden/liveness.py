@@ -80,9 +80,10 @@ def me() -> dict[str, Any]:
 class Verdict:
     worker: str
     reason: str
-    # Judged by its heartbeat's age alone: it may still beat again before the rescue, so the
-    # rescue checks the heartbeat again in its own transaction (a process gone stays gone).
-    silent: bool = False
+    # Judged by its heartbeat's age alone (silent longer than this): it may still beat again
+    # before the rescue, which checks that bound again in its own transaction. None for a verdict
+    # that stands (stopped, or its process gone).
+    silent_for: float | None = None
 
 
 def presumed_dead(rows: list[dict[str, Any]], now: float, dead_after: float) -> list[Verdict]:
@@ -104,5 +105,5 @@ def presumed_dead(rows: list[dict[str, Any]], now: float, dead_after: float) -> 
             out.append(Verdict(r["id"], f"process {r['pid']} is gone"))
         elif now - float(r["heartbeat_at"]) > dead_after:  # alive elsewhere, or hung
             age = now - float(r["heartbeat_at"])
-            out.append(Verdict(r["id"], f"no heartbeat for {age:.1f}s", silent=True))
+            out.append(Verdict(r["id"], f"no heartbeat for {age:.1f}s", silent_for=dead_after))
     return out

@@ -101,7 +101,7 @@ class Supervisor:
                     verdict.reason,
                     self.settings.batch,
                     self.store.rng,
-                    self.settings.dead_after if verdict.silent else None,
+                    verdict.silent_for,
                 )
                 total.rescued += r.rescued
                 total.escalated += r.escalated

@@ -63,6 +63,15 @@ def test_a_worker_elsewhere_is_judged_by_its_heartbeat_on_the_database_clock() -
     assert liveness.presumed_dead([far], now=102.9, dead_after=3.0) == []
     (verdict,) = liveness.presumed_dead([far], now=103.5, dead_after=3.0)
     assert verdict.reason == "no heartbeat for 3.5s"
+    assert verdict.silent_for == 3.0  # the bound the rescue checks again in its own transaction
+
+
+def test_a_verdict_that_stands_asks_for_no_second_look() -> None:
+    """Stopped, or its process gone: no heartbeat can undo that, so the rescue checks nothing again."""
+    gone = row("gone", heartbeat_at=100.0, stopped_at=100.5)
+    reused = row("old", host_key=liveness.host_key(), pid=os.getpid(), proc_start="1", heartbeat_at=100.0)
+    verdicts = liveness.presumed_dead([gone, reused], now=100.6, dead_after=3.0)
+    assert [(v.worker, v.silent_for) for v in verdicts] == [("gone", None), ("old", None)]
 
 
 def test_a_live_but_silent_process_here_is_presumed_dead_and_a_stopped_one_at_once() -> None:
