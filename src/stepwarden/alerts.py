@@ -391,10 +391,7 @@ class AlertDispatcher:
             leadership.progress()
             # A wait of known length is not a stall: an interval longer than the lease's
             # stall_after made every idle round give the lease up.
-            end = self.clock.monotonic() + self.settings.interval
-            while (left := end - self.clock.monotonic()) > 0:
-                await self.clock.sleep(min(left, ALIVE_EVERY))
-                leadership.progress()
+            await _alive_while(leadership, self.clock.sleep(self.settings.interval))
 
     async def tick(self, leadership: Leadership | None = None) -> int:
         """One round: send what is due to every sink; returns how many deliveries succeeded."""
@@ -456,8 +453,8 @@ ALIVE_EVERY = 1.0
 
 
 async def _alive_while(lead: Leadership | None, bounded: Awaitable[None]) -> None:
-    """Await ``bounded`` (it ends by itself: a send under ``wait_for``), reporting progress to the
-    lease keeper meanwhile. A sink timeout above the lease's ``stall_after`` had the keeper cancel
+    """Await ``bounded`` (it ends by itself: a send under ``wait_for``, a sleep), reporting progress
+    to the lease keeper meanwhile. A sink timeout above the lease's ``stall_after`` had the keeper cancel
     the send as a stall: no failure was recorded, so the alert never reached ``max_attempts``
     and the lease went from worker to worker, each sending it again."""
     job = asyncio.ensure_future(bounded)
