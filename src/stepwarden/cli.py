@@ -24,6 +24,7 @@ from .alerts import SINK_THREAD_PREFIX, ack_alert
 from .app import App
 from .cli_params import FiniteRange
 from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
+from .logs import safe_text
 from .replies import Replies
 from .store import FINAL_TASK_STATES, TASK_STATES, Store, Tx, open_existing, open_store, resolve_url, views
 from .store import transitions as tr
@@ -59,7 +60,7 @@ def _quote(text: str, limit: int = 120) -> str:
 
 def _one_line(message: str, limit: int = 600) -> str:
     """Every error is one line on stderr, whatever text a user or a library put into it."""
-    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    flat = safe_text(message)
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
@@ -530,8 +531,6 @@ def watch(
             check_name("consumer name", consumer)
         _watch_queue(_open(ctx), reply_to, consumer, timeout)
         return
-    from .cli_render import safe_text
-
     tid = _task_id(task_id) if task_id is not None else 0
     store = _open(ctx)
     end = None if timeout is None else time.monotonic() + timeout

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .logs import safe_text
 from .store.views import iso
 
 STATE_STYLE = {
@@ -38,18 +38,6 @@ STATE_STYLE = {
 # Free text, which may wrap; every other column (ids, states, times, names) stays on one line and
 # is cut short with an ellipsis only if the terminal is too narrow for it.
 WRAPS = {"message", "detail", "last error", "error", "steps", "breakers", "correlation", "agents"}
-
-
-# Control characters (C0, DEL, C1) in text that came from a service or a user: an error message
-# with ESC sequences could clear the operator's screen, retitle it or draw fake lines. Shown as
-# escapes instead (rich itself drops only a few of them, and passes ESC and CSI through).
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def safe_text(text: str) -> str:
-    """``text`` fit for a terminal: tabs and line breaks as spaces, other control characters as
-    escapes (``\\x1b``)."""
-    return _CONTROL.sub(lambda m: " " if m.group() in "\t\n\r" else f"\\x{ord(m.group()):02x}", text)
 
 
 def _clean(value: Any) -> Any:

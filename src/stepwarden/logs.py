@@ -27,6 +27,24 @@ _STANDARD = frozenset(
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def safe_text(text: str) -> str:
+    """``text`` fit for a terminal, on one line: tabs and line breaks as spaces, any other
+    character that is not printable (ESC, BEL, CSI, a zero-width space) as its escape. Text from
+    services and users (an error message with ESC sequences) could otherwise clear an operator's
+    screen, retitle it or draw fake lines; the CLI's error lines and tables and the text log
+    format all show text through this."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else " " if c in "\t\n\r" else repr(c)[1:-1] for c in text)
+
+
+class TextFormatter(logging.Formatter):
+    """The human log lines: the message through :func:`safe_text` (a traceback keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return safe_text(super().formatMessage(record))
+
+
 class JsonFormatter(logging.Formatter):
     """Formats a record as one line of JSON (see the module docstring)."""
 
@@ -74,7 +92,7 @@ def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | N
     if root.handlers:
         return
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     handler._stepwarden = True  # type: ignore[attr-defined]
     root.addHandler(handler)
 

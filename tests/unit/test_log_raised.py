@@ -39,3 +39,25 @@ def test_a_raised_alert_carries_its_fields_in_json_logs(caplog: pytest.LogCaptur
         42,
         "charge",
     )
+
+
+def test_text_log_lines_escape_what_a_service_put_in_a_message() -> None:
+    """An alert's message holds a service's error text: in the text format its ESC sequences were
+    written to the operator's terminal raw. The message is one line, escaped; a traceback keeps
+    its lines."""
+    from stepwarden.logs import TEXT_FORMAT, TextFormatter
+
+    hostile = "card \x1b[2J\x1b]0;pwned\x07 declined\r\nfake line"
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        import sys
+
+        rec = logging.LogRecord(
+            "stepwarden.alerts", logging.ERROR, "x", 1, "ALERT %s", (hostile,), sys.exc_info()
+        )
+    out = TextFormatter(TEXT_FORMAT).format(rec)
+    first, *trace = out.split("\n")
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out
+    assert first.endswith("ALERT card \\x1b[2J\\x1b]0;pwned\\x07 declined  fake line")
+    assert trace[0] == "Traceback (most recent call last):" and trace[-1] == "RuntimeError: boom"
