@@ -19,6 +19,7 @@ from stepwarden.errors import MigrationError
 from stepwarden.store import open_store
 from stepwarden.store import transitions as t
 from stepwarden.store.postgres import MIGRATION_LOCK, PostgresStore
+from stepwarden.testing.postgres import wait_for_lock_waiter
 
 
 def _submit(store: Any, wf: Any, n: int) -> list[int]:
@@ -81,12 +82,7 @@ def test_lease_work_runs_while_every_roles_connection_waits_on_a_lock(pg_url: st
             other.execute("SELECT pg_advisory_lock(%s)", (424242,))
             th = threading.Thread(target=roles_transaction)
             th.start()
-            deadline = time.monotonic() + 5
-            while not other.execute(
-                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            ).fetchone():
-                assert time.monotonic() < deadline, "the roles' transaction never waited on the lock"
-                time.sleep(0.01)
+            wait_for_lock_waiter(pg_url)  # the roles' transaction waits on the lock
 
             async def lease_work() -> tuple[int, bool]:
                 await store.worker_beat("w1", ["supervisor"], [])
@@ -393,14 +389,7 @@ def test_an_own_reply_is_recorded_as_received_when_the_batch_read_it_not_when_it
                 )
             )
             th.start()
-            with psycopg.connect(pg_url, autocommit=True) as watch:
-                deadline = time.monotonic() + 10
-                while not watch.execute(
-                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                    " AND datname = current_database()"
-                ).fetchall():
-                    assert time.monotonic() < deadline, "the batch never waited for the task's lock"
-                    time.sleep(0.01)
+            wait_for_lock_waiter(pg_url)  # the batch waits for the task's lock
             time.sleep(0.4)  # the batch keeps waiting while the other session holds the task
             other.rollback()
             th.join(timeout=10)

@@ -217,6 +217,8 @@ def test_a_message_pruned_while_positions_are_given_leaves_a_gap_not_a_jammed_qu
     index while the reader retried, delivering nothing."""
     import psycopg
 
+    from stepwarden.testing.postgres import wait_for_lock_waiter
+
     store = open_store(pg_url)
     try:
         wf = make_workflow("a")
@@ -228,13 +230,7 @@ def test_a_message_pruned_while_positions_are_given_leaves_a_gap_not_a_jammed_qu
             got: list[list[ReplyMessage]] = []
             reader = threading.Thread(target=lambda: got.append(queue(store)))
             reader.start()
-            deadline = time.monotonic() + 10
-            while not pruner.execute(
-                "SELECT 1 FROM pg_stat_activity"
-                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            ).fetchone():
-                assert time.monotonic() < deadline, "the reader never waited for the row"
-                time.sleep(0.01)
+            wait_for_lock_waiter(pg_url)  # the reader waits for the row
             pruner.execute("DELETE FROM messages WHERE id = %s", middle)
             pruner.commit()
             reader.join(timeout=10)

@@ -143,3 +143,20 @@ class LocalPostgres:
 
     def url(self, db: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{db}"
+
+
+def wait_for_lock_waiter(url: str, timeout: float = 10.0) -> None:
+    """Return once a session of the database at ``url`` waits on a lock (a row, a table, an
+    advisory lock): a test's cue that the transaction it started has reached the lock the test
+    holds. It polls on a connection of its own in autocommit mode, since ``pg_stat_activity`` is
+    read once per transaction: a poll inside the test's own transaction would never see it change."""
+    import psycopg
+
+    end = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as watch:
+        while not watch.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone():
+            if time.monotonic() > end:
+                raise TimeoutError(f"no session of the database waited on a lock within {timeout} s")
+            time.sleep(0.01)
