@@ -192,6 +192,26 @@ def test_a_migration_lock_held_too_long_fails_naming_the_holder_and_leaves_no_wa
         store.close()
 
 
+def test_a_lease_connection_killed_between_heartbeats_is_replaced_without_an_error(pg_url: str) -> None:
+    """The lease lane's one connection ended by the server (a restart, a killed backend) while
+    idle: the next heartbeat and renewal find it dead before COMMIT and run again on a fresh one."""
+    store = PostgresStore(pg_url)
+    try:
+        asyncio.run(store.worker_beat("w1", ["supervisor"], []))
+        got = asyncio.run(store.acquire_lease("supervisor", "w1", 10))
+        assert got is not None
+        with store.lease_pool.connection() as conn:
+            pid = conn.info.backend_pid
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+        asyncio.run(store.worker_beat("w1", ["supervisor"], []))
+        assert asyncio.run(store.renew_lease("supervisor", "w1", got[0], 10))
+        with store.lease_pool.connection() as conn:
+            assert conn.info.backend_pid != pid
+    finally:
+        store.close()
+
+
 def test_a_store_whose_migration_fails_at_open_leaves_no_pool_behind(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
