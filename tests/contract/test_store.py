@@ -943,15 +943,23 @@ def test_sweep_is_bounded_by_its_batch_size(store: Store, clock: FakeClock, make
     assert all(step(store, i, "a")["failure_count"] == 1 for i in ids)
 
 
-def test_supervisor_sweeps_batch_after_batch_until_done(
-    store: Store, clock: FakeClock, make_workflow: Factory
-) -> None:
+def expired_backlog(
+    store: Store, clock: FakeClock, make_workflow: Factory, batch: int
+) -> tuple[int, Supervisor]:
+    """Five tasks whose first attempts have expired, the supervisor's lease, and a supervisor
+    that sweeps ``batch`` of them per transaction."""
     term = lease(store)
     for _ in range(5):
         submit(store, make_workflow())
     claim(store)
     clock.advance(10.5)
-    sup = Supervisor(store, SUP, clock=clock, settings=SupervisorSettings(batch=2))
+    return term, Supervisor(store, SUP, clock=clock, settings=SupervisorSettings(batch=batch))
+
+
+def test_supervisor_sweeps_batch_after_batch_until_done(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    term, sup = expired_backlog(store, clock, make_workflow, batch=2)
     sizes: list[int] = []
     real = store.sweep_expired
 
@@ -972,12 +980,7 @@ def test_each_committed_sweep_batch_is_progress_for_the_lease(
     batch, ten batches passed stall_after (10 s) and the healthy leader gave up its lease."""
     from stepwarden.leader import Leadership
 
-    term = lease(store)
-    for _ in range(5):
-        submit(store, make_workflow())
-    claim(store)
-    clock.advance(10.5)
-    sup = Supervisor(store, SUP, clock=clock, settings=SupervisorSettings(batch=1))
+    term, sup = expired_backlog(store, clock, make_workflow, batch=1)
     leadership = Leadership("supervisor", SUP, term, clock)
     silent: list[float] = []
     real = store.sweep_expired
