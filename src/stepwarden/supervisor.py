@@ -120,12 +120,15 @@ class Supervisor:
                     break
 
     async def prune(self, term: int, leadership: Leadership | None = None) -> int:
-        """Delete finished tasks past their retention, a bounded number of batches per call."""
+        """Delete finished tasks past their retention, a bounded number of batches per call; once
+        they are done, the records that outlive tasks (``prune_records``) the same way."""
         s = self.settings
         if s.retention is None:
             return 0
         total = 0
-        for _ in range(s.prune_rounds):
+        rounds = 0
+        while rounds < s.prune_rounds:
+            rounds += 1
             n = await self.store.transact(transitions.prune, self.me, LEASE, term, s.retention, s.prune_batch)
             total += n
             if leadership is not None:
@@ -137,7 +140,31 @@ class Supervisor:
         if total:
             log.info("supervisor %s (term %d) pruned %d finished task(s)", self.me, term, total)
         self.pruned += total
+        if rounds < s.prune_rounds:  # the task backlog is done: this call has rounds to spare
+            await self._prune_records(term, s.retention, s.prune_rounds - rounds, leadership)
         return total
+
+    async def _prune_records(
+        self, term: int, retention: float, rounds: int, leadership: Leadership | None
+    ) -> None:
+        batch = self.settings.prune_batch
+        totals: dict[str, int] = {}
+        prune = transitions.prune_records
+        for _ in range(rounds):
+            done = await self.store.transact(prune, self.me, LEASE, term, retention, batch)
+            for name, n in done.items():
+                totals[name] = totals.get(name, 0) + n
+            if leadership is not None:
+                leadership.progress()
+            if all(n < batch for n in done.values()):
+                break
+        if any(totals.values()):
+            log.info(
+                "supervisor %s (term %d) pruned old records: %s",
+                self.me,
+                term,
+                ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in totals.items() if n),
+            )
 
     async def lead(self, leadership: Leadership) -> None:
         """The leader's loop: one sweep per interval, reporting progress so a stall gives up the lease."""

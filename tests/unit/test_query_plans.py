@@ -10,7 +10,7 @@ import pytest
 
 from stepwarden.store import SQLiteStore
 
-PARAMS = {"me": "w:1:a", "limit": 10, "agent": "inventory", "own": "[]", "retention": 3600.0}
+PARAMS = {"me": "w:1:a", "limit": 10, "agent": "inventory", "own": "[]", "retention": 3600.0, "ids": "[1]"}
 
 
 @pytest.fixture
@@ -34,6 +34,9 @@ def plan(store: SQLiteStore, query: str) -> str:
         ("new_replies_with_tasks", "replies_new"),
         ("steps_of_new_replies", "replies_new"),
         ("prunable_tasks", "tasks_finished"),  # the leader's prune: oldest finished first
+        ("prune_taskless_events", "events_taskless"),  # and of the records that outlive tasks
+        ("prunable_alerts", "alerts_created"),
+        ("prune_alert_deliveries", "alert_deliveries_alert"),
     ],
 )
 def test_hot_queries_use_their_partial_index_without_sorting(

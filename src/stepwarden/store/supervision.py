@@ -119,9 +119,27 @@ def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) 
         text = json.dumps(ids)
         for table in ("steps", "requests", "replies", "events", "messages", "tasks"):
             tx.put("prune_" + table, ids=text)
-    if len(found) < limit:  # the backlog is done: old worker rows go too
-        tx.put("prune_workers", retention=retention)
     return len(ids)
+
+
+# The records pruned by age alone, in this order: agent instances go after their workers.
+AGED_RECORDS = ("workers", "agent_instances", "taskless_events", "lease_terms")
+
+
+def prune_records(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) -> dict[str, int]:
+    """Delete up to ``limit`` rows of each record that outlives its tasks, once past ``retention``:
+    workers long silent (and their agent instances), events with no task, ended lease terms, and
+    alerts no one needs (acknowledged, or their task pruned). Without it these grow for as long as
+    the store lives, however small the live work. Leader-only and term-fenced, as ``prune``."""
+    _fence(tx, me, lease, term)
+    out = {name: tx.run("prune_" + name, retention=retention, limit=limit) for name in AGED_RECORDS}
+    alerts = [int(r["id"]) for r in tx.all("prunable_alerts", retention=retention, limit=limit)]
+    if alerts:
+        text = json.dumps(alerts)
+        tx.run("prune_alert_deliveries", ids=text)
+        tx.run("prune_alerts", ids=text)
+    out["alerts"] = len(alerts)
+    return out
 
 
 def owners_in_flight(tx: Tx) -> list[Row]:

@@ -247,6 +247,35 @@ WHERE finished_at IS NOT NULL AND finished_at < {now} - :retention
 ORDER BY finished_at LIMIT :limit;
 
 -- name: prune_workers
-DELETE FROM workers
-WHERE heartbeat_at < {now} - :retention
-  AND id NOT IN (SELECT taken_by FROM requests WHERE state = 'taken' AND taken_by IS NOT NULL);
+-- Workers silent past the retention; one still holding taken steps stays until they are rescued.
+DELETE FROM workers WHERE id IN (
+    SELECT id FROM workers
+    WHERE heartbeat_at < {now} - :retention
+      AND id NOT IN (SELECT taken_by FROM requests WHERE state = 'taken' AND taken_by IS NOT NULL)
+    LIMIT :limit);
+
+-- name: prune_agent_instances
+-- The agent instances of pruned workers: their health and counts describe no process any more.
+DELETE FROM agent_instances WHERE worker IN (
+    SELECT worker FROM agent_instances
+    WHERE heartbeat_at < {now} - :retention AND worker NOT IN (SELECT id FROM workers)
+    LIMIT :limit);
+
+-- name: prune_taskless_events
+-- Events with no task (leases, breakers, instances) by age; a task's events go with the task.
+DELETE FROM events WHERE id IN (
+    SELECT id FROM events WHERE task_id IS NULL AND at < {now} - :retention ORDER BY at LIMIT :limit);
+
+-- name: prune_lease_terms
+-- Terms that ended past the retention; the term in force (no end yet) is always kept.
+DELETE FROM lease_terms WHERE (name, term) IN (
+    SELECT name, term FROM lease_terms WHERE ended_at < {now} - :retention LIMIT :limit);
+
+-- name: prunable_alerts
+-- Alerts past the retention that need no one any more: acknowledged, or their task is gone
+-- (pruned when it finished). An unacknowledged alert of a task that still exists (an error
+-- waiting for an operator) is kept, however old. PostgreSQL locks them (see its override).
+SELECT id FROM alerts a
+WHERE created_at < {now} - :retention
+  AND (acked_at IS NOT NULL OR NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = a.task_id))
+ORDER BY created_at LIMIT :limit;

@@ -131,6 +131,21 @@ DELETE FROM messages WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_
 -- name: prune_tasks
 DELETE FROM tasks WHERE id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 
+-- name: prune_alert_deliveries
+DELETE FROM alert_deliveries WHERE alert_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
+
+-- name: prune_alerts
+DELETE FROM alerts WHERE id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
+
+-- name: prunable_alerts
+-- As the common query, locked: an alert a sink's delivery holds (FOR KEY SHARE, alert_hold) is
+-- skipped this round, and a delivery that comes after waits and then finds the alert gone.
+SELECT id FROM alerts a
+WHERE created_at < {now} - :retention
+  AND (acked_at IS NOT NULL OR NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = a.task_id))
+ORDER BY created_at LIMIT :limit
+FOR UPDATE SKIP LOCKED;
+
 -- name: prunable_tasks
 -- FOR UPDATE re-checks each row as committed: a task an operator retried meanwhile no longer
 -- matches and is skipped, so its rows are never deleted under it.

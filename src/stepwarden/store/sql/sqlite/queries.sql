@@ -77,6 +77,19 @@ DELETE FROM messages WHERE task_id IN (SELECT value FROM json_each(:ids));
 -- name: prune_tasks
 DELETE FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
 
+-- name: prune_taskless_events
+-- As the common query, through events_taskless: without statistics SQLite's planner takes
+-- events_task and sorts every task-less event, young ones too, at each prune round.
+DELETE FROM events WHERE id IN (
+    SELECT id FROM events INDEXED BY events_taskless
+    WHERE task_id IS NULL AND at < {now} - :retention ORDER BY at LIMIT :limit);
+
+-- name: prune_alert_deliveries
+DELETE FROM alert_deliveries WHERE alert_id IN (SELECT value FROM json_each(:ids));
+
+-- name: prune_alerts
+DELETE FROM alerts WHERE id IN (SELECT value FROM json_each(:ids));
+
 -- name: steps_of_tasks
 SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
        failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
