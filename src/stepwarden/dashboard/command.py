@@ -16,6 +16,7 @@ import click
 
 from ..errors import InputError, StepwardenError
 from ..store import open_existing
+from .tokens import configured_token
 
 log = logging.getLogger("stepwarden.dashboard")
 # Host names a dashboard listening on a loopback address answers to (DNS-rebinding defence).
@@ -41,6 +42,18 @@ def check_public_origin(value: str) -> str:
             param_hint="--public-origin",
         )
     return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def check_token(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The ``--token`` option's (or the environment's) value by the rule of :mod:`.tokens`: without
+    surrounding whitespace (a value read from a file ends in a newline), None when empty; one error
+    line, before anything else, for a token that could never be presented as configured."""
+    try:
+        return configured_token(value)
+    except ValueError as e:
+        source = ctx.get_parameter_source(param.name or "")
+        hint = "STEPWARDEN_DASHBOARD_TOKEN" if source == click.core.ParameterSource.ENVIRONMENT else None
+        raise click.BadParameter(str(e), ctx=ctx, param=param, param_hint=hint) from None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -70,6 +83,7 @@ def bind(host: str, port: int) -> socket.socket:
     "--token",
     envvar="STEPWARDEN_DASHBOARD_TOKEN",
     default=None,
+    callback=check_token,
     help="Operator token enabling retry, cancel and acknowledge (default: $STEPWARDEN_DASHBOARD_TOKEN; "
     "without one the dashboard is read-only). Prefer the environment variable: a command line is visible.",
 )
@@ -107,7 +121,6 @@ def dashboard(
     except StepwardenError as e:
         raise click.ClickException(str(e)) from None
     ctx.call_on_close(store.close)
-    token = token or None
     if public_origin is not None:
         public_origin = check_public_origin(public_origin)
     loopback = is_loopback(host)

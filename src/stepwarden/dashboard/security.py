@@ -4,21 +4,26 @@ Reading is open to whoever can reach the port (it binds to 127.0.0.1 unless told
 Acting (retry, cancel, acknowledge) needs all of:
 
 1. a configured token (``--token`` / ``STEPWARDEN_DASHBOARD_TOKEN``); without one actions are off;
+   every token, configured or presented, is compared without surrounding whitespace, and only
+   so many wrong ones are checked a second, over all clients (:mod:`.tokens`);
 2. a request from the dashboard's own origin (``Origin``, else ``Referer``, must match ``Host``);
 3. a CSRF token in the form, bound to the browser's session cookie (HMAC, so nothing is stored);
 4. a signed-in session: the operator typed the token once (``/login``), and got an auth cookie
    bound to that session. Scripts may instead send ``Authorization: Bearer TOKEN`` (a header no
    cross-site form can set, so it needs no CSRF token).
 
-Cookies are ``HttpOnly`` and ``SameSite=Strict``. The signing key is random per process, so a
+Cookies are ``HttpOnly`` and ``SameSite=Strict`` (and ``Secure`` behind a TLS proxy, when set and
+when deleted). The signing key is random per process, so a
 restart signs everyone out. When the dashboard listens on a loopback address, requests must name
 a loopback host (``Host: 127.0.0.1``/``localhost``), which stops DNS-rebinding pages from reading it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import math
 import re
 import secrets
 import time
@@ -30,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .command import LOOPBACK_HOSTS
+from .tokens import GuessLimiter, Throttled, bearer_credentials, configured_token, presented_token
 
 __all__ = ["LOOPBACK_HOSTS", "Guard", "Refused", "check_actor", "check_origin", "safe_next"]
 
@@ -41,11 +47,13 @@ _SID = re.compile(r"^[0-9a-f]{32}$")
 
 
 class Refused(Exception):
-    """An action refused; ``status`` is the HTTP status, ``str(self)`` what the operator reads."""
+    """An action refused; ``status`` is the HTTP status, ``str(self)`` what the operator reads,
+    ``retry_after`` the seconds to wait (a 429's ``Retry-After``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 def check_actor(name: str) -> str:
@@ -65,6 +73,12 @@ class Guard:
     # dashboard itself serves plain http, so the Origin its pages send is not its own scheme.
     public_origin: str | None = None
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    guesses: GuessLimiter = field(default_factory=GuessLimiter)
+
+    def __post_init__(self) -> None:
+        # The one rule (see .tokens): surrounding whitespace is not part of the token; a token
+        # that is blank, or holds a space or control character inside, is a ValueError.
+        self.token = configured_token(self.token)
 
     @property
     def actions_enabled(self) -> bool:
@@ -127,18 +141,41 @@ class Guard:
         return sid
 
     def sign_out(self, response: Response) -> None:
-        response.delete_cookie(AUTH_COOKIE, path="/", httponly=True, samesite="strict")
+        # With the flags it was set with, Secure included: it was left out, so behind a TLS proxy
+        # the deleting cookie was a non-Secure one replacing a Secure one.
+        response.delete_cookie(
+            AUTH_COOKIE, path="/", httponly=True, samesite="strict", secure=self.secure_cookies
+        )
         self._cookie(response, SESSION_COOKIE, secrets.token_hex(16))
 
     # -- checks ---------------------------------------------------------------------------------------
-    def bearer_ok(self, request: Request) -> bool:
-        header = request.headers.get("authorization", "")
-        if not self.token or not names_bearer(request):
-            return False
-        return hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
+    def _token_digest(self, value: str) -> bytes:
+        return hmac.new(
+            self.key, b"token\x1f" + value.encode("utf-8", "surrogatepass"), hashlib.sha256
+        ).digest()
 
-    def token_ok(self, given: str) -> bool:
-        return bool(self.token) and hmac.compare_digest(given.encode(), (self.token or "").encode())
+    def token_ok(self, given: str, request: Request) -> bool:
+        """``given`` (a Bearer header's token or the sign-in form's) is the configured token, by the
+        rule of :mod:`.tokens`. Raises :class:`Refused` (429) without checking it when too many
+        wrong tokens came lately (:class:`~.tokens.GuessLimiter`)."""
+        token = self.token
+        if not token:
+            return False
+        given = presented_token(given)
+        # Digests of equal length: compare_digest of the raw values takes a time that tells the
+        # token's length. Keyed, so nothing about the token can be computed ahead.
+        want = self._token_digest(token)
+        address = request.client.host if request.client else ""
+        try:
+            return self.guesses.check(address, lambda: hmac.compare_digest(self._token_digest(given), want))
+        except Throttled as e:
+            wait = max(1, math.ceil(e.retry_after))
+            raise Refused(429, f"refused: too many wrong tokens lately; try again in {wait}s", wait) from None
+
+    def is_script(self, request: Request, form: FormData) -> bool:
+        """A script's request (a Bearer header, no dashboard session, no CSRF field): it is
+        answered in one line of text, and its Bearer token alone decides."""
+        return names_bearer(request) and self.session_id(request) is None and "csrf" not in form
 
     def check_form(self, request: Request, form: FormData) -> None:
         """Same origin and a valid CSRF token for this session, or :class:`Refused`."""
@@ -160,12 +197,29 @@ class Guard:
                 "refused: operator actions are disabled; start the dashboard with --token "
                 "or STEPWARDEN_DASHBOARD_TOKEN",
             )
-        if self.bearer_ok(request):
-            return "dashboard:api"
-        if names_bearer(request) and self.session_id(request) is None and "csrf" not in form:
-            # A script's wrong token: say so, not "no Origin" or "no CSRF token". A browser with a
-            # session (behind a proxy that adds its own Bearer header) goes on to the form's checks.
+        given = bearer_credentials(request.headers.get("authorization", ""))
+        if given is None:
+            return self._signed_in(request, form)
+        if self.is_script(request, form):
+            # A script's wrong token: say so, not "no Origin" or "no CSRF token".
+            if self.token_ok(given, request):
+                return "dashboard:api"
             raise Refused(401, "refused: wrong bearer token")
+        # A browser with a session (behind a proxy that adds its own Bearer header to every
+        # request): its session and form decide, and that header is not checked, so it uses none
+        # of the wrong-token allowance. Only if they fail is the header tried, as a token like any
+        # other (a script that keeps cookies), limited like any other; else the form's refusal.
+        try:
+            return self._signed_in(request, form)
+        except Refused as refused:
+            # A 429 (too many wrong tokens: not checked) is suppressed: the form's refusal says
+            # what this browser can do about it.
+            with contextlib.suppress(Refused):
+                if self.token_ok(given, request):
+                    return "dashboard:api"
+            raise refused
+
+    def _signed_in(self, request: Request, form: FormData) -> str:
         self.check_form(request, form)
         actor = self.actor(request)
         if actor is None:
@@ -176,7 +230,7 @@ class Guard:
 def names_bearer(request: Request) -> bool:
     """The request authenticates as a script (``Authorization: Bearer ...``); no page of another
     site can send that header here, since the dashboard answers no CORS preflight."""
-    return request.headers.get("authorization", "").lower().startswith("bearer ")
+    return bearer_credentials(request.headers.get("authorization", "")) is not None
 
 
 def own_origin(request: Request) -> str:

@@ -8,7 +8,6 @@ reads without JavaScript. Store reads run off the event loop (``store.transact``
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -30,12 +29,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError, NotFound
 from ..metrics import CONTENT_TYPE, StoreMetrics
 from ..store import TASK_STATES, Store
 from ..store import transitions as tr
 from . import data
-from .security import Guard, Refused, check_actor, names_bearer, safe_next
+from .security import Guard, Refused, check_actor, safe_next
+from .tokens import GuessLimiter
 
 log = logging.getLogger("stepwarden.dashboard")
 MAX_QUERY = 255
@@ -263,12 +264,13 @@ class Dashboard:
             if not self.guard.actions_enabled:
                 raise Refused(403, "operator actions are disabled: no token is configured")
             actor = check_actor(str(form.get("name") or ""))
-            if not self.guard.token_ok(str(form.get("token") or "")):
-                await asyncio.sleep(0.25)  # slow down guessing
+            # No pause after a wrong token: one taken by each request in parallel slowed nothing.
+            # The guard checks only so many wrong tokens a second, over all clients (429 beyond).
+            if not self.guard.token_ok(str(form.get("token") or ""), request):
                 raise Refused(403, "refused: wrong token")
         except Refused as e:
-            self._count("login", "refused")
-            return self.message(request, e.status, str(e))
+            self._count("login", _result(e))
+            return _retry_after(self.message(request, e.status, str(e)), e)
         self._count("login", "ok")
         response = RedirectResponse(safe_next(form.get("next")), status_code=303)
         self.guard.sign_in(response, actor)
@@ -290,16 +292,14 @@ class Dashboard:
     ) -> Response:
         form = await request.form()
         # A script (Bearer) reads one line of text, with the status; a browser reads a page.
-        script = names_bearer(request) and self.guard.session_id(request) is None and "csrf" not in form
-        say = self._say if script else self.message
+        say = self._say if self.guard.is_script(request, form) else self.message
         try:
             actor = self.guard.check_action(request, form)
         except Refused as e:
-            self._count(name, "refused")
-            log.warning("dashboard: %s refused (%s)", name, e)
-            if e.status == 401 and script:
-                await asyncio.sleep(0.25)  # slow down guessing, as /login does
-            return say(request, e.status, str(e))
+            self._count(name, _result(e))
+            if e.status != 429:  # the guard logs those once a minute, not once a request
+                log.warning("dashboard: %s refused (%s)", name, e)
+            return _retry_after(say(request, e.status, str(e)), e)
         try:
             text = await run(actor, form)
         except NotFound as e:
@@ -350,6 +350,17 @@ class Dashboard:
             )
 
         return await self._act(request, "ack", run)
+
+
+def _result(refused: Refused) -> str:
+    """The ``result`` label of a refused action: ``throttled`` when its token was not checked."""
+    return "throttled" if refused.status == 429 else "refused"
+
+
+def _retry_after(response: Response, refused: Refused) -> Response:
+    if refused.retry_after is not None:
+        response.headers["Retry-After"] = str(refused.retry_after)
+    return response
 
 
 def _page_of(request: Request, query: list[tuple[str, str]]) -> str:
@@ -412,12 +423,16 @@ def create_app(
     poll: float = 2.0,
     secure_cookies: bool = False,
     public_origin: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> Starlette:
-    """The dashboard over ``store``. ``token`` enables operator actions; ``allowed_hosts`` (host
-    names without port) restricts the ``Host`` header, e.g. to loopback names; ``public_origin``
-    is the origin browsers reach it at through a proxy (``https://...`` also marks cookies Secure)."""
+    """The dashboard over ``store``. ``token`` enables operator actions (without surrounding
+    whitespace; InputError for one that is blank or holds a space or control character inside:
+    :mod:`.tokens`); ``allowed_hosts`` (host names without port) restricts the ``Host`` header,
+    e.g. to loopback names; ``public_origin`` is the origin browsers reach it at through a proxy
+    (``https://...`` also marks cookies Secure); ``clock`` paces the checks of wrong tokens."""
     secure = secure_cookies or (public_origin or "").lower().startswith("https://")
-    d = Dashboard(store, Guard(token or None, secure, public_origin), poll)
+    guard = Guard(token, secure, public_origin, guesses=GuessLimiter(clock))
+    d = Dashboard(store, guard, poll)
     routes = [
         Route("/", d.overview),
         Route("/tasks", d.tasks),
