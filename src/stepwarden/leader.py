@@ -177,12 +177,14 @@ class LeaseKeeper:
                     break
                 sent = now
                 ok = await self._renew(term, trust_until - now)
+                if ok is None:
+                    # An error, not a refusal: the lease may well still be ours. The work stops
+                    # (LEAD3) and the lease is resigned, so that once the store answers again a
+                    # keeper (this one too) takes it within a retry period, not at its expiry.
+                    reason = "renewal failed"
+                    break
                 if not ok:
-                    if self.clock.monotonic() >= trust_until:
-                        reason = "renewal failed and the trust window ran out"
-                        break
-                    # A renewal the database refused means someone else holds it now.
-                    reason = LOST
+                    reason = LOST  # the database refused: someone else holds it now
                     break
                 trust_until = sent + s.ttl - s.margin
         finally:
@@ -195,8 +197,10 @@ class LeaseKeeper:
             self.term = None
             self.on_change("lost", term)
 
-    async def _renew(self, term: int, budget: float) -> bool:
-        """Renew, giving up when the trust window ends (measured on our Clock, not the loop's)."""
+    async def _renew(self, term: int, budget: float) -> bool | None:
+        """Renew, giving up when the trust window ends (measured on our Clock, not the loop's):
+        True renewed, False refused (the lease is someone else's), None failed (an error, or no
+        answer within the window) with the lease perhaps still ours."""
         renewal = asyncio.create_task(self.store.renew_lease(self.name, self.holder, term, self.settings.ttl))
         timer = asyncio.create_task(self.clock.sleep(max(0.0, budget)))
         try:
@@ -206,12 +210,12 @@ class LeaseKeeper:
         if not renewal.done():
             renewal.cancel()
             log.warning("lease %s: renewal still pending when the trust window ended", self.name)
-            return False
+            return None
         try:
             return bool(renewal.result())
         except Exception as e:
             log.warning("lease %s: renewal failed: %r", self.name, e)
-            return False
+            return None
 
     async def _resign(self, term: int) -> None:
         try:

@@ -57,6 +57,7 @@ class Flaky:
         self.refuse = False
         self.renew_delay = 0.0
         self.hang = False
+        self.fail_once = False  # the next renewal raises (a dropped connection), then all is well
         self.renewals = 0
 
     def _check(self) -> None:
@@ -69,6 +70,9 @@ class Flaky:
 
     async def renew_lease(self, *args: Any) -> bool:
         self._check()
+        if self.fail_once:
+            self.fail_once = False
+            raise ConnectionError("server closed the connection unexpectedly")
         if self.hang:
             await asyncio.Event().wait()
         if self.renew_delay:
@@ -201,6 +205,38 @@ def test_when_the_leader_stops_renewing_the_other_acquires_after_ttl_with_the_ne
                 (2, "B", 1_700_000_007.0, None),
             ]
             assert "lease_resigned" not in event_kinds(tracked_store)
+        finally:
+            await ks.close()
+
+    run(body())
+
+
+def test_a_renewal_that_raised_stops_the_work_and_resigns_so_a_leader_is_back_within_a_retry(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    """An error is not a refusal: the lease is probably still A's. A stops its work at once (LEAD3)
+    and resigns, so with the store answering again there is a leader one retry later. Before, A
+    took the error for a lost lease and left it to expire: no leader at all for the rest of the TTL."""
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa, wb = Work(clock), Work(clock)
+        flaky = Flaky(tracked_store, clock)
+        a = LeaseKeeper(flaky, LEASE, "A", wa, settings=S, clock=clock)  # type: ignore[arg-type]
+        b = LeaseKeeper(tracked_store, LEASE, "B", wb, settings=S, clock=clock)
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            ks.start(b)
+            await fake_time.run_for(2.5)
+            flaky.fail_once = True
+            await fake_time.run_for(0.5)  # the renewal at +3 raises
+            assert not a.is_leader and wa.cancelled == [(1, 1003.0)]
+            assert "lease_resigned" in event_kinds(tracked_store)
+            await fake_time.run_for(1.0)
+            leaders = [(k.holder, k.term) for k in (a, b) if k.is_leader]
+            assert [term for _, term in leaders] == [2], leaders  # by +4, not at the expiry (+7)
+            assert terms(tracked_store)[0] == (1, "A", 1_700_000_000.0, 1_700_000_003.0)
         finally:
             await ks.close()
 
