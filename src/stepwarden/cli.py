@@ -41,7 +41,7 @@ def fail(message: str) -> NoReturn:
     raise click.ClickException(message)
 
 
-TABLE_ROWS = 100  # the tasks a table shows without --limit
+TABLE_ROWS = 100  # the tasks (or alerts) a table shows without --limit
 
 
 def _open(ctx: click.Context, *, create: bool = False) -> Store:
@@ -409,18 +409,32 @@ def task_cancel(ctx: click.Context, task_id: str) -> None:
 @cli.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--unacked", is_flag=True, help="Only alerts not yet acknowledged.")
+@click.option("--limit", type=click.IntRange(1, 1_000_000_000), default=None)
 @click.pass_context
-def alerts(ctx: click.Context, as_json: bool, unacked: bool) -> None:
-    """Operator alerts; `alerts ack ID` acknowledges one."""
+def alerts(ctx: click.Context, as_json: bool, unacked: bool, limit: int | None) -> None:
+    """Operator alerts, oldest first (a table shows the newest 100 unless --limit); `alerts ack ID`
+    acknowledges one."""
     if ctx.invoked_subcommand is not None:
         return
-    rows = _open(ctx).transact_sync(views.list_alerts, not unacked)
-    if as_json:
-        _print_json(rows)
-        return
+    store = _open(ctx)
+    if as_json or limit is not None:
+        rows = store.transact_sync(views.list_alerts, not unacked, limit)
+        if as_json:
+            _print_json(rows)
+            return
+        total = len(rows)
+    else:  # as `tasks`: a person reads the end of the list; --json (for scripts) keeps all of it
+
+        @read_only
+        def newest(tx: Tx) -> tuple[list[dict[str, Any]], int]:
+            rows = views.list_alerts(tx, not unacked, TABLE_ROWS, newest=True)
+            more = len(rows) == TABLE_ROWS
+            return rows, views.count_alerts(tx, not unacked) if more else len(rows)
+
+        rows, total = store.transact_sync(newest)
     from .cli_render import alerts_table
 
-    alerts_table(rows)
+    alerts_table(rows, total)
 
 
 def _default_operator() -> str:

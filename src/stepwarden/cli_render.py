@@ -201,7 +201,7 @@ def _detail_value(key: str, value: object) -> object:
 
 
 @_renders_safely
-def alerts_table(rows: list[dict[str, Any]]) -> None:
+def alerts_table(rows: list[dict[str, Any]], total: int | None = None) -> None:
     console = _console()
     if not rows:
         console.print("no alerts")
@@ -218,6 +218,8 @@ def alerts_table(rows: list[dict[str, Any]]) -> None:
             _short(a["acked_at"]),
         )
     console.print(t)
+    if total is not None and total > len(rows):
+        console.print(f"the newest {len(rows)} of {total} alerts; --limit N for the first N, --json for all")
 
 
 @_renders_safely

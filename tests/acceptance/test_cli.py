@@ -226,6 +226,33 @@ def test_the_tasks_table_shows_the_newest_hundred_and_says_how_many_more(db: Db)
     assert [int(ln.split()[0]) for ln in narrowed if ln.split()[0].isdigit()] == [ids[7]]
 
 
+def test_the_alerts_table_shows_the_newest_hundred_and_says_how_many_more(db: Db) -> None:
+    """As `tasks`: the store keeps alerts until they are acknowledged (or their task pruned), so
+    a busy week's `stepwarden alerts` printed every one of them."""
+    from stepwarden import App
+    from stepwarden.store import transitions as t
+
+    app = App(db.url)
+    try:
+
+        def raise_alerts(tx: Any) -> None:
+            for i in range(103):
+                t.alert(tx, "task_error", None, "reserve", f"alert {i}")
+
+        app.store.transact_sync(raise_alerts)
+    finally:
+        app.close()
+    ids = [a["id"] for a in db.json("alerts", "--json")]
+    assert len(ids) == 103
+    table = db.ok("alerts").stdout_lines
+    assert [int(ln.split()[0]) for ln in table if ln.split() and ln.split()[0].isdigit()] == ids[3:]
+    assert table[-1].startswith("the newest 100 of 103 alerts")
+    first = db.ok("alerts", "--limit", "2").stdout_lines
+    assert [int(ln.split()[0]) for ln in first if ln.split() and ln.split()[0].isdigit()] == ids[:2]
+    assert not any(ln.startswith("the newest") for ln in first)
+    assert [a["id"] for a in db.json("alerts", "--json", "--limit", "5")] == ids[:5]
+
+
 def test_human_outputs_show_the_task(db: Db) -> None:
     tid = db.submit(order("h-1"), "--correlation-id", "h-1")
     listing = db.ok("tasks")

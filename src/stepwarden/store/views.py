@@ -155,15 +155,21 @@ def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
 
 
 @read_only
-def list_alerts(tx: Tx, include_acked: bool = True) -> list[dict[str, Any]]:
-    """Alerts, oldest first, each with ``deliveries``: what became of it at each alert sink."""
+def list_alerts(
+    tx: Tx, include_acked: bool = True, limit: int | None = None, newest: bool = False
+) -> list[dict[str, Any]]:
+    """Alerts, oldest first, each with ``deliveries``: what became of it at each alert sink.
+    ``limit``: the first ``limit`` of them, or with ``newest`` the most recent (still oldest first)."""
     sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
     if not include_acked:
         sql += " WHERE acked_at IS NULL"
-    out = [
-        dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"]), deliveries=[])
-        for a in tx.sql(sql + " ORDER BY id")
-    ]
+    sql += " ORDER BY id DESC" if newest else " ORDER BY id"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    rows = tx.sql(sql)
+    if newest:
+        rows.reverse()
+    out = [dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"]), deliveries=[]) for a in rows]
     if out:
         by_id = {a["id"]: a for a in out}
         for d in tx.all("alert_deliveries_of", lo=out[0]["id"], hi=out[-1]["id"]):
@@ -179,6 +185,12 @@ def list_alerts(tx: Tx, include_acked: bool = True) -> list[dict[str, Any]]:
                     }
                 )
     return out
+
+
+@read_only
+def count_alerts(tx: Tx, include_acked: bool = True) -> int:
+    sql = "SELECT COUNT(*) AS n FROM alerts" + ("" if include_acked else " WHERE acked_at IS NULL")
+    return int(tx.sql(sql)[0]["n"])
 
 
 @read_only
