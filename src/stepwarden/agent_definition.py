@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import InputError, Permanent, Transient
-from .policies import MAX_INT, is_number, show, whole
+from .policies import check_count, check_seconds, show
 from .workflow import check_ident
 
 Handler = Callable[["Request"], Any]
@@ -68,7 +68,8 @@ class Agent:
 
     ``concurrency`` (calls at once per worker) and ``breaker_threshold`` (failures in a row that
     open the circuit breaker) are ints from 1 to 2**31-1 (the stores' INTEGER columns), not bools
-    or floats; ``breaker_cool_off`` is a finite number of seconds >= 0; ``classify`` is callable.
+    or floats; ``breaker_cool_off`` is a finite number of seconds from 0 to 10**9 (about 31
+    years, :data:`~stepwarden.policies.MAX_SECONDS`); ``classify`` is callable.
     A bad value raises :class:`~stepwarden.errors.InputError` naming the agent and the option.
     """
 
@@ -82,19 +83,9 @@ class Agent:
     def __post_init__(self) -> None:
         check_ident("agent name", self.name)
         for option in ("concurrency", "breaker_threshold"):
-            value = getattr(self, option)
-            count = whole(value)
-            if count is None or not 1 <= count <= MAX_INT:
-                raise InputError(
-                    f"agent {self.name!r}: {option} must be a whole number from 1 to {MAX_INT}, "
-                    f"not {show(value)}"
-                )
+            count = check_count(f"agent {self.name!r}: {option}", getattr(self, option))
             object.__setattr__(self, option, count)
-        if not is_number(self.breaker_cool_off) or self.breaker_cool_off < 0:
-            raise InputError(
-                f"agent {self.name!r}: breaker_cool_off must be a finite number of seconds >= 0, "
-                f"not {show(self.breaker_cool_off)}"
-            )
+        check_seconds(f"agent {self.name!r}: breaker_cool_off", self.breaker_cool_off)
         if not callable(self.classify):
             raise InputError(f"agent {self.name!r}: classify must be a function, not {show(self.classify)}")
 

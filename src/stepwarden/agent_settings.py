@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InputError
+from .policies import check_count, check_seconds, is_number, show
 
 # What a graceful stop waits for once its grace is over, each step bounded: the cancelled calls to
 # end, the replies already made to commit, and each of its own writes (the release of the
@@ -21,6 +22,15 @@ STOP_WRITE_WAIT = 5.0
 
 @dataclass(frozen=True)
 class AgentSettings:
+    """How the agent role of a worker polls, reports and stops.
+
+    Every duration is a finite number of seconds (not a bool or text) up to 10**9 (about
+    31 years, :data:`~stepwarden.policies.MAX_SECONDS`): ``poll_interval``, ``idle_poll_max``,
+    ``instance_stale``, ``trial_ttl`` and ``report_timeout`` more than 0, ``shutdown_grace`` and
+    ``success_every`` from 0, ``reply_linger`` from 0 to 1; ``unhealthy_after`` is an int from 1
+    to 2**31-1. Anything else raises :class:`~stepwarden.errors.InputError` naming the field.
+    """
+
     poll_interval: float = 0.05
     idle_poll_max: float = 0.25
     shutdown_grace: float = 5.0
@@ -44,8 +54,16 @@ class AgentSettings:
     reply_linger: float = 0.002
 
     def __post_init__(self) -> None:
-        if not 0 <= self.reply_linger <= 1:
-            raise InputError(f"reply_linger must be between 0 and 1 s, not {self.reply_linger!r}")
+        for name in ("poll_interval", "idle_poll_max", "instance_stale", "trial_ttl", "report_timeout"):
+            check_seconds(f"AgentSettings.{name}", getattr(self, name), above=True)
+        for name in ("shutdown_grace", "success_every"):
+            check_seconds(f"AgentSettings.{name}", getattr(self, name))
+        count = check_count("AgentSettings.unhealthy_after", self.unhealthy_after)
+        object.__setattr__(self, "unhealthy_after", count)
+        if not is_number(self.reply_linger) or not 0 <= self.reply_linger <= 1:
+            raise InputError(
+                f"AgentSettings.reply_linger must be between 0 and 1 s, not {show(self.reply_linger)}"
+            )
 
     @property
     def stop_within(self) -> float:

@@ -286,8 +286,12 @@ def as_sink(sink: AlertSink | Callable[[Alert], Any], name: str | None = None) -
 
 def ack_alert(tx: Tx, alert_id: int, by: str) -> tuple[dict[str, Any], bool]:
     """Acknowledge an alert; returns its view and whether this call acknowledged it (an alert
-    acknowledged before keeps its first acknowledgement)."""
+    acknowledged before keeps its first acknowledgement). An ``alert_id`` that is no positive
+    64-bit int (``2**70``, ``0``, ``True``, ``"1"``) is an InputError, as on the command line."""
+    from .policies import check_id
+
     check_key("acknowledged-by name", by)
+    alert_id = check_id("alert id", alert_id)
     row = tx.one("alert_get", id=alert_id)
     if row is None:
         raise NotFound(f"no alert {alert_id}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import numbers
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,17 +18,36 @@ from .alerts import AlertSink, ack_alert, as_sink
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, StoreError, UnknownWorkflow
 from .leader import LeaseSettings, Work, run_while_leader
-from .policies import is_number, show
+from .policies import check_count, check_id, check_number, show
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
 from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
 from .store.base import Tx
 from .worker import Worker, WorkerSettings, make_identity
-from .workflow import DEFAULT_MAX_INPUT_BYTES, Step, Workflow, check_key, check_name, encode_input
+from .workflow import (
+    DEFAULT_MAX_INPUT_BYTES,
+    Step,
+    Workflow,
+    check_ident,
+    check_key,
+    check_name,
+    encode_input,
+)
 
 MAX_PRIORITY = 2**31 - 1
+# The largest max_input_bytes: about the largest text a store keeps in one value (SQLite's
+# default SQLITE_MAX_LENGTH is 10**9 bytes, a PostgreSQL field holds at most 1 GiB).
+MAX_INPUT_LIMIT = 10**9
 
 
 class App:
+    """An application's agents and workflows, and its door to the store.
+
+    ``db`` is a store URL (text), or None for ``STEPWARDEN_DB`` or the default file; ``clock``
+    a :class:`~stepwarden.clock.Clock` (``wall()``, ``monotonic()``, ``async sleep()``);
+    ``max_input_bytes`` the largest task input, as UTF-8 JSON, an int from 1 to 10**9 (not a
+    bool). A bad argument raises :class:`~stepwarden.errors.InputError` naming it, here.
+    """
+
     def __init__(
         self,
         db: str | None = None,
@@ -37,6 +55,15 @@ class App:
         clock: Clock = SYSTEM_CLOCK,
         max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
     ) -> None:
+        if db is not None and not isinstance(db, str):
+            raise InputError(f"App.db must be a store URL (text) or None, not {show(db)}")
+        if not all(callable(getattr(clock, m, None)) for m in ("wall", "monotonic", "sleep")):
+            raise InputError(
+                f"App.clock must be a Clock (with wall(), monotonic() and async sleep()), not {show(clock)}"
+            )
+        max_input_bytes = check_count(
+            "App.max_input_bytes", max_input_bytes, high=MAX_INPUT_LIMIT, unit=" of bytes"
+        )
         self._db = db
         self.clock = clock
         self.max_input_bytes = max_input_bytes
@@ -55,6 +82,7 @@ class App:
         breaker_cool_off: float = 5.0,
         classify: Callable[[BaseException], str] = default_classify,
     ) -> Agent:
+        check_ident("agent name", name)  # before the lookup: a list is no name, nor hashable
         if name in self.agents:
             raise InputError(f"agent {name!r} is already defined")
         a = Agent(name, concurrency, breaker_threshold, breaker_cool_off, classify)
@@ -62,6 +90,7 @@ class App:
         return a
 
     def workflow(self, name: str, steps: Sequence[Step], *, version: int = 1) -> Workflow:
+        check_name("workflow name", name)  # before the lookup: a list is no name, nor hashable
         if name in self.workflows:
             raise InputError(f"workflow {name!r} is already defined")
         wf = Workflow.of(name, steps, version)
@@ -245,8 +274,7 @@ class App:
     def wait(self, task_id: int, timeout: float = 30.0, poll: float = 0.05) -> dict[str, Any]:
         """Block until the task is final; returns its view. Raises TimeoutError otherwise."""
         task_id, timeout = _task_id(task_id), _seconds("timeout", timeout)
-        if _seconds("poll", poll) <= 0:
-            raise InputError(f"poll must be a number of seconds > 0, not {poll!r}")
+        poll = check_number("poll", poll, above=True, unit=" of seconds")
         end = time.monotonic() + timeout
         while True:
             state = self.store.transact_sync(views.task_state, task_id)
@@ -306,7 +334,10 @@ class App:
         return self.store.transact_sync(views.list_alerts, not unacked)
 
     def ack_alert(self, alert_id: int, by: str = "api") -> dict[str, Any]:
-        """Acknowledge an alert (idempotent: a second acknowledgement keeps the first); returns it."""
+        """Acknowledge an alert (idempotent: a second acknowledgement keeps the first); returns it.
+        ``alert_id`` is a positive int, ``by`` 1-255 printable characters: else InputError."""
+        alert_id = check_id("alert id", alert_id)
+        check_key("acknowledged-by name", by)
         return self.store.transact_sync(ack_alert, alert_id, by)[0]
 
     # -- leadership ------------------------------------------------------------------------------
@@ -321,13 +352,26 @@ class App:
     ) -> None:
         """Run ``work(leadership)`` only while this process holds lease ``name`` (LEAD7), until
         ``stop`` is set; see :func:`stepwarden.run_while_leader`. ``holder`` defaults to a fresh
-        worker identity ``HOST:PID:RANDOM``."""
+        worker identity ``HOST:PID:RANDOM``. A bad argument raises InputError before campaigning."""
         check_name("lease name", name)
+        if holder is not None:
+            check_key("lease holder", holder)
+        if not callable(work):
+            raise InputError(f"work must be an async function of the Leadership, not {show(work)}")
+        if not isinstance(stop, asyncio.Event):
+            raise InputError(f"stop must be an asyncio.Event, not {show(stop)}")
+        if settings is not None and not isinstance(settings, LeaseSettings):
+            raise InputError(f"settings must be LeaseSettings or None, not {show(settings)}")
         await run_while_leader(
             self.store, name, holder or make_identity(), work, stop, settings=settings, clock=self.clock
         )
 
     def worker(self, settings: WorkerSettings | None = None, **kw: Any) -> Worker:
+        """A worker of this app: ``settings``, or WorkerSettings made of the keyword arguments."""
+        if settings is not None and not isinstance(settings, WorkerSettings):
+            raise InputError(f"settings must be WorkerSettings or None, not {show(settings)}")
+        if settings is not None and kw:
+            raise InputError(f"give settings or keyword arguments ({', '.join(kw)}), not both")
         return Worker(self, settings or WorkerSettings(**kw))
 
 
@@ -453,13 +497,10 @@ class AppTransaction:
 def _task_id(value: object) -> int:
     """A task id as the stores hold them (a positive 64-bit integer); anything else is bad input,
     not an OverflowError from the driver or a wait for a task that cannot exist."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= int(value) <= 2**63 - 1:
-        return int(value)
-    raise InputError(f"a task id is a positive integer, not {show(value)}")
+    return check_id("task id", value)
 
 
 def _seconds(name: str, value: object) -> float:
-    """A finite, non-negative number of seconds: nan would never time out, a string is a slip."""
-    if not is_number(value) or float(value) < 0:  # type: ignore[arg-type]
-        raise InputError(f"{name} must be a finite number of seconds >= 0, not {show(value)}")
-    return float(value)  # type: ignore[arg-type]
+    """A finite, non-negative number of seconds: nan would never time out, a string is a slip.
+    No upper bound: a long timeout only means "wait"."""
+    return check_number(name, value, unit=" of seconds")

@@ -22,6 +22,13 @@ log = logging.getLogger("stepwarden.policies")
 Escalation = Literal["error", "compensate", "wait"]
 ESCALATIONS: tuple[str, ...] = ("error", "compensate", "wait")
 MAX_INT = 2**31 - 1  # the largest count the stores' INTEGER columns hold
+MAX_ID = 2**63 - 1  # the largest row id the stores hold (a signed 64-bit integer)
+# The longest duration any setting or policy takes: 10**9 seconds, about 31 years. Longer is a
+# slip (milliseconds given for seconds, an exponent too many), and breaks what is computed from
+# it: a time now + 1e12 (a retry's run_at, a breaker's retry_at) is past the year 9999, which
+# datetime cannot show (the CLI, the dashboard), and Python's own waits overflow from about
+# 10**10 seconds (threading's and time.sleep: "timestamp out of range for platform time_t").
+MAX_SECONDS = 10**9
 
 
 def is_number(value: object) -> bool:
@@ -54,12 +61,69 @@ def show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def check_number(
+    what: str,
+    value: object,
+    *,
+    low: float = 0,
+    high: float | None = None,
+    above: bool = False,
+    unit: str = "",
+    hint: str = "",
+) -> float:
+    """``value`` as a float if it is a finite number (see :func:`is_number`) from ``low`` (more
+    than ``low`` with ``above``) to ``high`` (no upper bound with None); else an InputError that
+    names ``what`` and the range, shows the value, and ends with ``hint``. ``unit`` reads after
+    "number", as in ``" of seconds"``. The caller keeps the value as given if it stores it: an
+    int stays an int in a policy's JSON."""
+    if is_number(value):
+        number = float(value)  # type: ignore[arg-type]
+        if (number > low if above else number >= low) and (high is None or number <= high):
+            return number
+    if high is None:
+        bounds = f"{'>' if above else '>='} {_plain(low)}"
+    else:
+        bounds = f"{'more than' if above else 'from'} {_plain(low)} {'and at most' if above else 'to'} "
+        bounds += _plain(high) + (" (about 31 years)" if high == MAX_SECONDS else "")
+    raise InputError(f"{what} must be a finite number{unit} {bounds}, not {show(value)}{hint}")
+
+
+def check_seconds(what: str, value: object, *, above: bool = False, hint: str = "") -> float:
+    """A duration: a finite number of seconds from 0 (more than 0 with ``above``) to
+    :data:`MAX_SECONDS` (about 31 years); else an InputError naming ``what``."""
+    return check_number(what, value, low=0, high=MAX_SECONDS, above=above, unit=" of seconds", hint=hint)
+
+
+def check_count(what: str, value: object, *, low: int = 1, high: int = MAX_INT, unit: str = "") -> int:
+    """A count as an int (see :func:`whole`: ``3.0`` is 3) from ``low`` to ``high``; else an
+    InputError naming ``what``, the range and the value."""
+    count = whole(value)
+    if count is None or not low <= count <= high:
+        raise InputError(f"{what} must be a whole number{unit} from {low} to {high}, not {show(value)}")
+    return count
+
+
+def check_id(kind: str, value: object) -> int:
+    """A row id (a task's, an alert's) as the stores hold them: an int from 1 to :data:`MAX_ID`.
+    Anything else is bad input, not an OverflowError from the driver or a search for a row that
+    cannot exist; a bool or ``"1"`` is refused too (SQLite would take either for 1)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= int(value) <= MAX_ID:
+        return int(value)
+    raise InputError(f"{kind} must be a positive integer (at most 2**63-1), not {show(value)}")
+
+
+def _plain(number: float) -> str:
+    """A bound as a message shows it: ``0``, ``1``, ``1000000000``, ``0.5``."""
+    return str(int(number)) if float(number).is_integer() else repr(number)
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Exponential back-off with proportional jitter: ``initial * multiplier**(n-1)``, capped.
 
     Every field is a finite number (seconds, or a factor), never nan, inf or a bool: ``initial``
-    and ``maximum`` >= 0, ``multiplier`` >= 1, ``jitter`` between 0 and 1. Anything else raises
+    and ``maximum`` seconds from 0 to :data:`MAX_SECONDS` (10**9, about 31 years),
+    ``multiplier`` >= 1, ``jitter`` between 0 and 1. Anything else raises
     :class:`~stepwarden.errors.InputError` here, at definition time: an infinite delay would leave
     a task waiting forever (REL1).
     """
@@ -70,16 +134,10 @@ class Backoff:
     jitter: float = 0.2
 
     def __post_init__(self) -> None:
-        for name, low in (("initial", 0), ("multiplier", 1), ("maximum", 0)):
-            value = getattr(self, name)
-            if not is_number(value) or value < low:
-                raise InputError(
-                    f"invalid back-off: Backoff.{name} must be a finite number >= {low}, not {show(value)}"
-                )
-        if not is_number(self.jitter) or not 0 <= self.jitter <= 1:
-            raise InputError(
-                f"invalid back-off: Backoff.jitter must be a number between 0 and 1, not {show(self.jitter)}"
-            )
+        check_seconds("invalid back-off: Backoff.initial", self.initial)
+        check_number("invalid back-off: Backoff.multiplier", self.multiplier, low=1)
+        check_seconds("invalid back-off: Backoff.maximum", self.maximum)
+        check_number("invalid back-off: Backoff.jitter", self.jitter, low=0, high=1)
 
     def delay(self, n: int, rng: random.Random | None = None) -> float:
         """Delay before retry number ``n`` (1-based); jitter spreads retries of many tasks apart."""
@@ -112,11 +170,12 @@ class Retry:
     the task) or ``"wait"`` (retry after ``escalation_wait`` seconds, again and again, until an
     operator cancels). ``escalation=None`` means "do what the step's on_error says".
 
-    ``max_failures`` and ``tries`` are ints >= 1; ``backoff`` and ``in_attempt`` are
-    :class:`Backoff` values; ``escalation_wait`` is a finite number of seconds >= 0. Infinity is
-    refused: a task waiting forever is stuck (REL1), and cannot be retried, only cancelled. To wait
-    for an operator, use ``escalation="error"``: the task ends in ``error`` with an alert and the
-    operator retries it. Anything else raises :class:`~stepwarden.errors.InputError`.
+    ``max_failures`` and ``tries`` are ints from 1 to 2**31-1; ``backoff`` and ``in_attempt``
+    are :class:`Backoff` values; ``escalation_wait`` is a finite number of seconds from 0 to
+    :data:`MAX_SECONDS` (10**9, about 31 years). Infinity is refused: a task waiting forever is
+    stuck (REL1), and cannot be retried, only cancelled. To wait for an operator, use
+    ``escalation="error"``: the task ends in ``error`` with an alert and the operator retries it.
+    Anything else raises :class:`~stepwarden.errors.InputError`.
     """
 
     max_failures: int = 3
@@ -128,10 +187,7 @@ class Retry:
 
     def __post_init__(self) -> None:
         for name in ("max_failures", "tries"):
-            value = getattr(self, name)
-            count = whole(value)
-            if count is None or count < 1:
-                raise InputError(f"Retry.{name} must be a whole number >= 1, not {show(value)}")
+            count = check_count(f"Retry.{name}", getattr(self, name))
             object.__setattr__(self, name, count)  # 3.0 from a configuration file is 3
         for name in ("backoff", "in_attempt"):
             value = getattr(self, name)
@@ -143,11 +199,11 @@ class Retry:
             raise InputError(
                 f"Retry.escalation must be one of {ESCALATIONS} or None, not {show(self.escalation)}"
             )
-        if not is_number(self.escalation_wait) or self.escalation_wait < 0:
-            raise InputError(
-                "Retry.escalation_wait must be a finite number of seconds >= 0, "
-                f"not {show(self.escalation_wait)} (to wait for an operator, use escalation='error')"
-            )
+        check_seconds(
+            "Retry.escalation_wait",
+            self.escalation_wait,
+            hint=" (to wait for an operator, use escalation='error')",
+        )
 
     def after_failure(
         self, failure_count: int, on_error: Escalation, rng: random.Random | None = None
@@ -237,6 +293,7 @@ def _stored(cls: type[T], values: dict[str, Any], base: T | None = None) -> T:
 
 
 BreakerState = Literal["closed", "open", "half_open"]
+BREAKER_STATES: tuple[str, ...] = ("closed", "open", "half_open")
 
 
 @dataclass
@@ -249,6 +306,12 @@ class CircuitBreaker:
 
     After the cool-off one trial call is let through (half-open); its success closes the breaker,
     its failure opens it again. Time is passed in, so the rules are tested with plain numbers.
+
+    ``threshold`` is an int from 1 to 2**31-1, ``cool_off`` a finite number of seconds from 0 to
+    :data:`MAX_SECONDS` (10**9, about 31 years); the state fields, for a breaker restored from
+    elsewhere, are one of ``"closed"``, ``"open"``, ``"half_open"``, an int ``failures`` >= 0 and
+    a finite ``opened_at``. Anything else raises :class:`~stepwarden.errors.InputError` when it is
+    made.
     """
 
     threshold: int = 5
@@ -257,6 +320,18 @@ class CircuitBreaker:
     failures: int = 0
     opened_at: float = 0.0
     trial_in_flight: bool = False
+
+    def __post_init__(self) -> None:
+        self.threshold = check_count("CircuitBreaker.threshold", self.threshold)
+        check_seconds("CircuitBreaker.cool_off", self.cool_off)
+        if not isinstance(self.state, str) or self.state not in BREAKER_STATES:
+            raise InputError(f"CircuitBreaker.state must be one of {BREAKER_STATES}, not {show(self.state)}")
+        self.failures = check_count("CircuitBreaker.failures", self.failures, low=0)
+        if not is_number(self.opened_at):
+            raise InputError(
+                "CircuitBreaker.opened_at must be a finite number (a time in seconds), "
+                f"not {show(self.opened_at)}"
+            )
 
     def rejecting(self, now: float) -> bool:
         """Is the breaker open and cooling off? A query with no side effect, unlike :meth:`allow`."""

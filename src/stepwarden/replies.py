@@ -29,7 +29,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
-from .errors import NotFound
+from .errors import InputError, NotFound
+from .policies import check_count, check_seconds, show
 from .store import FINAL_TASK_STATES, Store
 from .store.base import Row, Tx, read_only
 from .workflow import check_name
@@ -154,6 +155,11 @@ class Replies:
 
     Idle, it polls with back-off (``poll_interval`` up to ``idle_poll_max``) and, with ``listen``,
     wakes early on the store's hints. Iteration ends when ``stop`` is set or :meth:`aclose` is called.
+
+    ``batch`` (messages read per transaction) is an int from 1 to 2**31-1; ``poll_interval`` and
+    ``idle_poll_max`` are finite numbers of seconds more than 0 and at most 10**9 (31 years); ``stop`` is
+    an :class:`asyncio.Event` or None. Anything else raises :class:`~stepwarden.errors.InputError`
+    here, before anything is read.
     """
 
     def __init__(
@@ -173,8 +179,11 @@ class Replies:
         check_name("reply queue", queue)
         if consumer is not None:
             check_name("consumer name", consumer)
-        if batch < 1:
-            raise ValueError("batch must be at least 1")
+        batch = check_count("batch", batch)
+        check_seconds("poll_interval", poll_interval, above=True)
+        check_seconds("idle_poll_max", idle_poll_max, above=True)
+        if stop is not None and not isinstance(stop, asyncio.Event):
+            raise InputError(f"stop must be an asyncio.Event or None, not {show(stop)}")
         self.store = store
         self.queue = queue
         self.consumer = consumer
