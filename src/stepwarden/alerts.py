@@ -318,11 +318,32 @@ def due(tx: Tx, names: Sequence[str], limit: int, max_age: float) -> dict[str, l
     }
 
 
+def expire(tx: Tx, names: Sequence[str], limit: int, max_age: float, me: str) -> dict[str, list[int]]:
+    """Record the give-up of up to ``limit`` alerts per sink that it never delivered and no longer
+    tries (older than ``max_age``); returns their ids by sink. Before, they were only left out of
+    the next rounds: ``alerts`` showed a retry time long past, as if one were still coming."""
+    why = f"not delivered within max_age ({max_age:g} s): no longer tried"
+    out: dict[str, list[int]] = {}
+    for name in names:
+        ids = [int(r["id"]) for r in tx.all("alerts_expired", sink=name, max_age=max_age, limit=limit)]
+        for alert_id in ids:
+            if tx.one("alert_hold", alert_id=alert_id) is not None:
+                tx.run("alert_expired", sink=name, alert_id=alert_id, error=why, me=me)
+        if ids:
+            out[name] = ids
+    return out
+
+
 def record_delivered(tx: Tx, sink: str, alert_id: int, me: str) -> None:
-    tx.run("alert_delivered", sink=sink, alert_id=alert_id, me=me)
+    # The alert may have been pruned while it was being sent (a retention shorter than max_age):
+    # a delivery row must not outlive its alert, and nothing would ever prune it.
+    if tx.one("alert_hold", alert_id=alert_id) is not None:
+        tx.run("alert_delivered", sink=sink, alert_id=alert_id, me=me)
 
 
 def record_failed(tx: Tx, sink: str, alert_id: int, delay: float, give_up: bool, error: str, me: str) -> None:
+    if tx.one("alert_hold", alert_id=alert_id) is None:
+        return  # pruned while it was being sent, as in record_delivered
     tx.run(
         "alert_failed",
         sink=sink,
@@ -374,6 +395,8 @@ class AlertDispatcher:
         self.rng = rng or random.Random()
         self.delivered = 0
         self.failed = 0
+        self.expired = 0
+        self._next_expiry = 0.0  # monotonic: when the next round also records expired alerts
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -400,6 +423,8 @@ class AlertDispatcher:
     async def tick(self, leadership: Leadership | None = None) -> int:
         """One round: send what is due to every sink; returns how many deliveries succeeded."""
         s = self.settings
+        if self.clock.monotonic() >= self._next_expiry:
+            await self._expire()
         todo = await self.store.transact(due, [k.name for k in self.sinks], s.batch, s.max_age)
         jobs = [self._drain(k, todo[k.name], leadership) for k in self.sinks if todo.get(k.name)]
         # Every sink's round ends before this one does: with a plain gather, one sink's store
@@ -410,6 +435,25 @@ class AlertDispatcher:
             if isinstance(r, BaseException):
                 raise r
         return sum(r for r in results if isinstance(r, int))
+
+    async def _expire(self) -> None:
+        """Give up, on the record, the alerts past ``max_age``: once a minute, sooner while a
+        backlog (a sink down for a day) is still being recorded."""
+        s = self.settings
+        expired = await self.store.transact(
+            expire, [k.name for k in self.sinks], EXPIRE_BATCH, s.max_age, self.me
+        )
+        backlog = any(len(ids) >= EXPIRE_BATCH for ids in expired.values())
+        self._next_expiry = self.clock.monotonic() + (0.0 if backlog else EXPIRE_EVERY)
+        for sink, ids in expired.items():
+            self.expired += len(ids)
+            log.error(
+                "alert sink %s: %d alert(s) not delivered within max_age (%g s), no longer tried: %s",
+                sink,
+                len(ids),
+                s.max_age,
+                ", ".join(map(str, ids[:10])) + (", ..." if len(ids) > 10 else ""),
+            )
 
     async def _drain(self, sink: AlertSink, items: list[tuple[Alert, int]], lead: Leadership | None) -> int:
         ok = 0
@@ -450,6 +494,10 @@ class AlertDispatcher:
         self.delivered += 1
         return True
 
+
+# Alerts past max_age are given up on the record once a minute, this many per sink per round.
+EXPIRE_EVERY = 60.0
+EXPIRE_BATCH = 500
 
 # How often a leader waiting on something bounded (a send under its sink's timeout, the interval
 # between rounds) tells its lease keeper it is alive; below LeaseSettings.stall_after's default.

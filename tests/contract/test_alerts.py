@@ -20,7 +20,15 @@ from typing import Any
 import pytest
 
 from stepwarden import App
-from stepwarden.alerts import Alert, AlertDispatcher, CallableSink, LogSink, WebhookSink, ack_alert
+from stepwarden.alerts import (
+    Alert,
+    AlertDispatcher,
+    AlertSettings,
+    CallableSink,
+    LogSink,
+    WebhookSink,
+    ack_alert,
+)
 from stepwarden.clock import FakeClock
 from stepwarden.errors import InputError, NotFound
 from stepwarden.policies import Backoff
@@ -201,6 +209,72 @@ def test_a_sink_gives_up_after_max_attempts(store: Store, clock: FakeClock) -> N
     assert len(calls) == 2
     [row] = deliveries(store)
     assert row["gave_up_at"] is not None and row["delivered_at"] is None
+
+
+def test_an_alert_past_max_age_is_given_up_on_the_record_with_its_last_error(
+    store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An alert older than ``max_age`` is no longer sent; its give-up is now recorded, with the
+    reason and the last attempt's error. Before, it was only left out: `alerts` showed a retry
+    time long past, as if another attempt were coming."""
+    calls: list[int] = []
+
+    def down(alert: Alert) -> None:
+        calls.append(alert.id)
+        raise ConnectionError("pager down")
+
+    sinks = [CallableSink(down, name="pager", backoff=FAST), CallableSink(lambda a: None, name="ok")]
+    d = AlertDispatcher(store, sinks, ME, clock=clock, settings=AlertSettings(max_age=3600.0))
+    asyncio.run(d.register())
+    tried = raise_alert(store, message="tried")
+    assert tick(d) == 1 and calls == [tried]  # "ok" delivered it; "pager" failed
+    down_for = 7200.0  # then no leader ran the deliveries (every worker down) for two hours
+    clock.advance(down_for)
+    never = raise_alert(store, message="never tried")
+    clock.advance(down_for)
+    young = raise_alert(store, message="young")
+    with caplog.at_level(logging.ERROR, logger="stepwarden.alerts"):
+        assert tick(d) == 1  # only the young one is sent: "ok" delivers it, "pager" fails again
+    assert calls == [tried, young]
+    rows = {(r["sink"], r["alert_id"]): r for r in deliveries(store)}
+    for alert_id, attempts in ((tried, 1), (never, 0)):
+        row = rows[("pager", alert_id)]
+        assert row["gave_up_at"] == pytest.approx(clock.wall()) and row["next_attempt_at"] is None
+        assert row["attempts"] == attempts and row["delivered_at"] is None
+        assert row["last_error"].startswith("not delivered within max_age (3600 s): no longer tried")
+    assert rows[("pager", tried)]["last_error"].endswith("; last attempt: ConnectionError: pager down")
+    assert rows[("ok", tried)]["delivered_at"] is not None and rows[("ok", tried)]["gave_up_at"] is None
+    assert rows[("ok", never)]["gave_up_at"] is not None  # never sent to "ok" either
+    assert ("pager", young) in rows and rows[("pager", young)]["gave_up_at"] is None
+    assert any(f"{tried}, {never}" in r.getMessage() and "pager" in r.getMessage() for r in caplog.records)
+    shown = {a["id"]: a["deliveries"] for a in store.transact_sync(views.list_alerts)}
+    assert all(x["gave_up_at"] for x in shown[never])
+    clock.advance(120)
+    tick(d)
+    assert calls == [tried, young, young]  # the young one's retry; the given-up ones never again
+
+
+def test_a_delivery_of_an_alert_pruned_meanwhile_writes_nothing(store: Store, clock: FakeClock) -> None:
+    """The leader's prune may delete an alert while a sink is sending it (a retention shorter than
+    max_age): its delivery row would outlive it, and no prune would ever find it."""
+    sent: list[str] = []
+
+    def pruned_while_sent(name: str, fails: bool) -> CallableSink:
+        def send(alert: Alert) -> None:
+            sent.append(name)
+            store.transact_sync(lambda tx: tx.sql("DELETE FROM alerts WHERE id = ?", (alert.id,)))
+            if fails:
+                raise ConnectionError("down")
+
+        return CallableSink(send, name=name)
+
+    sinks = [pruned_while_sent("ok", False), pruned_while_sent("down", True)]
+    d = AlertDispatcher(store, sinks, ME, clock=clock)
+    asyncio.run(d.register())
+    raise_alert(store)
+    assert tick(d) == 1
+    assert sorted(sent) == ["down", "ok"]
+    assert deliveries(store) == []
 
 
 def test_a_sink_receives_alerts_raised_since_it_was_first_configured(store: Store, clock: FakeClock) -> None:

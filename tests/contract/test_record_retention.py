@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 
+from stepwarden.alerts import record_delivered
 from stepwarden.clock import FakeClock
 from stepwarden.errors import LostOwnership
-from stepwarden.store import Store
+from stepwarden.store import Store, open_store
 from stepwarden.store import agents as agent_store
 from stepwarden.store import transitions as t
 from stepwarden.store.agents import InstanceSpec
 from stepwarden.supervisor import Supervisor, SupervisorSettings
+from stepwarden.testing.postgres import wait_for_lock_waiter
 from stepwarden.workflow import Workflow, encode_input
 
 SUP = "sup-1:1:ccc"
@@ -184,3 +188,37 @@ def test_the_leaders_prune_reaches_the_records_once_the_task_backlog_is_done(
     )
     assert asyncio.run(sup.prune(term)) == 0  # no finished task: the rounds go to the records
     assert count(store, "events WHERE kind = 'breaker_opened'") == 0
+
+
+def test_on_postgres_an_alert_being_delivered_and_its_prune_never_leave_a_delivery_behind(
+    pg_url: str, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """The prune passes by an alert a delivery holds (it must not wait: it is fenced by a lease it
+    has to keep renewing), and a delivery that comes while the prune holds the alert waits for it,
+    then finds it gone. A plain read there saw the alert in its snapshot and recorded a delivery
+    for an alert deleted a moment later: a row nothing would ever prune."""
+    store = open_store(pg_url, clock=clock)
+    try:
+        term = lease(store)
+        failed_task(store, make_workflow())
+        alert_id = int(store.transact_sync(lambda tx: tx.sql("SELECT id FROM alerts"))[0]["id"])
+        store.transact_sync(lambda tx: tx.sql("UPDATE alerts SET acked_at = created_at"))
+        store.transact_sync(lambda tx: tx.run("alert_sink_register", name="hook"))
+        clock.advance(2 * DAY)
+        with psycopg.connect(pg_url) as delivering:  # between a delivery's hold and its commit
+            delivering.execute("SELECT id FROM alerts WHERE id = %s FOR KEY SHARE", (alert_id,))
+            assert prune_records(store, term)["alerts"] == 0  # passed by, without waiting
+        with psycopg.connect(pg_url) as pruning:  # a prune between its delete and its commit
+            pruning.execute("SELECT id FROM alerts WHERE id = %s FOR UPDATE", (alert_id,))
+            pruning.execute("DELETE FROM alerts WHERE id = %s", (alert_id,))
+            late = threading.Thread(
+                target=store.transact_sync, args=(record_delivered, "hook", alert_id, SUP), daemon=True
+            )
+            late.start()
+            wait_for_lock_waiter(pg_url)
+            pruning.commit()
+        late.join(10)
+        assert not late.is_alive()
+        assert count(store, "alert_deliveries") == 0 and count(store, "alerts") == 0
+    finally:
+        store.close()

@@ -42,3 +42,27 @@ ON CONFLICT (sink, alert_id) DO UPDATE SET attempts = alert_deliveries.attempts 
 -- name: alert_deliveries_of
 SELECT sink, alert_id, attempts, next_attempt_at, delivered_at, gave_up_at, last_error, delivered_by
 FROM alert_deliveries WHERE alert_id BETWEEN :lo AND :hi ORDER BY alert_id, sink;
+
+-- name: alerts_expired
+-- The alerts a sink has not delivered and no longer tries (older than the age limit), each to get
+-- its give-up recorded: else `alerts` shows a retry time long past, as if one were still coming.
+SELECT a.id FROM alert_sinks s
+JOIN alerts a ON a.created_at >= s.since
+LEFT JOIN alert_deliveries d ON d.sink = s.name AND d.alert_id = a.id
+WHERE s.name = :sink AND a.created_at < {now} - :max_age
+  AND d.delivered_at IS NULL AND d.gave_up_at IS NULL
+ORDER BY a.id LIMIT :limit;
+
+-- name: alert_expired
+-- The give-up of an alert past the age limit; the error of its last attempt, if any, is kept.
+INSERT INTO alert_deliveries (sink, alert_id, attempts, gave_up_at, last_error, delivered_by, updated_at)
+VALUES (:sink, :alert_id, 0, {now}, :error, :me, {now})
+ON CONFLICT (sink, alert_id) DO UPDATE SET next_attempt_at = NULL, gave_up_at = excluded.gave_up_at,
+    last_error = excluded.last_error || COALESCE('; last attempt: ' || alert_deliveries.last_error, ''),
+    delivered_by = excluded.delivered_by, updated_at = excluded.updated_at;
+
+-- name: alert_hold
+-- The alert a delivery is about to record, if it still exists (the leader's prune may have deleted
+-- it meanwhile: a delivery row must not outlive its alert). PostgreSQL also locks it against the
+-- prune (see its override).
+SELECT id FROM alerts WHERE id = :alert_id;
