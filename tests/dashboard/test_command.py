@@ -9,34 +9,15 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from stepwarden.dashboard.command import bind, dashboard, is_loopback
+from stepwarden.dashboard.command import bind, is_loopback
 from stepwarden.store import open_store
 
-
-def group() -> click.Group:
-    @click.group()
-    @click.option("--db", envvar="STEPWARDEN_DB")
-    @click.pass_context
-    def cli(ctx: click.Context, db: str | None) -> None:
-        ctx.ensure_object(dict)
-        ctx.obj["db"] = db
-
-    cli.add_command(dashboard)
-    return cli
+from .command_harness import group, record_serving
 
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Replace uvicorn's serving loop by a record of what it was asked to serve."""
-    import uvicorn
-
-    calls: list[dict[str, Any]] = []
-
-    def run(self: Any, sockets: Any = None) -> None:
-        calls.append({"app": self.config.app, "sockets": sockets, "name": sockets[0].getsockname()})
-
-    monkeypatch.setattr(uvicorn.Server, "run", run)
-    return calls
+    return record_serving(monkeypatch)
 
 
 def test_serves_the_group_db_on_loopback(tmp_path: Path, served: list[dict[str, Any]]) -> None:

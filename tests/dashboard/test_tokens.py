@@ -18,17 +18,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import click
 import httpx
 import pytest
 from click.testing import CliRunner
 
 from stepwarden.clock import FakeClock
-from stepwarden.dashboard.command import dashboard
 from stepwarden.dashboard.security import Guard
 from stepwarden.dashboard.tokens import GuessLimiter, Throttled, bearer_credentials, configured_token
 from stepwarden.dashboard.web import create_app
 from stepwarden.store import Store, open_store
+
+from .command_harness import group, record_serving
 
 with warnings.catch_warnings():  # Starlette would rather use httpx2; httpx is what we have
     warnings.simplefilter("ignore")
@@ -137,30 +137,9 @@ def test_bearer_credentials() -> None:
     assert bearer_credentials("") is None
 
 
-def group() -> click.Group:
-    @click.group()
-    @click.option("--db")
-    @click.pass_context
-    def cli(ctx: click.Context, db: str | None) -> None:
-        ctx.ensure_object(dict)
-        ctx.obj["db"] = db
-
-    cli.add_command(dashboard)
-    return cli
-
-
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Replace uvicorn's serving loop by a record of the app it was asked to serve."""
-    import uvicorn
-
-    apps: list[Any] = []
-
-    def run(self: Any, sockets: Any = None) -> None:
-        apps.append(self.config.app)
-
-    monkeypatch.setattr(uvicorn.Server, "run", run)
-    return apps
+def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    return record_serving(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +151,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     ],
 )
 def test_the_command_strips_the_configured_token(
-    tmp_path: Path, served: list[Any], args: list[str], env: dict[str, str]
+    tmp_path: Path, served: list[dict[str, Any]], args: list[str], env: dict[str, str]
 ) -> None:
     url = f"sqlite:///{tmp_path / 'x.db'}"
     open_store(url).close()
@@ -180,7 +159,7 @@ def test_the_command_strips_the_configured_token(
     r = CliRunner().invoke(group(), ["--db", url, "dashboard", "--port", "0", *args], env=env)
     assert r.exit_code == 0, r.output
     assert "operator actions enabled" in r.output
-    app = served[0]
+    app = served[0]["app"]
     assert app.state.dashboard.guard.token == TOKEN
     with TestClient(app, base_url="http://127.0.0.1", follow_redirects=False) as c:  # loopback Host
         assert c.post(MISSING, headers=bearer(TOKEN)).status_code == 404
@@ -196,7 +175,7 @@ def test_the_command_strips_the_configured_token(
     ],
 )
 def test_the_command_refuses_a_blank_or_spaced_token_in_one_line(
-    tmp_path: Path, served: list[Any], args: list[str], env: dict[str, str], named: str
+    tmp_path: Path, served: list[dict[str, Any]], args: list[str], env: dict[str, str], named: str
 ) -> None:
     url = f"sqlite:///{tmp_path / 'x.db'}"
     open_store(url).close()
