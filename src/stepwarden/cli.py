@@ -7,49 +7,28 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import logging
 import os
 import signal
 import sys
-import time
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 from click.core import ParameterSource
 
 from . import __version__
-from .alerts import SINK_THREAD_PREFIX, ack_alert
+from .alerts import SINK_THREAD_PREFIX
 from .app import App
-from .cli_params import FiniteRange
+from .cli_params import FiniteRange, fail, open_for
+from .cli_views import COMMANDS
 from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
 from .logs import safe_text
-from .replies import Replies
-from .store import FINAL_TASK_STATES, TASK_STATES, Store, Tx, open_existing, open_store, resolve_url, views
-from .store import transitions as tr
-from .store.base import read_only
 from .supervisor import SupervisorSettings
 from .worker import ROLES, WorkerSettings, parse_list
-from .workflow import DEFAULT_MAX_INPUT_BYTES, check_key, check_name, parse_input
+from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
 
 log = logging.getLogger("stepwarden.cli")
-
-
-def fail(message: str) -> NoReturn:
-    """An operational failure (exit 1): one line, no traceback."""
-    raise click.ClickException(message)
-
-
-TABLE_ROWS = 100  # the tasks (or alerts) a table shows without --limit
-
-
-def _open(ctx: click.Context, *, create: bool = False) -> Store:
-    """Open the store; read and operator commands refuse to create one by accident."""
-    url = resolve_url(ctx.obj["db"])
-    store = open_store(url) if create else open_existing(url)
-    ctx.call_on_close(store.close)
-    return store
 
 
 def _quote(text: str, limit: int = 120) -> str:
@@ -90,10 +69,6 @@ def _load_app(ref: str) -> App:
     return obj
 
 
-def _print_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, default=str))
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--db",
@@ -128,11 +103,15 @@ def cli(ctx: click.Context, db: str | None, log_level: str, log_format: str) -> 
     configure_logging(log_level, log_format)
 
 
+for _command in COMMANDS:
+    cli.add_command(_command)
+
+
 @cli.command()
 @click.pass_context
 def init(ctx: click.Context) -> None:
     """Create or upgrade the schema (idempotent)."""
-    store = _open(ctx, create=True)
+    store = open_for(ctx, create=True)
     click.echo(f"store ready: {store.url}")
 
 
@@ -211,7 +190,7 @@ def worker(
             fail(f"cannot serve metrics on 127.0.0.1:{metrics_port} (--metrics-port): {e.strerror or e}")
         w.metrics = served.metrics
         click.echo(f"worker metrics on {served.url}", err=True)
-    app.use_store(_open(ctx, create=True))
+    app.use_store(open_for(ctx, create=True))
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -306,7 +285,7 @@ def submit(
         # Refused before the store is opened: --app creates and migrates it, and bad input writes nothing.
         known = ", ".join(sorted(app.workflows)) or "none"
         raise UnknownWorkflow(f"unknown workflow {workflow!r}; this app defines: {known}")
-    app.use_store(_open(ctx, create=app_ref is not None))
+    app.use_store(open_for(ctx, create=app_ref is not None))
     click.echo(
         app.submit(
             workflow,
@@ -317,268 +296,6 @@ def submit(
             reply_to=reply_to,
         )
     )
-
-
-@cli.command()
-@click.option("--state", type=click.Choice(TASK_STATES), default=None)
-@click.option(
-    "--correlation-id", default=None, metavar="ID", help="Only the tasks submitted with this correlation id."
-)
-@click.option("--limit", type=click.IntRange(1, 1_000_000_000), default=None)
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def tasks(
-    ctx: click.Context, state: str | None, correlation_id: str | None, limit: int | None, as_json: bool
-) -> None:
-    """List tasks and their steps, oldest first (a table shows the newest 100 unless --limit)."""
-    if correlation_id is not None:
-        check_key("correlation id", correlation_id)
-    store = _open(ctx)
-    if as_json or limit is not None:
-        rows = store.transact_sync(views.list_tasks, state, limit, correlation_id=correlation_id)
-        if as_json:
-            _print_json(rows)
-            return
-        total = len(rows)
-    else:  # a person reads the end of the list; --json (for scripts) keeps the whole of it
-
-        @read_only
-        def newest(tx: Tx) -> tuple[list[dict[str, Any]], int]:
-            rows = views.list_tasks(tx, state, TABLE_ROWS, correlation_id=correlation_id, newest=True)
-            more = len(rows) == TABLE_ROWS
-            return rows, views.count_tasks(tx, state, correlation_id) if more else len(rows)
-
-        rows, total = store.transact_sync(newest)
-    from .cli_render import tasks_table
-
-    tasks_table(rows, total)
-
-
-@cli.group()
-def task() -> None:
-    """Show, retry or cancel one task."""
-
-
-def _positive_id(kind: str, value: str) -> int:
-    if not (value.isascii() and value.isdigit()) or len(value) > 18 or int(value) < 1:
-        raise InputError(f"invalid {kind} {value[:40]!r}: expected a positive integer")
-    return int(value)
-
-
-def _task_id(value: str) -> int:
-    return _positive_id("task id", value)
-
-
-@task.command("show")
-@click.argument("task_id")
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def task_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
-    """A task with its steps, attempts and events."""
-    tid = _task_id(task_id)
-    view = _open(ctx).transact_sync(views.show_task, tid)
-    if as_json:
-        _print_json(view)
-        return
-    from .cli_render import task_detail
-
-    task_detail(view)
-
-
-@task.command("retry")
-@click.argument("task_id")
-@click.option("--step", default=None, help="Resume from this step (default: the failed one).")
-@click.pass_context
-def task_retry(ctx: click.Context, task_id: str, step: str | None) -> None:
-    """Resubmit an errored task from its failed step, after fixing the cause."""
-    tid = _task_id(task_id)
-    _open(ctx).transact_sync(tr.retry_task, tid, step, "cli")
-    click.echo(f"task {tid} is pending again")
-
-
-@task.command("cancel")
-@click.argument("task_id")
-@click.pass_context
-def task_cancel(ctx: click.Context, task_id: str) -> None:
-    """Cancel a task: it stops after its running step; the steps it started are compensated, newest first."""
-    tid = _task_id(task_id)
-    state = _open(ctx).transact_sync(tr.cancel_task, tid, "cli")
-    click.echo(f"task {tid}: cancel requested (now {state})")
-
-
-@cli.group(invoke_without_command=True)
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--unacked", is_flag=True, help="Only alerts not yet acknowledged.")
-@click.option("--limit", type=click.IntRange(1, 1_000_000_000), default=None)
-@click.pass_context
-def alerts(ctx: click.Context, as_json: bool, unacked: bool, limit: int | None) -> None:
-    """Operator alerts, oldest first (a table shows the newest 100 unless --limit); `alerts ack ID`
-    acknowledges one."""
-    if ctx.invoked_subcommand is not None:
-        return
-    store = _open(ctx)
-    if as_json or limit is not None:
-        rows = store.transact_sync(views.list_alerts, not unacked, limit)
-        if as_json:
-            _print_json(rows)
-            return
-        total = len(rows)
-    else:  # as `tasks`: a person reads the end of the list; --json (for scripts) keeps all of it
-
-        @read_only
-        def newest(tx: Tx) -> tuple[list[dict[str, Any]], int]:
-            rows = views.list_alerts(tx, not unacked, TABLE_ROWS, newest=True)
-            more = len(rows) == TABLE_ROWS
-            return rows, views.count_alerts(tx, not unacked) if more else len(rows)
-
-        rows, total = store.transact_sync(newest)
-    from .cli_render import alerts_table
-
-    alerts_table(rows, total)
-
-
-def _default_operator() -> str:
-    try:
-        import getpass
-
-        name = getpass.getuser()
-    except Exception:  # no user name in this environment
-        name = ""
-    return name if name and name.isprintable() and len(name) <= 255 else "cli"
-
-
-@alerts.command("ack")
-@click.argument("alert_id")
-@click.option("--by", default=None, help="Who acknowledges it (default: your user name).")
-@click.option("--json", "as_json", is_flag=True, help="Print the alert as JSON.")
-@click.pass_context
-def alerts_ack(ctx: click.Context, alert_id: str, by: str | None, as_json: bool) -> None:
-    """Acknowledge an alert (a second acknowledgement keeps the first)."""
-    aid = _positive_id("alert id", alert_id)
-    who = check_key("--by name", by) if by is not None else _default_operator()
-    alert, changed = _open(ctx).transact_sync(ack_alert, aid, who)
-    if as_json:
-        _print_json(alert)
-    elif changed:
-        click.echo(f"alert {aid} acknowledged by {alert['acked_by']}")
-    else:
-        click.echo(f"alert {aid} was already acknowledged by {alert['acked_by']} at {alert['acked_at']}")
-
-
-@cli.command()
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def leases(ctx: click.Context, as_json: bool) -> None:
-    """Leases (the supervisor's leadership) with holder, term and expiry."""
-    rows = _open(ctx).transact_sync(views.list_leases)
-    if as_json:
-        _print_json(rows)
-        return
-    from .cli_render import leases_table
-
-    leases_table(rows)
-
-
-@cli.command()
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--all", "include_stopped", is_flag=True, help="Include workers that stopped.")
-@click.pass_context
-def workers(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
-    """Worker processes: roles, agents, last heartbeat, circuit breaker states."""
-    rows = _open(ctx).transact_sync(views.list_workers, include_stopped)
-    if as_json:
-        _print_json(rows)
-        return
-    from .cli_render import workers_table
-
-    workers_table(rows)
-
-
-@cli.command()
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--all", "include_stopped", is_flag=True, help="Include instances of workers that stopped.")
-@click.pass_context
-def agents(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
-    """Agent breakers (shared by every instance) and agent instances: capacity, health, load."""
-    from .store import agents as store_agents
-
-    view = _open(ctx).transact_sync(store_agents.list_agents, include_stopped)
-    if as_json:
-        _print_json(view)
-        return
-    from .cli_render import agents_tables
-
-    agents_tables(view)
-
-
-@cli.command()
-@click.argument("task_id", required=False)
-@click.option("--reply-to", default=None, metavar="QUEUE", help="Follow a reply queue instead of one task.")
-@click.option(
-    "--consumer",
-    default=None,
-    metavar="NAME",
-    help="With --reply-to: a durable cursor; resume after the last message printed under this name.",
-)
-@click.option(
-    "--timeout",
-    type=FiniteRange(0.0, min_open=True),
-    default=None,
-    help="Stop after this many seconds (exit 1 if the task is not final by then).",
-)
-@click.pass_context
-def watch(
-    ctx: click.Context,
-    task_id: str | None,
-    reply_to: str | None,
-    consumer: str | None,
-    timeout: float | None,
-) -> None:
-    """Follow one task's events until it is final, or a reply queue's messages."""
-    if (task_id is None) == (reply_to is None):
-        raise InputError("give a task ID or --reply-to QUEUE (one of them)")
-    if consumer is not None and reply_to is None:
-        raise InputError("--consumer goes with --reply-to QUEUE")
-    if reply_to is not None:
-        check_name("reply queue", reply_to)
-        if consumer is not None:
-            check_name("consumer name", consumer)
-        _watch_queue(_open(ctx), reply_to, consumer, timeout)
-        return
-    tid = _task_id(task_id) if task_id is not None else 0
-    store = _open(ctx)
-    end = None if timeout is None else time.monotonic() + timeout
-    after = 0
-    while True:  # look at least once, however short the timeout
-        for e in store.transact_sync(views.events_after, tid, after):
-            after = e["id"]
-            detail = json.loads(e["detail"]) if e["detail"] else {}
-            line = f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items())
-            click.echo(safe_text(line))  # a reason or error from a service may hold ESC sequences
-        state = store.transact_sync(views.task_state, tid)
-        if state is None:
-            raise NotFound(f"no task {tid}")
-        if state in FINAL_TASK_STATES:
-            click.echo(f"task {tid} is {state}")
-            return
-        if end is not None and time.monotonic() >= end:
-            raise StepwardenError(f"task {tid} is still {state} after {timeout:g}s")  # exit 1, one line
-        time.sleep(0.2 if end is None else max(0.0, min(0.2, end - time.monotonic())))
-
-
-def _watch_queue(store: Store, queue: str, consumer: str | None, timeout: float | None) -> None:
-    """Print a reply queue's messages as they come (SCH8), each one line of JSON; with a consumer
-    name, each is acknowledged once printed, so a restart prints only what came after."""
-
-    async def follow() -> None:
-        stop = asyncio.Event()
-        if timeout is not None:
-            asyncio.get_running_loop().call_later(max(0.0, timeout), stop.set)
-        async with Replies(store, queue, consumer, stop=stop) as replies:
-            async for msg in replies:
-                click.echo(msg.raw)
-
-    asyncio.run(follow())
 
 
 @cli.command()

@@ -1,11 +1,44 @@
-"""Parameter types of the command line, kept apart so ``cli.py`` holds only the commands."""
+"""What the command line's modules share: parameter types, opening the store, printing JSON, ids.
+
+Kept apart so ``cli.py`` and ``cli_views.py`` hold only their commands."""
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 import click
+
+from .errors import InputError
+from .store import Store, open_existing, open_store, resolve_url
+
+TABLE_ROWS = 100  # the tasks (or alerts) a table shows without --limit
+
+
+def fail(message: str) -> NoReturn:
+    """An operational failure (exit 1): one line, no traceback."""
+    raise click.ClickException(message)
+
+
+def open_for(ctx: click.Context, *, create: bool = False) -> Store:
+    """Open the store of the command's ``--db``; read and operator commands refuse to create one
+    by accident. Closed when the command ends."""
+    url = resolve_url(ctx.obj["db"])
+    store = open_store(url) if create else open_existing(url)
+    ctx.call_on_close(store.close)
+    return store
+
+
+def print_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, default=str))
+
+
+def positive_id(kind: str, value: str) -> int:
+    """A task's or an alert's id as typed: digits only, at most 18 of them, at least 1."""
+    if not (value.isascii() and value.isdigit()) or len(value) > 18 or int(value) < 1:
+        raise InputError(f"invalid {kind} {value[:40]!r}: expected a positive integer")
+    return int(value)
 
 
 class FiniteRange(click.FloatRange):
