@@ -26,7 +26,7 @@ import inspect
 import logging
 import random
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound
 from .leader import Leadership
-from .policies import Backoff
+from .policies import Backoff, check_count, check_seconds, show
 from .store import Store
 from .store.base import Row, Tx
 from .store.transitions import event
@@ -117,14 +117,24 @@ def _sink_name(name: str) -> str:
 
 
 class _Sink:
+    """What every sink here checks when it is made: ``name`` 1-128 letters, digits, ``_ . : -``;
+    ``timeout`` a finite number of seconds more than 0 and at most 10**9 (about 31 years,
+    :data:`~stepwarden.policies.MAX_SECONDS`); ``backoff`` a :class:`Backoff` or None (the
+    default); ``max_attempts`` None (for ever) or an int from 1 to 2**31-1. Anything else (a
+    bool, text, nan, 1.5 attempts) raises :class:`~stepwarden.errors.InputError` naming the sink
+    and the setting: before, "5" failed every delivery with a TypeError, and nan or inf never
+    timed out."""
+
     def __init__(self, name: str, timeout: float, backoff: Backoff | None, max_attempts: int | None) -> None:
         check_name("alert sink name", name)
-        if timeout <= 0:
-            raise InputError("an alert sink's timeout must be positive")
-        if max_attempts is not None and max_attempts < 1:
-            raise InputError("an alert sink's max_attempts must be at least 1")
+        what = f"alert sink {name!r}:"
+        seconds = check_seconds(f"{what} timeout", timeout, above=True)
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise InputError(f"{what} backoff must be a stepwarden Backoff or None, not {show(backoff)}")
+        if max_attempts is not None:
+            max_attempts = check_count(f"{what} max_attempts", max_attempts, unit=" (or None)")
         self.name = name
-        self.timeout = timeout
+        self.timeout = seconds
         self.backoff = backoff or DEFAULT_BACKOFF
         self.max_attempts = max_attempts
 
@@ -144,6 +154,14 @@ class LogSink(_Sink):
         level: int = logging.WARNING,
     ) -> None:
         super().__init__(name, 5.0, None, None)
+        if logger is not None and not isinstance(logger, logging.Logger | logging.LoggerAdapter):
+            raise InputError(
+                f"alert sink {name!r}: logger must be a logging.Logger or None, not {show(logger)}"
+            )
+        if isinstance(level, bool) or not isinstance(level, int):
+            raise InputError(
+                f"alert sink {name!r}: level must be a logging level (an int), not {show(level)}"
+            )
         self.logger = logger or log
         self.level = level
 
@@ -176,9 +194,16 @@ class WebhookSink(_Sink):
         max_attempts: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InputError(f"a webhook URL must be text starting with http:// or https://, not {show(url)}")
         super().__init__(name, timeout, backoff, max_attempts)
-        if not url.startswith(("http://", "https://")):
-            raise InputError(f"a webhook URL must start with http:// or https://, not {url[:40]!r}")
+        if headers is not None and (
+            not isinstance(headers, Mapping)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+        ):
+            raise InputError(
+                f"alert sink {name!r}: headers must be a dict of text to text or None, not {show(headers)}"
+            )
         self.url = url
         self.headers = dict(headers or {})
         self.transport = transport
@@ -207,6 +232,10 @@ class CallableSink(_Sink):
         backoff: Backoff | None = None,
         max_attempts: int | None = None,
     ) -> None:
+        if not callable(fn):
+            raise InputError(
+                f"CallableSink fn must be a function of the alert (plain or async), not {show(fn)}"
+            )
         default = f"callable:{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
         super().__init__(name or _sink_name(default), timeout, backoff, max_attempts)
         self.fn = fn
@@ -254,7 +283,7 @@ class _OwnSink(_Sink):
         name = inner.name
         if not isinstance(name, str):
             raise InputError(f"alert sink {inner!r}: name must be a string")
-        super().__init__(name, float(timeout), backoff, max_attempts)
+        super().__init__(name, timeout, backoff, max_attempts)  # checked there: finite, > 0
         self.inner = inner
 
     async def send(self, alert: Alert) -> None:
@@ -361,7 +390,12 @@ def record_failed(tx: Tx, sink: str, alert_id: int, delay: float, give_up: bool,
 @dataclass(frozen=True)
 class AlertSettings:
     """``interval``: how often the leader looks for alerts to deliver; ``batch``: at most this many
-    per sink per round; ``max_age``: alerts older than this (seconds) are no longer sent."""
+    per sink per round; ``max_age``: alerts older than this (seconds) are no longer sent.
+
+    ``enabled`` is True or False; ``interval`` and ``max_age`` are finite numbers of seconds more
+    than 0 and at most 10**9 (about 31 years, :data:`~stepwarden.policies.MAX_SECONDS`);
+    ``batch`` is an int from 1 to 2**31-1. Anything else raises
+    :class:`~stepwarden.errors.InputError` naming the field."""
 
     enabled: bool = True
     interval: float = 1.0
@@ -369,8 +403,11 @@ class AlertSettings:
     max_age: float = 86400.0
 
     def __post_init__(self) -> None:
-        if self.interval <= 0 or self.batch < 1 or self.max_age <= 0:
-            raise ValueError(f"invalid alert settings {self!r}")
+        if not isinstance(self.enabled, bool):
+            raise InputError(f"AlertSettings.enabled must be True or False, not {show(self.enabled)}")
+        for name in ("interval", "max_age"):
+            check_seconds(f"AlertSettings.{name}", getattr(self, name), above=True)
+        object.__setattr__(self, "batch", check_count("AlertSettings.batch", self.batch))
 
 
 class AlertDispatcher:

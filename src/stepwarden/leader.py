@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .clock import SYSTEM_CLOCK, Clock
+from .errors import InputError
+from .policies import check_seconds, show
 from .store import Store
 
 log = logging.getLogger("stepwarden.leader")
@@ -27,7 +29,14 @@ LOST = "renewal refused: the lease is lost"
 
 @dataclass(frozen=True)
 class LeaseSettings:
-    """TTL is judged by the database; ``renew_every`` and ``retry_every`` are local pacing."""
+    """TTL is judged by the database; ``renew_every`` and ``retry_every`` are local pacing.
+
+    Every duration is a finite number of seconds (not a bool or text) more than 0 and at most
+    10**9 (about 31 years, :data:`~stepwarden.policies.MAX_SECONDS`), with ``margin`` below
+    ``ttl`` and ``renew_every`` below ``ttl - margin`` (the holder renews while it still trusts
+    its lease); ``take_from_dead`` is None or such a duration. Anything else raises
+    :class:`~stepwarden.errors.InputError` naming the field.
+    """
 
     ttl: float = 5.0
     renew_every: float = 1.0
@@ -41,12 +50,24 @@ class LeaseSettings:
     take_from_dead: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.margin < self.ttl:
-            raise ValueError("lease margin must be positive and below the TTL")
-        if not 0 < self.renew_every < self.ttl - self.margin:
-            raise ValueError("lease renew_every must be positive and below ttl - margin")
-        if self.retry_every <= 0 or self.stall_after <= 0:
-            raise ValueError("lease retry_every and stall_after must be positive")
+        for name in ("ttl", "renew_every", "retry_every", "margin", "stall_after"):
+            check_seconds(f"LeaseSettings.{name}", getattr(self, name), above=True)
+        if self.take_from_dead is not None:
+            check_seconds(
+                "LeaseSettings.take_from_dead",
+                self.take_from_dead,
+                above=True,
+                hint=" (or None, to wait for the lease to expire)",
+            )
+        if not self.margin < self.ttl:
+            raise InputError(
+                f"LeaseSettings.margin must be below ttl ({show(self.ttl)}), not {show(self.margin)}"
+            )
+        if not self.renew_every < self.ttl - self.margin:
+            raise InputError(
+                f"LeaseSettings.renew_every must be below ttl - margin ({show(self.ttl - self.margin)}),"
+                f" not {show(self.renew_every)}"
+            )
 
 
 class Leadership:

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
 from .logs import log_raised
+from .policies import check_count, check_seconds
 from .store import ApplyResult, RequestMsg, Store
 
 
@@ -37,6 +38,14 @@ log = logging.getLogger("stepwarden.scheduler")
 
 @dataclass(frozen=True)
 class SchedulerSettings:
+    """How the scheduler role paces its rounds.
+
+    ``batch`` (replies applied, and tasks claimed, per transaction) is an int from 1 to 2**31-1;
+    ``poll_interval`` and ``idle_poll_max`` are finite numbers of seconds more than 0, ``gather``
+    from 0, each at most 10**9 (about 31 years, :data:`~stepwarden.policies.MAX_SECONDS`).
+    Anything else (a bool, text, nan) raises :class:`~stepwarden.errors.InputError` naming the field.
+    """
+
     batch: int = 50
     poll_interval: float = 0.02
     idle_poll_max: float = 0.25
@@ -48,6 +57,12 @@ class SchedulerSettings:
     # much pickup latency to work arriving while the scheduler is busy; an idle scheduler still
     # starts at once when woken. 0: rounds back to back.
     gather: float = 0.005
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch", check_count("SchedulerSettings.batch", self.batch))
+        for name in ("poll_interval", "idle_poll_max"):
+            check_seconds(f"SchedulerSettings.{name}", getattr(self, name), above=True)
+        check_seconds("SchedulerSettings.gather", self.gather)
 
 
 class SchedulerRole:

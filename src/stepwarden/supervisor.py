@@ -15,14 +15,32 @@ from . import liveness
 from .clock import SYSTEM_CLOCK, Clock
 from .leader import Leadership
 from .logs import log_raised
+from .policies import check_count, check_number, check_seconds
 from .store import Store, SweepResult, transitions
 
 log = logging.getLogger("stepwarden.supervisor")
 LEASE = "supervisor"
 
 
+# The longest retention: 36500 days (100 years), as ``stepwarden worker --retention DAYS`` takes.
+# Above MAX_SECONDS, which bounds waits and times ahead: a retention only looks back (now - it).
+MAX_RETENTION = 36500 * 86400.0
+
+
 @dataclass(frozen=True)
 class SupervisorSettings:
+    """How the supervisor leader sweeps and prunes.
+
+    ``batch``, ``prune_batch`` and ``prune_rounds`` are ints from 1 to 2**31-1. ``interval`` and
+    ``dead_after`` are finite numbers of seconds more than 0, ``prune_every`` from 0 (0: at every
+    sweep), each at most 10**9 (about 31 years, :data:`~stepwarden.policies.MAX_SECONDS`);
+    ``retention`` is None (keep everything) or more than 0 and at most :data:`MAX_RETENTION`
+    (36500 days). ``dead_after`` must also be at least twice the worker's heartbeat, which
+    :class:`~stepwarden.worker.WorkerSettings` checks (with the 1 s heartbeat of ``stepwarden
+    worker``, the 2 s minimum of its ``--dead-after``). Anything else (a bool, text, nan) raises
+    :class:`~stepwarden.errors.InputError` naming the field.
+    """
+
     interval: float = 1.0
     batch: int = 200
     # A worker silent for this long (no heartbeat) is presumed dead: its in-flight steps are
@@ -35,6 +53,22 @@ class SupervisorSettings:
     prune_every: float = 10.0
     prune_batch: int = 500
     prune_rounds: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "prune_batch", "prune_rounds"):
+            object.__setattr__(self, name, check_count(f"SupervisorSettings.{name}", getattr(self, name)))
+        for name in ("interval", "dead_after"):
+            check_seconds(f"SupervisorSettings.{name}", getattr(self, name), above=True)
+        check_seconds("SupervisorSettings.prune_every", self.prune_every, hint=" (0: at every sweep)")
+        if self.retention is not None:
+            check_number(
+                "SupervisorSettings.retention",
+                self.retention,
+                above=True,
+                high=MAX_RETENTION,
+                unit=" of seconds",
+                hint=" (36500 days; None keeps every finished task)",
+            )
 
 
 class Supervisor:

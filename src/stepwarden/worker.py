@@ -11,7 +11,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,7 @@ from .agent import STOP_WRITE_WAIT, Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
+from .policies import check_count, check_seconds, show
 from .scheduler import SchedulerRole, SchedulerSettings
 from .store import ApplyResult, Store
 from .store.base import WORK_CHANNELS
@@ -45,6 +46,19 @@ def make_identity(name: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class WorkerSettings:
+    """What a worker process runs, and how.
+
+    ``roles`` and ``agents`` are sequences of names (``("scheduler", "agent")``); a name given
+    twice counts once. Plain text is refused, even one name: ``roles="scheduler"`` was read as
+    the roles 's', 'c', 'h', ...; the comma-separated form belongs to the command line, which
+    splits ``--roles``/``--agents`` with :func:`parse_list` before it makes these settings.
+    ``concurrency`` is None or an int from 1 to 10000; ``name`` a worker name (see
+    :func:`make_identity`); ``heartbeat`` a finite number of seconds more than 0 and at most half
+    the supervisor's ``dead_after``; ``scheduler``, ``agent``, ``supervisor``, ``lease`` and
+    ``alerts`` are the settings classes of those parts. Anything else raises
+    :class:`~stepwarden.errors.InputError` naming the field.
+    """
+
     roles: tuple[str, ...] = ROLES
     agents: tuple[str, ...] | None = None
     concurrency: int | None = None
@@ -59,21 +73,58 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         # A name given twice (``--roles scheduler,scheduler``) means it once; heartbeats, logs and
         # the dashboard then show each role and agent once.
-        object.__setattr__(self, "roles", tuple(dict.fromkeys(self.roles)))
+        object.__setattr__(self, "roles", _names("roles", self.roles, "role"))
         if self.agents is not None:
-            object.__setattr__(self, "agents", tuple(dict.fromkeys(self.agents)))
+            object.__setattr__(self, "agents", _names("agents", self.agents, "agent"))
         bad = [r for r in self.roles if r not in ROLES]
         if bad or not self.roles:
             shown = ", ".join(repr(r)[:40] for r in bad) or "(none)"
             raise InputError(f"unknown role(s) {shown}: choose from {', '.join(ROLES)}")
         if self.agents is not None and not self.agents:
             raise InputError("--agents names no agent: give a comma-separated list, or leave it out for all")
-        if self.concurrency is not None and not 1 <= self.concurrency <= 10_000:
-            raise InputError("concurrency must be between 1 and 10000")
+        if self.concurrency is not None:
+            count = check_count("WorkerSettings.concurrency", self.concurrency, high=10_000)
+            object.__setattr__(self, "concurrency", count)
         if self.name is not None:
             check_ident("worker name", self.name)
-        if not 0 < 2 * self.heartbeat <= self.supervisor.dead_after:
-            raise InputError("the heartbeat must be positive and at most half the supervisor's dead_after")
+        for part, kind in _PARTS.items():
+            value = getattr(self, part)
+            if not isinstance(value, kind):
+                raise InputError(f"WorkerSettings.{part} must be {kind.__name__}, not {show(value)}")
+        check_seconds("WorkerSettings.heartbeat", self.heartbeat, above=True)
+        if not 2 * self.heartbeat <= self.supervisor.dead_after:
+            raise InputError(
+                "WorkerSettings.heartbeat must be at most half the supervisor's dead_after"
+                f" ({show(self.supervisor.dead_after)} s), not {show(self.heartbeat)}"
+            )
+
+
+# The settings of a worker's parts, by field: each must be its class (a dict of its fields was
+# taken, and failed later with an AttributeError).
+_PARTS: dict[str, type] = {
+    "scheduler": SchedulerSettings,
+    "agent": AgentSettings,
+    "supervisor": SupervisorSettings,
+    "lease": LeaseSettings,
+    "alerts": AlertSettings,
+}
+
+
+def _names(field: str, value: object, kind: str) -> tuple[str, ...]:
+    """``roles`` or ``agents`` as a tuple of names, each once, in the order given. Text is refused,
+    not split into letters; so is what is not a collection of text (a number, None, bytes)."""
+    if isinstance(value, str):
+        split = parse_list(value)
+        how = f": write {show(split)}, as --{field} reads it (worker.parse_list)" if split else ""
+        raise InputError(
+            f"WorkerSettings.{field} must be a sequence of {kind} names, not the text {show(value)}{how}"
+        )
+    names = tuple(value) if isinstance(value, Iterable) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise InputError(
+            f"WorkerSettings.{field} must be a sequence of {kind} names (text), not {show(value)}"
+        )
+    return tuple(dict.fromkeys(names))
 
 
 class Worker:

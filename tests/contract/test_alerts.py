@@ -365,8 +365,8 @@ def test_an_object_with_a_name_and_send_is_a_sink_with_the_defaults(store: Store
         ({"name": "bad name!"}, "alert sink name"),
         ({"name": 7}, "name must be a string"),
         ({"timeout": "5"}, "timeout must be a number"),
-        ({"timeout": 0}, "timeout must be positive"),
-        ({"max_attempts": 0}, "max_attempts must be at least 1"),
+        ({"timeout": 0}, "timeout must be a finite number of seconds more than 0 .*, not 0$"),
+        ({"max_attempts": 0}, r"max_attempts must be a whole number \(or None\) from 1 .*, not 0$"),
         ({"backoff": 3}, "backoff must be a stepwarden Backoff"),
     ],
 )
