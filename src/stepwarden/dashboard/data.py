@@ -107,15 +107,8 @@ def task_detail(tx: Tx, task_id: int) -> dict[str, Any]:
 
 @read_only
 def alert_list(tx: Tx, unacked_only: bool) -> dict[str, Any]:
-    sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
-    if unacked_only:
-        sql += " WHERE acked_at IS NULL"
-    rows = tx.sql(sql + " ORDER BY id DESC LIMIT ?", (PAGE * 4,))
-    unacked = int(tx.sql("SELECT COUNT(*) AS n FROM alerts WHERE acked_at IS NULL")[0]["n"])
-    return {
-        "alerts": [dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"])) for a in rows],
-        "unacked": unacked,
-    }
+    newest = views.list_alerts(tx, not unacked_only, PAGE * 4, newest=True)
+    return {"alerts": newest[::-1], "unacked": views.count_alerts(tx, include_acked=False)}  # newest first
 
 
 def ack_alert(tx: Tx, alert_id: int, actor: str) -> bool:
@@ -186,7 +179,7 @@ def overview(tx: Tx) -> dict[str, Any]:
         for r in tx.sql("SELECT agent, COUNT(*) AS n FROM requests WHERE state = 'queued' GROUP BY agent")
     }
     unapplied = int(tx.sql("SELECT COUNT(*) AS n FROM replies WHERE status = 'new'")[0]["n"])
-    unacked = int(tx.sql("SELECT COUNT(*) AS n FROM alerts WHERE acked_at IS NULL")[0]["n"])
+    unacked = views.count_alerts(tx, include_acked=False)
     leases = views.list_leases(tx)
     workers = views.list_workers(tx)
     # The breakers are shared by every instance of an agent: one entry per agent, with who opened it.
