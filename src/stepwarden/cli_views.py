@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -22,6 +23,44 @@ from .store import FINAL_TASK_STATES, TASK_STATES, Store, Tx, views
 from .store import transitions as tr
 from .store.base import read_only
 from .workflow import check_key, check_name
+
+
+def _show(view: Any, as_json: bool, table: str, *more: Any) -> None:
+    """Print ``view`` as JSON, or as the table ``cli_render.<table>(view, *more)`` draws (rich is
+    imported only when a person reads the output)."""
+    if as_json:
+        print_json(view)
+        return
+    from . import cli_render
+
+    getattr(cli_render, table)(view, *more)
+
+
+Rows = list[dict[str, Any]]
+
+
+def _list(
+    ctx: click.Context,
+    as_json: bool,
+    limit: int | None,
+    table: str,
+    rows_of: Callable[[Tx, int | None, bool], Rows],
+    count: Callable[[Tx], int],
+) -> None:
+    """A list command: every row for --json (scripts keep the whole list), the first ``limit``,
+    or in a table the newest TABLE_ROWS and how many there are in all (a person reads the end of
+    the list). ``rows_of(tx, limit, newest)`` reads the rows, ``count(tx)`` counts them."""
+
+    @read_only
+    def read(tx: Tx) -> tuple[Rows, int]:
+        if as_json or limit is not None:
+            rows = rows_of(tx, limit, False)
+            return rows, len(rows)
+        rows = rows_of(tx, TABLE_ROWS, True)
+        return rows, count(tx) if len(rows) == TABLE_ROWS else len(rows)
+
+    rows, total = open_for(ctx).transact_sync(read)
+    _show(rows, as_json, table, total)
 
 
 @click.command()
@@ -38,25 +77,14 @@ def tasks(
     """List tasks and their steps, oldest first (a table shows the newest 100 unless --limit)."""
     if correlation_id is not None:
         check_key("correlation id", correlation_id)
-    store = open_for(ctx)
-    if as_json or limit is not None:
-        rows = store.transact_sync(views.list_tasks, state, limit, correlation_id=correlation_id)
-        if as_json:
-            print_json(rows)
-            return
-        total = len(rows)
-    else:  # a person reads the end of the list; --json (for scripts) keeps the whole of it
-
-        @read_only
-        def newest(tx: Tx) -> tuple[list[dict[str, Any]], int]:
-            rows = views.list_tasks(tx, state, TABLE_ROWS, correlation_id=correlation_id, newest=True)
-            more = len(rows) == TABLE_ROWS
-            return rows, views.count_tasks(tx, state, correlation_id) if more else len(rows)
-
-        rows, total = store.transact_sync(newest)
-    from .cli_render import tasks_table
-
-    tasks_table(rows, total)
+    _list(
+        ctx,
+        as_json,
+        limit,
+        "tasks_table",
+        lambda tx, n, newest: views.list_tasks(tx, state, n, correlation_id=correlation_id, newest=newest),
+        lambda tx: views.count_tasks(tx, state, correlation_id),
+    )
 
 
 @click.group()
@@ -75,13 +103,7 @@ def _task_id(value: str) -> int:
 def task_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """A task with its steps, attempts and events."""
     tid = _task_id(task_id)
-    view = open_for(ctx).transact_sync(views.show_task, tid)
-    if as_json:
-        print_json(view)
-        return
-    from .cli_render import task_detail
-
-    task_detail(view)
+    _show(open_for(ctx).transact_sync(views.show_task, tid), as_json, "task_detail")
 
 
 @task.command("retry")
@@ -115,25 +137,14 @@ def alerts(ctx: click.Context, as_json: bool, unacked: bool, limit: int | None) 
     acknowledges one."""
     if ctx.invoked_subcommand is not None:
         return
-    store = open_for(ctx)
-    if as_json or limit is not None:
-        rows = store.transact_sync(views.list_alerts, not unacked, limit)
-        if as_json:
-            print_json(rows)
-            return
-        total = len(rows)
-    else:  # as `tasks`: a person reads the end of the list; --json (for scripts) keeps all of it
-
-        @read_only
-        def newest(tx: Tx) -> tuple[list[dict[str, Any]], int]:
-            rows = views.list_alerts(tx, not unacked, TABLE_ROWS, newest=True)
-            more = len(rows) == TABLE_ROWS
-            return rows, views.count_alerts(tx, not unacked) if more else len(rows)
-
-        rows, total = store.transact_sync(newest)
-    from .cli_render import alerts_table
-
-    alerts_table(rows, total)
+    _list(
+        ctx,
+        as_json,
+        limit,
+        "alerts_table",
+        lambda tx, n, newest: views.list_alerts(tx, not unacked, n, newest),
+        lambda tx: views.count_alerts(tx, not unacked),
+    )
 
 
 def _default_operator() -> str:
@@ -169,13 +180,7 @@ def alerts_ack(ctx: click.Context, alert_id: str, by: str | None, as_json: bool)
 @click.pass_context
 def leases(ctx: click.Context, as_json: bool) -> None:
     """Leases (the supervisor's leadership) with holder, term and expiry."""
-    rows = open_for(ctx).transact_sync(views.list_leases)
-    if as_json:
-        print_json(rows)
-        return
-    from .cli_render import leases_table
-
-    leases_table(rows)
+    _show(open_for(ctx).transact_sync(views.list_leases), as_json, "leases_table")
 
 
 @click.command()
@@ -184,13 +189,7 @@ def leases(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def workers(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
     """Worker processes: roles, agents, last heartbeat, circuit breaker states."""
-    rows = open_for(ctx).transact_sync(views.list_workers, include_stopped)
-    if as_json:
-        print_json(rows)
-        return
-    from .cli_render import workers_table
-
-    workers_table(rows)
+    _show(open_for(ctx).transact_sync(views.list_workers, include_stopped), as_json, "workers_table")
 
 
 @click.command()
@@ -201,13 +200,7 @@ def agents(ctx: click.Context, as_json: bool, include_stopped: bool) -> None:
     """Agent breakers (shared by every instance) and agent instances: capacity, health, load."""
     from .store import agents as store_agents
 
-    view = open_for(ctx).transact_sync(store_agents.list_agents, include_stopped)
-    if as_json:
-        print_json(view)
-        return
-    from .cli_render import agents_tables
-
-    agents_tables(view)
+    _show(open_for(ctx).transact_sync(store_agents.list_agents, include_stopped), as_json, "agents_tables")
 
 
 @click.command()
