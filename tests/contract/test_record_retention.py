@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from stepwarden.alerts import record_delivered
+from stepwarden.alerts import expire, record_delivered
 from stepwarden.clock import FakeClock
 from stepwarden.errors import LostOwnership
 from stepwarden.store import Store, open_store
@@ -220,5 +220,33 @@ def test_on_postgres_an_alert_being_delivered_and_its_prune_never_leave_a_delive
         late.join(10)
         assert not late.is_alive()
         assert count(store, "alert_deliveries") == 0 and count(store, "alerts") == 0
+    finally:
+        store.close()
+
+
+def test_on_postgres_an_expired_alert_pruned_meanwhile_gets_no_give_up_row(
+    pg_url: str, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """The give-up of alerts past max_age reads them locked: one the prune has deleted but not yet
+    committed is waited for and then left out, not given a delivery row that outlives it."""
+    store = open_store(pg_url, clock=clock)
+    try:
+        failed_task(store, make_workflow())
+        alert_id = int(store.transact_sync(lambda tx: tx.sql("SELECT id FROM alerts"))[0]["id"])
+        store.transact_sync(lambda tx: tx.run("alert_sink_register", name="hook"))
+        clock.advance(2 * DAY)
+        with psycopg.connect(pg_url) as pruning:
+            pruning.execute("SELECT id FROM alerts WHERE id = %s FOR UPDATE", (alert_id,))
+            pruning.execute("DELETE FROM alerts WHERE id = %s", (alert_id,))
+            found: list[dict[str, list[int]]] = []
+            late = threading.Thread(
+                target=lambda: found.append(store.transact_sync(expire, ["hook"], 10, DAY, SUP)), daemon=True
+            )
+            late.start()
+            wait_for_lock_waiter(pg_url)
+            pruning.commit()
+        late.join(10)
+        assert found == [{}]
+        assert count(store, "alert_deliveries") == 0
     finally:
         store.close()

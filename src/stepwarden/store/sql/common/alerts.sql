@@ -46,6 +46,7 @@ FROM alert_deliveries WHERE alert_id BETWEEN :lo AND :hi ORDER BY alert_id, sink
 -- name: alerts_expired
 -- The alerts a sink has not delivered and no longer tries (older than the age limit), each to get
 -- its give-up recorded: else `alerts` shows a retry time long past, as if one were still coming.
+-- PostgreSQL holds them against the prune as alert_hold does (see its override).
 SELECT a.id FROM alert_sinks s
 JOIN alerts a ON a.created_at >= s.since
 LEFT JOIN alert_deliveries d ON d.sink = s.name AND d.alert_id = a.id
