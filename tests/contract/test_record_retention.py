@@ -94,6 +94,29 @@ def test_workers_silent_past_the_retention_go_with_their_agent_instances(
     assert count(store, "steps WHERE task_id = ?", task_id) == 3
 
 
+def test_a_worker_pruned_while_stalled_registers_again_at_its_next_beat(
+    store: Store, clock: FakeClock
+) -> None:
+    """A worker stopped (SIGSTOP) past the retention is pruned like a dead one. When it resumes,
+    its next heartbeat brings back its worker row and its agent instances, with their load, so
+    operators see its capacity again without a restart."""
+    term = lease(store)
+    worker(store, OLD)
+    clock.advance(2 * DAY)
+    assert prune_records(store, term)["agent_instances"] == 1
+
+    asyncio.run(store.worker_beat(OLD, ["agent"], ["svc"], load={"svc": (4, 3)}))
+
+    assert count(store, "workers WHERE id = ? AND stopped_at IS NULL", OLD) == 1
+    rows = store.transact_sync(
+        lambda tx: tx.sql(
+            "SELECT capacity, inflight, healthy, heartbeat_at FROM agent_instances WHERE worker = ?", (OLD,)
+        )
+    )
+    assert [(r["capacity"], r["inflight"], r["healthy"]) for r in rows] == [(4, 3, 1)]
+    assert float(rows[0]["heartbeat_at"]) >= clock.wall() - 1
+
+
 def test_events_with_no_task_and_ended_lease_terms_go_by_age(
     store: Store, clock: FakeClock, make_workflow: Factory
 ) -> None:

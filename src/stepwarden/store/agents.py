@@ -128,9 +128,15 @@ def register(tx: Tx, me: str, specs: Sequence[InstanceSpec]) -> None:
 
 
 def beat(tx: Tx, me: str, load: dict[str, tuple[int, int]]) -> None:
-    """Heartbeat: ``{agent: (capacity, inflight)}``."""
+    """Heartbeat: ``{agent: (capacity, inflight)}``. An instance whose row is gone registers
+    again: a worker stalled (SIGSTOP, a suspended VM) past the record retention had its rows
+    pruned as a dead worker's, and without them its capacity and health would stay invisible to
+    operators until it restarted (its worker row comes back the same way, ``worker_beat``)."""
     for agent, (capacity, inflight) in load.items():
-        tx.run("agent_instance_beat", worker=me, agent=agent, capacity=capacity, inflight=inflight)
+        row = {"worker": me, "agent": agent, "capacity": capacity, "inflight": inflight}
+        if tx.run("agent_instance_beat", **row) == 0:
+            tx.run("agent_instance_upsert", worker=me, agent=agent, capacity=capacity)
+            tx.run("agent_instance_beat", **row)
 
 
 def stop(tx: Tx, me: str) -> None:
