@@ -1,4 +1,4 @@
-"""``stepwarden [--db URL] dashboard [--host 127.0.0.1] [--port 8080] [--token TOKEN]``.
+"""``stepwarden [--db URL] dashboard [--host 127.0.0.1] [--port 8080] [--token TOKEN | --token-file PATH]``.
 
 Only click is imported at module level, so the CLI loads without the ``dashboard`` extra and
 this command can say what to install.
@@ -16,7 +16,7 @@ import click
 
 from ..errors import InputError, StepwardenError
 from ..store import open_existing
-from .tokens import configured_token
+from .tokens import configured_token, read_token_file, weak_token_warning
 
 log = logging.getLogger("stepwarden.dashboard")
 # Host names a dashboard listening on a loopback address answers to (DNS-rebinding defence).
@@ -56,6 +56,28 @@ def check_token(ctx: click.Context, param: click.Parameter, value: str | None) -
         raise click.BadParameter(str(e), ctx=ctx, param=param, param_hint=hint) from None
 
 
+def resolve_token(
+    ctx: click.Context, token: str | None, token_file: str | None
+) -> tuple[str | None, list[str]]:
+    """The one operator token from ``--token``/``STEPWARDEN_DASHBOARD_TOKEN`` or ``--token-file``/
+    ``STEPWARDEN_DASHBOARD_TOKEN_FILE``, and warnings to print. Both at once is refused rather than
+    one silently winning: an operator who rotated the file would keep the old token."""
+    warnings: list[str] = []
+    if token_file is not None and token_file != "":
+        if token is not None:
+            raise click.UsageError(
+                "give the operator token once: --token (or STEPWARDEN_DASHBOARD_TOKEN) or --token-file"
+                " (or STEPWARDEN_DASHBOARD_TOKEN_FILE), not both",
+                ctx=ctx,
+            )
+        try:
+            token, warnings = read_token_file(token_file)
+        except InputError as e:
+            raise click.BadParameter(str(e), ctx=ctx, param_hint="'--token-file'") from None
+    weak = weak_token_warning(token)
+    return token, [*warnings, *([weak] if weak else [])]
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A bound socket (port 0 picks a free one), so the real address can be printed before serving."""
     try:
@@ -88,6 +110,13 @@ def bind(host: str, port: int) -> socket.socket:
     "without one the dashboard is read-only). Prefer the environment variable: a command line is visible.",
 )
 @click.option(
+    "--token-file",
+    envvar="STEPWARDEN_DASHBOARD_TOKEN_FILE",
+    default=None,
+    metavar="PATH",
+    help="Read the operator token from this file (a Docker or systemd secret; mode 600), instead of --token.",
+)
+@click.option(
     "--public-origin",
     default=None,
     metavar="URL",
@@ -103,9 +132,16 @@ def bind(host: str, port: int) -> socket.socket:
 )
 @click.pass_context
 def dashboard(
-    ctx: click.Context, host: str, port: int, token: str | None, public_origin: str | None, poll: float
+    ctx: click.Context,
+    host: str,
+    port: int,
+    token: str | None,
+    token_file: str | None,
+    public_origin: str | None,
+    poll: float,
 ) -> None:
     """Serve the web dashboard: tasks, timelines, alerts, leases, workers, metrics (OPS5, OPS6)."""
+    token, warnings = resolve_token(ctx, token, token_file)
     try:
         import uvicorn
 
@@ -125,6 +161,8 @@ def dashboard(
         public_origin = check_public_origin(public_origin)
     loopback = is_loopback(host)
     sock = bind(host, port)  # a host or port that cannot work is one error line, with no warning first
+    for line in warnings:
+        click.echo(f"warning: {line}", err=True)
     if not loopback:
         click.echo(
             f"warning: listening on {host}, beyond this machine; "

@@ -1,12 +1,13 @@
 """The operator token: the one rule for what a token is, and the limit on guessing it.
 
 **The rule.** A token is compared without its surrounding whitespace, wherever it comes from: the
-configured one (``--token``, ``STEPWARDEN_DASHBOARD_TOKEN``, a value read from a file, with its
-trailing newline), the ``Authorization: Bearer`` header (spaces or tabs around it), and the sign-in
-form (a pasted value with spaces around it). A configured token must then be printable ASCII with
-no space or control character inside (a Bearer header cannot carry anything else intact), else the
-dashboard refuses to start, with one line saying why and never the token itself. An empty value
-means no token: the dashboard is read-only.
+configured one (``--token``, ``STEPWARDEN_DASHBOARD_TOKEN``, or ``--token-file``: a value read from
+a file, with its trailing newline), the ``Authorization: Bearer`` header (spaces or tabs around
+it), and the sign-in form (a pasted value with spaces around it). A configured token must then be
+printable ASCII with no space or control character inside (a Bearer header cannot carry anything
+else intact), else the dashboard refuses to start, with one line saying why and never the token
+itself. An empty value means no token: the dashboard is read-only. One shorter than 16 characters
+is accepted with a warning.
 
 **The limit.** A pause after each wrong token does not slow guesses sent in parallel, and a pause
 taken in turn holds every waiting request (unbounded memory), while the right token, answered at
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import stat
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +37,15 @@ from typing import NoReturn
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError
 
-__all__ = ["GuessLimiter", "Throttled", "bearer_credentials", "configured_token", "presented_token"]
+__all__ = [
+    "GuessLimiter",
+    "Throttled",
+    "bearer_credentials",
+    "configured_token",
+    "presented_token",
+    "read_token_file",
+    "weak_token_warning",
+]
 
 log = logging.getLogger("stepwarden.dashboard")
 
@@ -62,6 +73,64 @@ def configured_token(value: str | None) -> str | None:
             "control character inside (a Bearer header cannot carry them)"
         )
     return token
+
+
+# At the limiter's 4 checks a second a token is tried ~350,000 times a day: a word or a short
+# string can be guessed, 16 random characters cannot.
+MIN_LENGTH = 16
+MAX_FILE_BYTES = 4096  # a token file holds one token; more is the wrong file
+
+
+def weak_token_warning(token: str | None) -> str | None:
+    """A warning line for a configured token short enough to guess (it is still accepted: the
+    operator may have reasons, and refusing would turn an upgrade into an outage)."""
+    if token is None or len(token) >= MIN_LENGTH:
+        return None
+    return (
+        f"the operator token has {len(token)} characters; one of {MIN_LENGTH} or more random characters"
+        " cannot be guessed: python -c 'import secrets; print(secrets.token_urlsafe())'"
+    )
+
+
+def read_token_file(path: str) -> tuple[str, list[str]]:
+    """The token in a file (a Docker or systemd secret, ``--token-file <(pass show ...)``), and
+    warnings about the file. Unlike an empty ``--token``, a file that holds no token is an error:
+    naming a file says a token was meant. Pipes are read too (process substitution); only a regular
+    file's mode is checked, and one that other users may read or write is warned about, as ssh does
+    for a key. Raises InputError, whose message never holds the file's content."""
+    try:
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            data = f.read(MAX_FILE_BYTES + 1)
+    except IsADirectoryError:
+        raise InputError(f"the token file {path} is a directory") from None
+    except OSError as e:
+        raise InputError(f"cannot read the token file {path}: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise InputError(
+            f"the token file {path} is longer than {MAX_FILE_BYTES} bytes: is it the right file?"
+        )
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise InputError(
+            f"the token file {path} holds non-ASCII bytes; the operator token may hold only printable"
+            " ASCII characters"
+        ) from None
+    if not text.strip():
+        raise InputError(f"the token file {path} holds no token (it is empty or only whitespace)")
+    try:
+        token = configured_token(text)
+    except InputError as e:
+        raise InputError(f"the token file {path}: {e}") from None
+    assert token is not None  # not blank, checked above
+    warnings = []
+    if stat.S_ISREG(info.st_mode) and info.st_mode & 0o077:
+        warnings.append(
+            f"the token file {path} is open to other users (mode {stat.S_IMODE(info.st_mode):04o});"
+            f" chmod 600 {path}"
+        )
+    return token, warnings
 
 
 def bearer_credentials(header: str) -> str | None:
