@@ -235,8 +235,14 @@ class App:
         The block must not end the transaction itself (``COMMIT`` or ``ROLLBACK``, in SQL or on
         the connection): that raises :class:`StoreError` (at once through ``tx.execute``, else at
         the next ``tx.submit`` or when the block ends), and nothing of stepwarden's is written
-        after it. A PostgreSQL transaction aborted by a failed statement that the block caught
-        raises it too when the block ends: it could commit nothing. On SQLite a block inside
+        after it. On PostgreSQL, SQL sent on the connection after such an end begins a new
+        transaction, in which later submissions are written: that is found when the block ends,
+        by the transaction's id, and raises :class:`StoreError` naming the tasks the end
+        committed apart from the rest (a lent connection's new transaction is rolled back). With
+        your own ``sqlite3`` connection in its default mode (it begins a transaction before a
+        write) the same sequence is not found: SQLite has no transaction id to compare. A
+        PostgreSQL transaction aborted by a failed statement that the block caught raises it too
+        when the block ends: it could commit nothing. On SQLite a block inside
         another one on the same database in the same thread is refused at once
         (:class:`InputError`): it would wait for the write lock the outer block holds.
         """
@@ -253,7 +259,7 @@ class App:
         with store.lend() as conn:
             store.begin(conn)
             tx = store.tx_on(conn)
-            block = AppTransaction(self, conn, tx)
+            block = AppTransaction(self, conn, tx, lent=True)
             try:
                 yield block
                 block._check_end()
@@ -378,8 +384,9 @@ class App:
 class AppTransaction:
     """The caller's open transaction: run their SQL and submit tasks; all commit or none."""
 
-    def __init__(self, app: App, conn: Any, tx: Tx) -> None:
+    def __init__(self, app: App, conn: Any, tx: Tx, *, lent: bool = False) -> None:
         self.app = app
+        self._lent = lent  # the store's connection: whatever the block leaves open is rolled back
         self.connection = conn
         self._tx = tx
         # Whether the block's transaction has begun (psycopg begins one with the first statement,
@@ -388,6 +395,10 @@ class AppTransaction:
         self._opened = app.store.in_transaction(conn)
         self._submitted: list[int] = []  # the tasks this block created
         self._reported = False  # the end was raised as a StoreError already
+        # PostgreSQL: the id of the transaction the block's first submission wrote in. psycopg
+        # begins a new transaction with the first statement after a COMMIT, so one ended on the
+        # connection and followed by more SQL looks open again; a different id at the end says so.
+        self._xact: str | None = None
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         """Your SQL in this transaction, with the driver's placeholders (``?`` sqlite3, ``%s`` psycopg).
@@ -443,7 +454,13 @@ class AppTransaction:
         self._opened = self._opened or self._open_now()
         if created:
             self._submitted.append(task_id)
+            if self._xact is None and self.app.store.dialect == "postgres":
+                self._xact = self._current_xact()  # one round trip per block, not per submission
         return task_id
+
+    def _current_xact(self) -> str | None:
+        row = self._tx.sql("SELECT pg_current_xact_id_if_assigned()::text AS x")[0]
+        return None if row["x"] is None else str(row["x"])
 
     def _open_now(self) -> bool:
         return self.app.store.in_transaction(self.connection)
@@ -458,6 +475,33 @@ class AppTransaction:
             )
         if self._opened and not self._open_now():
             raise self._ended_error()
+        if self._xact is not None and self._current_xact() != self._xact:
+            raise self._restarted_error()
+
+    def _restarted_error(self) -> StoreError:
+        """The transaction was ended on the connection and a later statement began another: what
+        the first one committed is committed apart from the rest of the block, and the tasks
+        written since are in the new one (a row's ``xmin`` is the transaction that wrote it)."""
+        self._reported = True
+        rows = self._tx.sql(
+            "SELECT id, xmin = pg_current_xact_id_if_assigned()::xid AS since FROM tasks"
+            " WHERE id = ANY(?) ORDER BY id",
+            (self._submitted,),
+        )
+        before = [int(r["id"]) for r in rows if not r["since"]]
+        since = [int(r["id"]) for r in rows if r["since"]]
+        what = (
+            "the transaction was ended inside the block (COMMIT or ROLLBACK on the connection) and a"
+            " later statement began a new one"
+        )
+        if before:
+            what += f"; the first committed {_tasks(before)} apart from the rest of the block"
+        else:
+            what += "; the first committed none of the block's tasks"
+        if since:
+            where = "rolled back with it" if self._lent else "left in it for you to roll back"
+            what += f"; {_tasks(since)}, written in the new transaction, {where}"
+        return StoreError(what)
 
     def _ended_error(self) -> StoreError:
         self._reported = True
@@ -475,8 +519,7 @@ class AppTransaction:
             return f"{what}; whether it committed the tasks submitted before it ({ids}) is unknown: {e!r}"
         if not committed:
             return f"{what}; nothing was submitted"
-        tasks = f"task {committed[0]}" if len(committed) == 1 else f"tasks {', '.join(map(str, committed))}"
-        return f"{what}; it committed what the block had written before it, {tasks} included"
+        return f"{what}; it committed what the block had written before it, {_tasks(committed)} included"
 
     def _committed(self) -> list[int]:
         """Which of the block's tasks exist, read on its connection (the transaction has ended;
@@ -492,6 +535,10 @@ class AppTransaction:
             else:
                 self.app.store.rollback(self.connection)
         return found
+
+
+def _tasks(ids: list[int]) -> str:
+    return f"task {ids[0]}" if len(ids) == 1 else f"tasks {', '.join(map(str, ids))}"
 
 
 def _task_id(value: object) -> int:

@@ -255,3 +255,87 @@ def test_postgres_a_failed_statement_the_block_caught_fails_the_block(pg_url: st
         assert app.task(task_id)["state"] == "pending"
     finally:
         app.close()
+
+
+# -- PostgreSQL: a transaction ended on the connection, then another begun by more SQL ----------
+
+
+@pytest.fixture
+def pg_app(pg_url: str) -> Iterator[App]:
+    a = make_app(pg_url)
+    with a.transaction() as tx:
+        tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY)")
+    yield a
+    a.close()
+
+
+def test_postgres_a_commit_on_the_connection_then_more_sql_fails_the_block_and_names_what_it_split(
+    pg_app: App,
+) -> None:
+    """psycopg begins a new transaction with the first statement after a COMMIT, so the block
+    looked open again and the lent connection committed the rest as a second transaction: the
+    order o-2 and task B without task A's atomicity (SUB2). Now the block's end finds another
+    transaction id: the error names task A as committed apart, and the new transaction, with
+    task B and order o-2, is rolled back."""
+    with pytest.raises(StoreError) as raised, pg_app.transaction() as tx:
+        insert_order(tx, "o-1")
+        first = tx.submit("order", {"order": "o-1"}, reply_to="web")
+        tx.connection.commit()
+        tx.connection.execute("INSERT INTO orders (id) VALUES ('o-2')")  # begins a new transaction
+        second = tx.submit("order", {"order": "o-2"}, reply_to="web")
+    message = str(raised.value)
+    assert "ended inside the block" in message and "began a new one" in message, message
+    assert f"committed task {first} apart from the rest of the block" in message, message
+    assert f"task {second}, written in the new transaction, rolled back with it" in message, message
+    assert counts(pg_app) == {**ONE_WHOLE_TASK, "orders": 1}
+    assert pg_app.task(first)["state"] == "pending"
+    with pg_app.transaction() as tx:  # the next block is whole again
+        insert_order(tx, "o-3")
+        tx.submit("order", {"order": "o-3"}, reply_to="web")
+    assert counts(pg_app) == {"tasks": 2, "steps": 2, "events": 2, "messages": 2, "orders": 2}
+
+
+def test_postgres_more_sql_after_a_commit_on_the_callers_connection_fails_the_block(
+    pg_app: App, pg_url: str
+) -> None:
+    """On the caller's own connection the new transaction is theirs: the error says the tasks in
+    it are left for them to roll back, and names the one the COMMIT committed apart."""
+    conn = psycopg.connect(pg_url)
+    try:
+        with pytest.raises(StoreError) as raised, pg_app.transaction(conn) as tx:
+            first = tx.submit("order", {"order": "o-1"}, reply_to="web")
+            conn.commit()
+            conn.execute("SELECT 1")  # a read begins the new transaction too: no id assigned yet
+            second = tx.submit("order", {"order": "o-2"}, reply_to="web")
+        message = str(raised.value)
+        assert f"committed task {first} apart" in message, message
+        assert f"task {second}, written in the new transaction, left in it for you to roll back" in message
+        conn.rollback()
+    finally:
+        conn.close()
+    assert counts(pg_app) == {**ONE_WHOLE_TASK, "orders": 0}
+
+
+def test_postgres_a_rollback_on_the_connection_then_more_sql_fails_the_block(pg_app: App) -> None:
+    """A ROLLBACK then more SQL: the first task is gone with its order, the block's rest would
+    have committed alone; the error says the first transaction committed none of the tasks."""
+    with pytest.raises(StoreError, match="committed none of the block's tasks"), pg_app.transaction() as tx:
+        insert_order(tx, "o-1")
+        tx.submit("order", {"order": "o-1"}, reply_to="web")
+        tx.connection.rollback()
+        tx.connection.execute("INSERT INTO orders (id) VALUES ('o-2')")
+    assert counts(pg_app) == NOTHING
+
+
+def test_postgres_savepoints_inside_the_block_are_one_transaction_not_a_new_one(pg_app: App) -> None:
+    """A ROLLBACK TO SAVEPOINT undoes a submission inside the same transaction (its id does not
+    change): the block commits the rest and raises nothing."""
+    with pg_app.transaction() as tx:
+        tx.execute("SAVEPOINT before_first")
+        insert_order(tx, "o-1")
+        tx.submit("order", {"order": "o-1"}, reply_to="web")
+        tx.execute("ROLLBACK TO SAVEPOINT before_first")
+        insert_order(tx, "o-2")
+        kept = tx.submit("order", {"order": "o-2"}, reply_to="web")
+    assert counts(pg_app) == {**ONE_WHOLE_TASK, "orders": 1}
+    assert pg_app.task(kept)["state"] == "pending"
