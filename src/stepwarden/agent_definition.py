@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import InputError, Permanent, Transient
+from .classify import default_classify as default_classify  # re-exported: its rules live there
+from .errors import InputError
 from .policies import check_count, check_seconds, show
 from .workflow import check_ident
 
@@ -38,28 +39,6 @@ class Request:
     @property
     def payload(self) -> dict[str, Any]:
         return {"input": self.input, "results": self.results}
-
-
-def default_classify(exc: BaseException) -> str:
-    """``"transient"`` or ``"permanent"`` (AGT5).
-
-    Timeouts, connection errors, HTTP 5xx and 429, and :class:`Transient` are worth retrying;
-    :class:`Permanent`, other HTTP 4xx, and anything else (a bug does not heal by retrying) are not.
-    """
-    if isinstance(exc, Permanent):
-        return "permanent"
-    if isinstance(exc, Transient | TimeoutError | ConnectionError):
-        return "transient"
-    try:
-        import httpx
-    except ImportError:  # pragma: no cover - httpx is a dependency
-        return "permanent"
-    if isinstance(exc, httpx.HTTPStatusError):
-        code = exc.response.status_code
-        return "transient" if code >= 500 or code in (408, 425, 429) else "permanent"
-    if isinstance(exc, httpx.TransportError):
-        return "transient"
-    return "permanent"
 
 
 @dataclass

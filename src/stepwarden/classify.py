@@ -1,0 +1,150 @@
+"""The default failure classifier: the rules a user's operation is judged by when its agent gives
+no ``classify`` of its own (AGT5).
+
+An exception an operation raises is either ``"transient"`` (retried inside the attempt, with
+back-off) or ``"permanent"`` (an error reply at once). The rules grew past what reads well inside
+``agent_definition.py``, so they live here; ``stepwarden.agent.default_classify`` is this one.
+The user-facing summary is in docs/concepts.md, "How failures are classified".
+"""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import socket
+import urllib.error
+
+from .errors import Permanent, Transient
+
+TRANSIENT, PERMANENT = "transient", "permanent"
+
+# An OSError with one of these errnos is a network failure that heals on its own: the peer is
+# restarting (ECONNREFUSED), a connection was dropped or cut (ECONNRESET, ECONNABORTED, ENETRESET,
+# EPIPE), a route or interface is briefly gone (EHOSTUNREACH, ENETUNREACH, ENETDOWN, EHOSTDOWN), a
+# connect or read timed out (ETIMEDOUT), or the kernel is short of a resource for a moment (EAGAIN,
+# "try again", the same number as EWOULDBLOCK; ENOBUFS). Python already raises some of them as
+# ConnectionError or TimeoutError subclasses; the others (EHOSTUNREACH, ENETUNREACH, ...) come as a
+# bare OSError. File and permission errors (ENOENT, EACCES, EISDIR, ...) are not here: they are
+# bugs or configuration, which do not heal by retrying. Names this platform lacks are skipped.
+_HEALING_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "ECONNREFUSED",
+        "ECONNRESET",
+        "ECONNABORTED",
+        "ENETRESET",
+        "EPIPE",
+        "EHOSTUNREACH",
+        "ENETUNREACH",
+        "ENETDOWN",
+        "EHOSTDOWN",
+        "ETIMEDOUT",
+        "EAGAIN",
+        "ENOBUFS",
+    )
+    if hasattr(errno, name)
+)
+
+# Third-party HTTP and network clients (requests, urllib3, aiohttp, redis, ...) raise their own
+# classes, often not derived from the builtin ConnectionError or TimeoutError (requests'
+# ConnectionError and Timeout derive from IOError). An exception is transient if a class in its
+# MRO, defined outside ``builtins``, has one of these names; no library is imported to check it.
+# Examples: requests.exceptions.ConnectionError / Timeout / ConnectTimeout / ReadTimeout;
+# urllib3.exceptions.TimeoutError / ConnectTimeoutError / ReadTimeoutError / NewConnectionError;
+# aiohttp.ClientConnectionError / ServerTimeoutError / ServerDisconnectedError.
+# (requests' SSLError derives from its ConnectionError, so it is retried too, as httpx's is.)
+TRANSIENT_CLASS_NAMES = frozenset(
+    {
+        "ConnectionError",
+        "Timeout",
+        "TimeoutError",
+        "ConnectTimeout",
+        "ReadTimeout",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "NewConnectionError",
+        "ClientConnectionError",
+        "ServerTimeoutError",
+        "ServerDisconnectedError",
+    }
+)
+
+# How many ``raise ... from`` links are followed below the exception raised.
+MAX_CAUSES = 5
+
+
+def default_classify(exc: BaseException) -> str:
+    """``"transient"`` or ``"permanent"`` (AGT5); the rules are listed in docs/concepts.md,
+    "How failures are classified". Give an agent ``classify=`` to judge its failures otherwise.
+
+    Timeouts, connection and network errors (builtin, standard library, httpx, and by class name
+    other clients'), HTTP 5xx, 408, 425 and 429, and :class:`Transient` are worth retrying;
+    :class:`Permanent`, other HTTP statuses, and anything else (a bug does not heal by retrying)
+    are not. An exception raised ``from`` a transient one is transient.
+    """
+    return _judge(exc, MAX_CAUSES, set())
+
+
+def _judge(exc: BaseException, links: int, seen: set[int]) -> str:
+    """The first verdict along ``exc`` and its ``__cause__`` chain (at most ``links`` links, each
+    exception once); permanent when no rule has one."""
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        verdict = _verdict(current, links, seen)
+        if verdict is not None:
+            return verdict
+        if links <= 0:
+            break
+        links -= 1
+        current = current.__cause__
+    return PERMANENT
+
+
+def _verdict(exc: BaseException, links: int, seen: set[int]) -> str | None:
+    """What the rules say about ``exc`` alone, or None: then its cause decides.
+
+    A verdict of permanent here (Permanent, an HTTP status not worth retrying) is final: the
+    cause of an answer the service gave, or of a failure the author called permanent, is moot.
+    """
+    if isinstance(exc, Permanent):
+        return PERMANENT
+    if isinstance(exc, Transient):
+        return TRANSIENT
+    if isinstance(exc, urllib.error.HTTPError):  # before URLError and OSError: it is both
+        return _status(exc.code) if isinstance(exc.code, int) else None
+    if isinstance(exc, urllib.error.URLError):
+        reason = exc.reason  # an exception (socket.timeout is TimeoutError) or a message
+        # The reason counts as one link, as a cause does, so nested URLErrors stay bounded too.
+        if isinstance(reason, BaseException) and links > 0 and _judge(reason, links - 1, seen) == TRANSIENT:
+            return TRANSIENT
+        return None
+    if isinstance(
+        exc,
+        TimeoutError
+        | ConnectionError
+        | socket.gaierror
+        | http.client.RemoteDisconnected
+        | http.client.IncompleteRead,
+    ):
+        return TRANSIENT
+    if isinstance(exc, OSError) and exc.errno in _HEALING_ERRNOS:
+        return TRANSIENT
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx is a dependency
+        pass
+    else:
+        if isinstance(exc, httpx.HTTPStatusError):
+            return _status(exc.response.status_code)
+        if isinstance(exc, httpx.TransportError):
+            return TRANSIENT
+    if any(c.__module__ != "builtins" and c.__name__ in TRANSIENT_CLASS_NAMES for c in type(exc).__mro__):
+        return TRANSIENT
+    return None
+
+
+def _status(code: int) -> str:
+    """HTTP status rule: the server is failing or asks to come back later (5xx, 408 Request
+    Timeout, 425 Too Early, 429 Too Many Requests) is transient; any other status is permanent."""
+    return TRANSIENT if code >= 500 or code in (408, 425, 429) else PERMANENT
