@@ -223,10 +223,9 @@ def _exit_despite_stuck_threads() -> None:
         os._exit(0)
 
 
-def _read_input(value: str) -> Any:
+def _read_input(value: str, limit: int = DEFAULT_MAX_INPUT_BYTES) -> Any:
     """Inline JSON, ``@FILE`` or ``-`` (stdin), reading at most the size limit plus one byte, so a
     device or a pipe that never ends is refused instead of filling memory."""
-    limit = DEFAULT_MAX_INPUT_BYTES
     where = "standard input"
     if value == "-":
         if sys.stdin is None:  # started with standard input closed (<&-)
@@ -240,14 +239,14 @@ def _read_input(value: str) -> Any:
         except OSError as e:
             raise InputError(f"cannot read {where}: {e.strerror}") from None
     else:
-        return parse_input(value)
+        return parse_input(value, limit)
     if len(data) > limit:
         raise InputError(f"task input from {where} is over the limit of {limit} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{where} is not UTF-8 text") from None
-    return parse_input(text)
+    return parse_input(text, limit)
 
 
 @cli.command()
@@ -276,8 +275,8 @@ def submit(
     app_ref: str | None,
 ) -> None:
     """Submit a task; prints its id."""
-    data = _read_input(input_)
     app = _load_app(app_ref) if app_ref else App()
+    data = _read_input(input_, app.max_input_bytes)  # with --app, that app's limit (SUB4)
     app._prepare(
         workflow, data, correlation_id, idempotency_key, priority, reply_to
     )  # validate before opening

@@ -602,3 +602,48 @@ def test_a_dashboard_host_that_cannot_work_is_one_line(tmp_path: Path) -> None:
     db = make_db(tmp_path)
     line = assert_one_error_line(db.sw("dashboard", "--host", "bad host!", "--port", "0"), code=1)
     assert "bad host!" in line, line
+
+
+# -- the input limit of the app named by --app (SUB4) -----------------------------------------------
+
+LIMIT_APP = """
+from stepwarden import App, Step
+
+app = App(max_input_bytes={limit})
+svc = app.agent("svc")
+
+
+@svc.operation
+def do(req):
+    return None
+
+
+app.workflow("big", [Step("do", "svc.do", complete_by=5)])
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_submit_with_app_takes_that_apps_larger_input_limit(tmp_path: Path, how: str) -> None:
+    """An app configured for 4 MiB inputs accepts, through ``submit --app``, the 1.5 MiB input
+    that ``app.submit`` accepts: the command line used to refuse it at the default 1 MiB."""
+    (tmp_path / "bigapp.py").write_text(LIMIT_APP.format(limit=4 * MiB))
+    db = make_db(tmp_path, demo=False)
+    text = json.dumps({"blob": "x" * (3 * MiB // 2)})
+    (tmp_path / "big.json").write_text(text)
+    where = ("@big.json", None) if how == "file" else ("-", text)
+    r = db.sw("submit", "big", "--app", "bigapp:app", "--input", where[0], stdin=where[1])
+    assert r.returncode == 0, str(r)
+    task_id = int(r.stdout.strip())
+    shown = db.json("task", "show", str(task_id), "--json")
+    assert shown["workflow"] == "big"
+
+
+def test_submit_with_app_takes_that_apps_smaller_input_limit(tmp_path: Path) -> None:
+    """And an app that allows only 1,000 bytes refuses 2,000 inline, with one line, writing nothing."""
+    (tmp_path / "smallapp.py").write_text(LIMIT_APP.format(limit=1000))
+    db = make_db(tmp_path, demo=False)
+    before = db.json("tasks", "--json")
+    r = db.sw("submit", "big", "--app", "smallapp:app", "--input", json.dumps({"blob": "x" * 2000}))
+    line = assert_one_error_line(r)
+    assert "over the limit of 1000 bytes" in line, line
+    assert db.json("tasks", "--json") == before
