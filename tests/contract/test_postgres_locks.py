@@ -16,7 +16,7 @@ import pytest
 
 from stepwarden.clock import FakeClock
 from stepwarden.errors import MigrationError
-from stepwarden.store import open_store
+from stepwarden.store import open_store, pg_migrate
 from stepwarden.store import transitions as t
 from stepwarden.store.postgres import MIGRATION_LOCK, PostgresStore
 from stepwarden.testing.postgres import wait_for_lock_waiter
@@ -109,17 +109,17 @@ def test_a_migration_interrupted_by_a_lost_connection_is_retried(
 ) -> None:
     store = open_store(pg_url)
     assert isinstance(store, PostgresStore)
-    real = store._migrate_once
+    real = pg_migrate._migrate_once
     calls: list[int] = []
 
-    def flaky(target: int | None, lock_wait: float) -> int:
+    def flaky(s: PostgresStore, target: int | None, lock_wait: float) -> int:
         calls.append(1)
         if len(calls) == 1:
             raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return real(target, lock_wait)
+        return real(s, target, lock_wait)
 
-    monkeypatch.setattr(store, "_migrate_once", flaky)
-    monkeypatch.setattr("stepwarden.store.postgres.time.sleep", lambda s: None)  # no real back-off wait
+    monkeypatch.setattr(pg_migrate, "_migrate_once", flaky)
+    monkeypatch.setattr("stepwarden.store.pg_migrate.time.sleep", lambda s: None)  # no real back-off wait
     try:
         assert store.migrate() == 0
         assert len(calls) == 2
@@ -216,7 +216,7 @@ def test_a_store_whose_migration_fails_at_open_leaves_no_pool_behind(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An application that catches the error and goes on keeps no connections or pool threads."""
-    monkeypatch.setattr("stepwarden.store.postgres.MIGRATION_LOCK_WAIT", 0.3)
+    monkeypatch.setattr("stepwarden.store.pg_migrate.MIGRATION_LOCK_WAIT", 0.3)
     holder = _hold_migration_lock(pg_url)
     before = set(threading.enumerate())
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import InputError, NotFound
 from .base import Row, Tx
-from .transitions import _now, event, message
+from .records import _now, event, message
 
 
 def _failed_undos(steps: list[Row]) -> list[Row]:

@@ -30,7 +30,7 @@ from typing import Any
 
 from .base import RequestMsg, Row, Tx, read_only
 from .core import _claim_requests
-from .transitions import alert, event
+from .records import alert, event
 from .views import iso
 
 SILENT_AFTER = 60.0  # an instance with no heartbeat for this long is listed only with include_stopped

@@ -18,10 +18,11 @@ LISTEN and server-side prepared statements and sets the session limits per trans
 per connection (see :func:`pg_options`).
 
 This module is the store itself (opening, retrying and committing transactions, lending callers
-connections, migrating, listening); its parts live beside it: ``pg_tx.py`` (the transaction the
-transitions write through), ``pg_options.py`` (the URL's options and the first connection) and
-``pg_sessions.py`` (what a server session carries, and how a lent one is set back). The names
-that other code imports from here are still here (``__all__``).
+connections, listening); its parts live beside it: ``pg_tx.py`` (the transaction the transitions
+write through), ``pg_options.py`` (the URL's options and the first connection),
+``pg_sessions.py`` (what a server session carries, and how a lent one is set back) and
+``pg_migrate.py`` (the schema's migrations, under their advisory lock). The names that other code
+imports from here are still here (``__all__``).
 """
 
 from __future__ import annotations
@@ -29,18 +30,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import select
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
-from ..errors import InputError, MigrationError, StoreError
+from ..errors import InputError, StoreError
+from . import pg_migrate
 from .base import redact_url
 from .core import Store
+from .pg_migrate import MIGRATION_LOCK, MIGRATION_LOCK_POLL, MIGRATION_LOCK_REPORT, MIGRATION_LOCK_WAIT
 from .pg_options import (
     TCP_DEFAULTS,
     URL_OPTIONS,
@@ -61,7 +62,7 @@ from .pg_sessions import (
     _settle_caller,
 )
 from .pg_tx import CHANNELS, NOTIFY_ON, REQUESTS, PgTx, _to_psycopg
-from .sql import load_queries, pending_migrations
+from .sql import load_queries
 
 try:
     import psycopg
@@ -103,13 +104,6 @@ log = logging.getLogger("stepwarden.postgres")
 
 SYSTEM_NOW = "extract(epoch from statement_timestamp())::float8"
 FAKE_NOW = "COALESCE(NULLIF(current_setting('stepwarden.now', true), '')::float8, " + SYSTEM_NOW + ")"
-# The advisory lock that serialises migrations across processes; how long a migration waits for
-# another session's (ours take well under a second; longer means a stuck session, named in the
-# error), how often it tries, and how often it says it is still waiting.
-MIGRATION_LOCK = 7413000001
-MIGRATION_LOCK_WAIT = 120.0
-MIGRATION_LOCK_POLL = 0.25
-MIGRATION_LOCK_REPORT = 10.0
 # Connections kept for app.transaction() in one process (each opened on demand; idle ones are
 # closed one a minute). A block that finds them all lent for CALLER_POOL_WAIT seconds (a block
 # inside a block, or more blocks at once than this) opens a connection of its own, as before.
@@ -437,69 +431,8 @@ class PostgresStore(Store):
         at most ``lock_wait`` seconds, :data:`MIGRATION_LOCK_WAIT` by default, saying who holds it).
         A connection lost meanwhile (a worker starting while the server restarts), or a table lock
         a migration waited ``lock_timeout`` for, is retried with back-off: the migration
-        transaction either committed whole or not at all."""
-        wait = MIGRATION_LOCK_WAIT if lock_wait is None else lock_wait
-        for delay in (0.5, 1.0, 2.0, 4.0, None):
-            try:
-                return self._migrate_once(target, wait)
-            except psycopg.OperationalError as e:
-                if delay is None:
-                    raise
-                why = str(e).strip()[:200]
-                if getattr(e, "sqlstate", None) == "55P03":
-                    log.warning(
-                        "a migration statement waited too long for a table lock (%s); retrying in %.1fs",
-                        why,
-                        delay,
-                    )
-                else:
-                    log.warning("connection lost during the migration (%s); retrying in %.1fs", why, delay)
-                time.sleep(delay)
-                self.pool.check()
-        raise AssertionError("unreachable")
-
-    def _migrate_once(self, target: int | None, lock_wait: float) -> int:
-        """Take the migration lock without queueing behind it (``pg_try_advisory_xact_lock``, in
-        a fresh transaction each try): a plain lock wait would end at ``lock_timeout`` with an
-        error that reads like a failure, and would hold a transaction open meanwhile."""
-        deadline = time.monotonic() + lock_wait
-        said = -math.inf
-        while True:
-            with self.pool.connection() as conn, conn.transaction():
-                self._begin(conn, clock=False)
-                row: Any = conn.execute(
-                    "SELECT pg_try_advisory_xact_lock(%s) AS ok", (MIGRATION_LOCK,)
-                ).fetchone()
-                if row["ok"]:
-                    return self._apply_migrations(conn, target)
-                holder = _migration_lock_holder(conn)
-            now = time.monotonic()
-            if now >= deadline:
-                raise MigrationError(
-                    f"another session has held the migration lock for longer than {lock_wait:g} s"
-                    f" ({holder}); if it is stuck, end it with SELECT pg_terminate_backend(PID)"
-                    " and run init again"
-                )
-            if now - said >= MIGRATION_LOCK_REPORT:
-                log.warning("waiting for another session's migration of this database (%s)", holder)
-                said = now
-            time.sleep(min(MIGRATION_LOCK_POLL, max(0.0, deadline - now)))
-
-    def _apply_migrations(self, conn: Any, target: int | None) -> int:
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
-            " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
-        )
-        row: Any = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
-        todo = pending_migrations("postgres", int(row["v"]), target)
-        for version, name, statements in todo:
-            for stmt in statements:
-                conn.execute(stmt)
-            conn.execute(
-                "INSERT INTO schema_migrations VALUES (%s, %s, extract(epoch from now()))",
-                (version, name),
-            )
-        return len(todo)
+        transaction either committed whole or not at all (:mod:`.pg_migrate`)."""
+        return pg_migrate.migrate(self, target, lock_wait)
 
     async def listen(
         self, wake: Callable[[str], None], stop: asyncio.Event, channels: Sequence[str] | None = None
@@ -567,31 +500,6 @@ def _run_to_commit(
 
 class _NoLiveConnection(Exception):
     """Three pooled connections in a row were found dead before anything was sent."""
-
-
-def _migration_lock_holder(conn: Any) -> str:
-    """Who holds the migration lock, for the operator: the backend's pid, its application name,
-    where from, and for how long (what a role may see of another role's session is less)."""
-    row: Any = conn.execute(
-        "SELECT a.pid, a.application_name AS app, host(a.client_addr) AS addr, a.state,"
-        " extract(epoch FROM now() - a.xact_start)::float8 AS held"
-        " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
-        " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-        " AND l.classid::int8 * 4294967296 + l.objid::int8 = %s LIMIT 1",
-        (MIGRATION_LOCK,),
-    ).fetchone()
-    if row is None or row["pid"] is None:
-        return "held by a session this role cannot see"
-    parts = [f"pid {row['pid']}"]
-    if row["app"]:
-        parts.append(f"application {row['app']!r}")
-    if row["addr"]:
-        parts.append(f"from {row['addr']}")
-    if row["state"]:
-        parts.append(str(row["state"]))
-    if row["held"] is not None:
-        parts.append(f"its transaction open {row['held']:.1f} s")
-    return "held by " + ", ".join(parts)
 
 
 def _connection_lost(e: BaseException) -> bool:

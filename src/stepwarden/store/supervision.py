@@ -10,7 +10,8 @@ from typing import Any
 
 from ..errors import LostOwnership
 from .base import Row, SweepResult, Tx
-from .transitions import event, fail_attempt
+from .records import event
+from .transitions import fail_attempt
 
 
 def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: random.Random) -> SweepResult:

@@ -18,46 +18,8 @@ from ..policies import Decision, stored_policy
 from ..workflow import Step, Workflow, encode_result
 from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx
 
-
-def event(
-    tx: Tx,
-    kind: str,
-    task_id: int | None,
-    actor: str | None,
-    idx: int | None = None,
-    attempt: int | None = None,
-    /,
-    **detail: Any,
-) -> None:
-    tx.later(
-        "insert_event",
-        task_id=task_id,
-        idx=idx,
-        attempt=attempt,
-        kind=kind,
-        actor=actor,
-        detail=json.dumps(detail, default=str) if detail else None,
-    )
-
-
-def message(tx: Tx, task: Row, kind: str, /, **body: Any) -> None:
-    """A status message on the task's reply queue (SCH8), in the same transaction as the change."""
-    if task.get("reply_to"):
-        body = {"task_id": task["id"], "correlation_id": task.get("correlation_id"), "kind": kind, **body}
-        tx.later(
-            "insert_message",
-            queue=task["reply_to"],
-            task_id=task["id"],
-            correlation_id=task.get("correlation_id"),
-            kind=kind,
-            body=json.dumps(body, default=str),
-        )
-
-
-def alert(tx: Tx, kind: str, task_id: int | None, step: str | None, text: str) -> Row:
-    row = tx.one("insert_alert", kind=kind, task_id=task_id, step=step, message=text)
-    assert row is not None
-    return {"id": row["id"], "kind": kind, "task_id": task_id, "step": step, "message": text}
+# The records a change writes beside it; other modules reach them here too (``transitions.event``).
+from .records import _now, alert, event, message
 
 
 def submit(
@@ -595,12 +557,6 @@ def fail_attempt(
     message(tx, task, "error", step=step["name"], error=text)
     task["state"] = "error"
     return "error"
-
-
-def _now(tx: Tx) -> float:
-    row = tx.one("now")
-    assert row is not None
-    return float(row["now"])
 
 
 # The supervisor's and the operator's transitions live in their own modules; they are reached

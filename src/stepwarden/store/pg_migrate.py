@@ -1,0 +1,132 @@
+"""Bringing a PostgreSQL database's schema up to date: the missing migrations applied in one
+transaction under an advisory lock that serialises them across processes, with progress reports
+while another session holds it and a named holder when it is held too long. Kept apart from the
+store because this is a different job from opening, retrying and committing the transitions'
+transactions: it runs once when a store opens (or on ``init``), waits for other processes rather
+than for rows, and its retry is the whole migration, which commits whole or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import MigrationError
+from .sql import pending_migrations
+
+try:
+    import psycopg
+except ImportError:  # pragma: no cover - exercised only without the extra
+    psycopg = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from .postgres import PostgresStore
+
+log = logging.getLogger("stepwarden.postgres")
+
+# The advisory lock that serialises migrations across processes; how long a migration waits for
+# another session's (ours take well under a second; longer means a stuck session, named in the
+# error), how often it tries, and how often it says it is still waiting.
+MIGRATION_LOCK = 7413000001
+MIGRATION_LOCK_WAIT = 120.0
+MIGRATION_LOCK_POLL = 0.25
+MIGRATION_LOCK_REPORT = 10.0
+
+
+def migrate(store: PostgresStore, target: int | None = None, lock_wait: float | None = None) -> int:
+    """:meth:`PostgresStore.migrate` (its docstring is the contract): :func:`_migrate_once`, with
+    ``lock_wait`` (:data:`MIGRATION_LOCK_WAIT` by default), retried with back-off when the
+    connection was lost meanwhile (a worker starting while the server restarts) or a statement
+    waited ``lock_timeout`` for a table lock: the migration transaction either committed whole or
+    not at all."""
+    wait = MIGRATION_LOCK_WAIT if lock_wait is None else lock_wait
+    for delay in (0.5, 1.0, 2.0, 4.0, None):
+        try:
+            return _migrate_once(store, target, wait)
+        except psycopg.OperationalError as e:
+            if delay is None:
+                raise
+            why = str(e).strip()[:200]
+            if getattr(e, "sqlstate", None) == "55P03":
+                log.warning(
+                    "a migration statement waited too long for a table lock (%s); retrying in %.1fs",
+                    why,
+                    delay,
+                )
+            else:
+                log.warning("connection lost during the migration (%s); retrying in %.1fs", why, delay)
+            time.sleep(delay)
+            store.pool.check()
+    raise AssertionError("unreachable")
+
+
+def _migrate_once(store: PostgresStore, target: int | None, lock_wait: float) -> int:
+    """Take the migration lock without queueing behind it (``pg_try_advisory_xact_lock``, in
+    a fresh transaction each try): a plain lock wait would end at ``lock_timeout`` with an
+    error that reads like a failure, and would hold a transaction open meanwhile."""
+    deadline = time.monotonic() + lock_wait
+    said = -math.inf
+    while True:
+        with store.pool.connection() as conn, conn.transaction():
+            store._begin(conn, clock=False)
+            row: Any = conn.execute(
+                "SELECT pg_try_advisory_xact_lock(%s) AS ok", (MIGRATION_LOCK,)
+            ).fetchone()
+            if row["ok"]:
+                return _apply_migrations(conn, target)
+            holder = _migration_lock_holder(conn)
+        now = time.monotonic()
+        if now >= deadline:
+            raise MigrationError(
+                f"another session has held the migration lock for longer than {lock_wait:g} s"
+                f" ({holder}); if it is stuck, end it with SELECT pg_terminate_backend(PID)"
+                " and run init again"
+            )
+        if now - said >= MIGRATION_LOCK_REPORT:
+            log.warning("waiting for another session's migration of this database (%s)", holder)
+            said = now
+        time.sleep(min(MIGRATION_LOCK_POLL, max(0.0, deadline - now)))
+
+
+def _apply_migrations(conn: Any, target: int | None) -> int:
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+        " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+    )
+    row: Any = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
+    todo = pending_migrations("postgres", int(row["v"]), target)
+    for version, name, statements in todo:
+        for stmt in statements:
+            conn.execute(stmt)
+        conn.execute(
+            "INSERT INTO schema_migrations VALUES (%s, %s, extract(epoch from now()))",
+            (version, name),
+        )
+    return len(todo)
+
+
+def _migration_lock_holder(conn: Any) -> str:
+    """Who holds the migration lock, for the operator: the backend's pid, its application name,
+    where from, and for how long (what a role may see of another role's session is less)."""
+    row: Any = conn.execute(
+        "SELECT a.pid, a.application_name AS app, host(a.client_addr) AS addr, a.state,"
+        " extract(epoch FROM now() - a.xact_start)::float8 AS held"
+        " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+        " AND l.classid::int8 * 4294967296 + l.objid::int8 = %s LIMIT 1",
+        (MIGRATION_LOCK,),
+    ).fetchone()
+    if row is None or row["pid"] is None:
+        return "held by a session this role cannot see"
+    parts = [f"pid {row['pid']}"]
+    if row["app"]:
+        parts.append(f"application {row['app']!r}")
+    if row["addr"]:
+        parts.append(f"from {row['addr']}")
+    if row["state"]:
+        parts.append(str(row["state"]))
+    if row["held"] is not None:
+        parts.append(f"its transaction open {row['held']:.1f} s")
+    return "held by " + ", ".join(parts)
