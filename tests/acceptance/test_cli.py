@@ -689,6 +689,11 @@ def test_failed_task_alerts_and_can_be_retried_and_cancelled(db: Db, procs: Proc
     r = db.ok("task", "cancel", str(tid))
     assert str(tid) in r.stdout
     assert db.wait_state(tid, FINAL - {"error"})["state"] == "cancelled"
+    # undone: a retry would send its steps again under the same idempotency keys (REL2)
+    before = db.task(tid)
+    line = assert_one_error_line(db.sw("task", "retry", str(tid)))
+    assert "is cancelled: its effects were undone" in line and "submit a new task" in line, line
+    assert db.task(tid) == before
 
 
 def test_watch_of_a_task_that_does_not_finish_in_time_exits_1_and_says_so(tmp_path: Path) -> None:

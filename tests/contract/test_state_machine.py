@@ -855,10 +855,6 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.transact_sync(t.retry_task, task_id, step, OPERATOR)
         if self._reopen_undos(task):  # ended in error while being undone: the undo resumes
             return
-        if task.state != "error":  # undone effects: a step counts as started again once it reruns
-            for s in task.steps:
-                if s.state == "compensated":
-                    s.started = False
         for idx in range(start, len(task.steps)):
             s = task.steps[idx]
             s.state, s.failure_offset, s.comp_failures, s.complete_by = "pending", s.failure_count, 0, None
@@ -885,7 +881,7 @@ class StoreMachine(RuleBasedStateMachine):
     @classmethod
     def _retry_start(cls, task: MTask | None, step: str | None) -> int | None:
         """OPS2: where an operator retry resumes, or None when it must be refused."""
-        if task is None or task.state not in ("error", "compensated", "cancelled"):
+        if task is None or task.state != "error":  # an undone task is not run again (REL2)
             return None
         if cls._failed_undos(task):  # it resumes its undo: no step to resume from
             return None if step is not None else 0
@@ -893,10 +889,6 @@ class StoreMachine(RuleBasedStateMachine):
         if step is not None and step not in names:
             return None
         first_open = next((i for i, s in enumerate(task.steps) if s.state != "completed"), len(names) - 1)
-        if task.state != "error":  # its effects were undone: it restarts from the first step
-            if step not in (None, names[0]):
-                return None
-            first_open = 0
         start = names.index(step) if step else first_open
         return None if start > first_open else start
 

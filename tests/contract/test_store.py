@@ -890,19 +890,30 @@ def test_retry_task_refuses_bad_states_and_steps(
     assert step(store, failed, "a")["state"] == "running"
 
 
-def test_retry_of_a_cancelled_task_restarts_from_the_first_step_only(
-    store: Store, make_workflow: Factory
+@pytest.mark.parametrize("end", ["cancelled", "compensated"])
+def test_retry_of_an_undone_task_is_refused_and_writes_nothing(
+    store: Store, make_workflow: Factory, end: str
 ) -> None:
-    task_id = submit(store, make_workflow())
-    store.transact_sync(t.cancel_task, task_id, "operator")
+    """Its effects were undone. Run again, its steps would carry the same idempotency keys, which
+    an idempotent service answers from its record of the first call without applying them: the
+    task would end processed over undone effects (REL2). It used to restart from its first step."""
+    task_id = submit(store, make_workflow(steps={"b": {"on_error": "compensate"}}))
     claim(store)
-    assert task(store, task_id)["state"] == "cancelled"
-    with pytest.raises(InputError, match="restarts from its first step"):
-        store.transact_sync(t.retry_task, task_id, "b", "operator")
-    store.transact_sync(t.retry_task, task_id, None, "operator")
-    assert claim(store) == 1
-    assert states(store, task_id) == ("processing", ["running", "pending", "pending"])
-    assert task(store, task_id)["cancel_requested"] == 0
+    complete(store, task_id, "a")
+    if end == "cancelled":
+        store.transact_sync(t.cancel_task, task_id, "operator")
+        complete(store, task_id, "b")  # b's reply comes: then b and a are undone
+    else:
+        reply(store, task_id, "b", "error", error="card declined")  # b's on_error: compensate
+        apply(store)
+    complete(store, task_id, "b")
+    complete(store, task_id, "a")
+    assert task(store, task_id)["state"] == end
+    before = snapshot(store)
+    for step_name in (None, "a", "b"):
+        with pytest.raises(InputError, match=f"is {end}: its effects were undone.*submit a new task"):
+            store.transact_sync(t.retry_task, task_id, step_name, "operator")
+    assert snapshot(store) == before
 
 
 # -- fencing and batches -------------------------------------------------------------------------------
@@ -1260,28 +1271,6 @@ def test_an_own_reply_for_a_pruned_task_writes_nothing(
     applied = run(store.send_replies(ME, [(msg.id, "ok", None, None)], apply=True))
     assert applied is not None and (applied.accepted, applied.stale) == (0, 1)
     assert count(store, "replies") == 0
-
-
-def test_a_cancelled_task_retried_then_cancelled_again_undoes_only_what_ran_again(
-    store: Store, make_workflow: Factory
-) -> None:
-    task_id = submit(store, make_workflow())
-    claim(store)
-    complete(store, task_id, "a")
-    store.transact_sync(t.cancel_task, task_id, "operator")
-    complete(store, task_id, "b")  # b's reply arrives; the undo of b, then a, follows
-    complete(store, task_id, "b")
-    complete(store, task_id, "a")
-    assert states(store, task_id) == ("cancelled", ["compensated", "compensated", "skipped"])
-    store.transact_sync(t.retry_task, task_id, None, "operator")
-    claim(store)  # a runs again; b does not get to run before the second cancel
-    undos_before = [r for r in requests(store, task_id) if r["kind"] == "undo"]
-    store.transact_sync(t.cancel_task, task_id, "operator")
-    complete(store, task_id, "a")  # a's reply comes, then only a is undone
-    complete(store, task_id, "a")
-    assert states(store, task_id) == ("cancelled", ["compensated", "skipped", "skipped"])
-    undos = [r for r in requests(store, task_id) if r["kind"] == "undo"][len(undos_before) :]
-    assert [r["step_idx"] for r in undos] == [0]  # b's effect was undone already: not again
 
 
 def test_of_two_candidates_taking_a_dead_holders_lease_exactly_one_wins(store: Store) -> None:

@@ -31,14 +31,24 @@ def _reopen_undos(tx: Tx, task_id: int) -> None:
 def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
     """Resubmit an errored task from its failed step, or from ``step_name`` (OPS2). A task that
     ended in ``error`` while being undone (a compensation failed for good) resumes its undo: its
-    steps must not run forward again over effects already undone."""
+    steps must not run forward again over effects already undone.
+
+    A ``compensated`` or ``cancelled`` task is refused. Run again, its steps would call the
+    services with the same idempotency keys (``TASK_ID:STEP``, stable by SPEC), and an idempotent
+    service answers a key it has seen from its record of that first call, without applying the
+    effect again: the task would end ``processed`` over effects that stay undone (REL2). A new
+    task, with new keys, is the way to run it again."""
     task = tx.one("task_for_update", task_id=task_id)
     if task is None:
         raise NotFound(f"no task {task_id}")
-    if task["state"] not in ("error", "compensated", "cancelled"):
+    if task["state"] in ("compensated", "cancelled"):
         raise InputError(
-            f"task {task_id} is {task['state']}; only error, compensated or cancelled tasks can be retried"
+            f"task {task_id} is {task['state']}: its effects were undone, and run again under the same"
+            " idempotency keys an idempotent service would not apply them again; submit a new task"
+            f" with its input (stepwarden task show {task_id} --json)"
         )
+    if task["state"] != "error":
+        raise InputError(f"task {task_id} is {task['state']}; only error tasks can be retried")
     steps = tx.all("steps_of_task", task_id=task_id)
     names = [s["name"] for s in steps]
     undos = _failed_undos(steps) if task["state"] == "error" else []
@@ -56,22 +66,11 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
     if step_name is not None and step_name not in names:
         raise InputError(f"task {task_id} has no step {step_name!r}; its steps are {', '.join(names)}")
     first_open = next((i for i, s in enumerate(steps) if s["state"] != "completed"), len(steps) - 1)
-    if task["state"] != "error":
-        if step_name not in (None, names[0]):
-            raise InputError(
-                f"task {task_id} is {task['state']}: its effects were undone, "
-                "so it restarts from its first step"
-            )
-        first_open = 0
     start = names.index(step_name) if step_name else first_open
     if start > first_open:
         raise InputError(
             f"step {step_name!r} comes after step {names[first_open]!r}, which has not completed"
         )
-    if task["state"] != "error":
-        # Its effects were undone: a step counts as started again only once it runs again, so a
-        # cancel before then does not undo it a second time.
-        tx.sql("UPDATE steps SET started_at = NULL WHERE task_id = ? AND state = 'compensated'", (task_id,))
     tx.sql(
         "UPDATE steps SET state = 'pending', failure_offset = failure_count, comp_failures = 0, "
         "locked_by = NULL, complete_by = NULL, finished_at = NULL WHERE task_id = ? AND idx >= ?",
