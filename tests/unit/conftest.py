@@ -93,6 +93,15 @@ def store(db_path: Path, clock: FakeClock) -> Iterator[Store]:
 
 
 @pytest.fixture
+def rt_store(tmp_path: Path) -> Iterator[Store]:
+    """A store on the real clock, for the agent's tests: its deadlines, in-attempt back-off and
+    reply linger are real time (``asyncio.timeout``), which a fake clock does not move."""
+    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
+    yield s
+    s.close()
+
+
+@pytest.fixture
 def fake_time(clock: FakeClock) -> FakeTime:
     return FakeTime(clock)
 

@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import pytest
-from test_agent_role import dispatch, finish, kinds, replies, request_states, until
+from test_agent_role import ME, dispatch, finish, kinds, replies, request_states, until
 
 from stepwarden.agent import Agent, AgentRole, Request
-from stepwarden.store import Store, open_store
+from stepwarden.store import Store
 from stepwarden.workflow import Workflow
 
-ME = "agent-1:1:abc"
 Factory = Callable[..., Workflow]
-
-
-@pytest.fixture
-def rt_store(tmp_path: Path) -> Any:
-    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
-    yield s
-    s.close()
 
 
 def breaker_row(store: Store) -> dict[str, Any]:

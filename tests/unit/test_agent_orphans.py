@@ -22,13 +22,6 @@ from stepwarden.store import Store, open_store
 from stepwarden.store import transitions as t
 
 
-@pytest.fixture
-def rt_store(tmp_path: Path) -> Any:
-    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
-    yield s
-    s.close()
-
-
 @pytest.fixture(params=["sqlite", "postgres"])
 def both_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     """A store on the real clock (the agent's deadlines are real time), on each backend."""

@@ -12,7 +12,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -22,20 +21,12 @@ from stepwarden.agent import Agent, AgentRole, AgentSettings, Request, default_c
 from stepwarden.clock import FakeClock
 from stepwarden.errors import Permanent, Transient
 from stepwarden.policies import Backoff, BreakerState, Retry
-from stepwarden.store import Store, open_store
+from stepwarden.store import Store
 from stepwarden.store import transitions as t
 from stepwarden.workflow import Workflow, encode_input
 
 ME = "agent-1:1:abc"
 Factory = Callable[..., Workflow]
-
-
-@pytest.fixture
-def rt_store(tmp_path: Path) -> Any:
-    """A store on the real clock: the agent's deadlines are real time."""
-    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
-    yield s
-    s.close()
 
 
 def dispatch(

@@ -18,15 +18,14 @@ import random
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from stepwarden.agent import Agent, AgentRole, Request, default_classify
 from stepwarden.errors import Permanent
 from stepwarden.policies import Backoff, Retry
-from stepwarden.store import Store, open_store
+from stepwarden.store import Store
 from stepwarden.store import transitions as t
 from stepwarden.workflow import Workflow, encode_input
 
@@ -271,14 +270,6 @@ def test_default_classify_lives_in_its_module_and_is_every_agents_default() -> N
 
 
 # -- end to end: a plain-function operation on the standard library (AGT5, AGT7) --------------------
-
-
-@pytest.fixture
-def rt_store(tmp_path: Path) -> Iterator[Store]:
-    """A store on the real clock: the agent's deadlines and in-attempt back-off are real time."""
-    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
-    yield s
-    s.close()
 
 
 def test_a_refused_connection_in_a_plain_function_is_retried_inside_the_attempt(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,15 +13,7 @@ from test_agent_role import CountingTakes, Factory, dispatch, make_role, run, un
 
 from stepwarden.agent import Agent, AgentSettings, Request
 from stepwarden.errors import InputError
-from stepwarden.store import Store, open_store
-
-
-@pytest.fixture
-def rt_store(tmp_path: Path) -> Any:
-    """A store on the real clock: the agent's deadlines, and the linger, are real time."""
-    s = open_store(f"sqlite:///{tmp_path / 'agent.db'}")
-    yield s
-    s.close()
+from stepwarden.store import Store
 
 
 def _staggered_agent(late: dict[int, int]) -> tuple[Agent, list[int]]:
