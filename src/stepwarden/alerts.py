@@ -13,6 +13,11 @@ campaign). Delivery is at least once: a leader that dies between sending and rec
 successor send again, so receivers should deduplicate by alert id (webhooks carry it as the
 ``Idempotency-Key`` header).
 
+Every record the leader writes (delivered, failed or given up, expired) is fenced by its term
+(LEAD4, :class:`Fence`): a paused ex-leader that wakes up after a successor took the lease changes
+nothing (its write raises :class:`~stepwarden.errors.LostOwnership` and its leader work ends), so
+it cannot give up, on the record, an alert the new leader would otherwise still deliver.
+
 Sinks: :class:`LogSink`, :class:`WebhookSink` (``httpx``) and :class:`CallableSink` (any function,
 plain or async), configured with :meth:`stepwarden.App.alert_sink`.
 """
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import InputError, NotFound
+from .errors import InputError, LostOwnership, NotFound
 from .leader import Leadership
 from .policies import Backoff, check_count, check_seconds, show
 from .store import Store
@@ -313,6 +318,34 @@ def as_sink(sink: AlertSink | Callable[[Alert], Any], name: str | None = None) -
 # -- transactions ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Fence:
+    """The lease term a leader's delivery records are conditioned on (LEAD4): ``holder`` still holds
+    lease ``lease`` with ``term``, unexpired on the database clock. The dispatcher makes it from the
+    :class:`~stepwarden.leader.Leadership` its lease keeper gives it (:meth:`of`)."""
+
+    lease: str
+    holder: str
+    term: int
+
+    @classmethod
+    def of(cls, lead: Leadership) -> Fence:
+        return cls(lead.name, lead.holder, lead.term)
+
+    def check(self, tx: Tx) -> None:
+        """Raise :class:`~stepwarden.errors.LostOwnership` unless the term is still held, before
+        the transaction writes anything. As the supervisor's fence: the same ``lease_holds``
+        query, which on PostgreSQL also share-locks the lease row until commit, so a successor's
+        acquire waits for this transaction (SQLite's ``BEGIN IMMEDIATE`` serialises them)."""
+        if tx.one("lease_holds", name=self.lease, holder=self.holder, term=self.term) is None:
+            raise LostOwnership(f"lease {self.lease!r} term {self.term} is no longer held by {self.holder}")
+
+
+def _fence(tx: Tx, fence: Fence | None) -> None:
+    if fence is not None:
+        fence.check(tx)
+
+
 def ack_alert(tx: Tx, alert_id: int, by: str) -> tuple[dict[str, Any], bool]:
     """Acknowledge an alert; returns its view and whether this call acknowledged it (an alert
     acknowledged before keeps its first acknowledgement). An ``alert_id`` that is no positive
@@ -333,11 +366,18 @@ def ack_alert(tx: Tx, alert_id: int, by: str) -> tuple[dict[str, Any], bool]:
 
 
 def register_sinks(tx: Tx, names: Sequence[str]) -> None:
+    # Not fenced: every worker with sinks registers them when it starts, before it campaigns (it is
+    # configuration, not leader work), and a repeat inserts nothing (ON CONFLICT DO NOTHING).
     for name in names:
         tx.run("alert_sink_register", name=name)
 
 
-def due(tx: Tx, names: Sequence[str], limit: int, max_age: float) -> dict[str, list[tuple[Alert, int]]]:
+def due(
+    tx: Tx, names: Sequence[str], limit: int, max_age: float, fence: Fence | None = None
+) -> dict[str, list[tuple[Alert, int]]]:
+    """The alerts due to each sink. Only a read, but fenced too: a deposed leader learns it at the
+    start of its next round, before it sends anything more."""
+    _fence(tx, fence)
     return {
         name: [
             (Alert.from_row(r), int(r["attempts"]))
@@ -347,10 +387,14 @@ def due(tx: Tx, names: Sequence[str], limit: int, max_age: float) -> dict[str, l
     }
 
 
-def expire(tx: Tx, names: Sequence[str], limit: int, max_age: float, me: str) -> dict[str, list[int]]:
+def expire(
+    tx: Tx, names: Sequence[str], limit: int, max_age: float, me: str, fence: Fence | None = None
+) -> dict[str, list[int]]:
     """Record the give-up of up to ``limit`` alerts per sink that it never delivered and no longer
     tries (older than ``max_age``); returns their ids by sink. Before, they were only left out of
-    the next rounds: ``alerts`` showed a retry time long past, as if one were still coming."""
+    the next rounds: ``alerts`` showed a retry time long past, as if one were still coming. With
+    ``fence``, a lease term no longer held raises LostOwnership and nothing is written."""
+    _fence(tx, fence)
     why = f"not delivered within max_age ({max_age:g} s): no longer tried"
     out: dict[str, list[int]] = {}
     for name in names:
@@ -362,14 +406,28 @@ def expire(tx: Tx, names: Sequence[str], limit: int, max_age: float, me: str) ->
     return out
 
 
-def record_delivered(tx: Tx, sink: str, alert_id: int, me: str) -> None:
+def record_delivered(tx: Tx, sink: str, alert_id: int, me: str, fence: Fence | None = None) -> None:
+    # Fenced first (LEAD4): a deposed leader's record raises LostOwnership and writes nothing.
+    _fence(tx, fence)
     # The alert may have been pruned while it was being sent (a retention shorter than max_age):
     # a delivery row must not outlive its alert, and nothing would ever prune it.
     if tx.one("alert_hold", alert_id=alert_id) is not None:
         tx.run("alert_delivered", sink=sink, alert_id=alert_id, me=me)
 
 
-def record_failed(tx: Tx, sink: str, alert_id: int, delay: float, give_up: bool, error: str, me: str) -> None:
+def record_failed(
+    tx: Tx,
+    sink: str,
+    alert_id: int,
+    delay: float,
+    give_up: bool,
+    error: str,
+    me: str,
+    fence: Fence | None = None,
+) -> None:
+    # Fenced as record_delivered: above all, a deposed leader must not record a give-up, after
+    # which no leader would ever send the alert to this sink again.
+    _fence(tx, fence)
     if tx.one("alert_hold", alert_id=alert_id) is None:
         return  # pruned while it was being sent, as in record_delivered
     tx.run(
@@ -411,7 +469,12 @@ class AlertSettings:
 
 class AlertDispatcher:
     """Delivers undelivered alerts to every sink; run it as lease work (``lead``) so that one
-    process at a time does it. Sinks are served concurrently, each one's alerts in order."""
+    process at a time does it. Sinks are served concurrently, each one's alerts in order.
+
+    Given the lease's :class:`~stepwarden.leader.Leadership` (``lead`` always is; ``tick`` and
+    ``deliver`` when passed one), every record is fenced by its term (:class:`Fence`): once the
+    lease is someone else's, a write raises LostOwnership and ``lead`` ends. Without one (rounds
+    driven by hand), the records are not fenced."""
 
     def __init__(
         self,
@@ -449,6 +512,11 @@ class AlertDispatcher:
         while True:
             try:
                 await self.tick(leadership)
+            except LostOwnership as e:
+                # Deposed (paused past the lease, say): the record was refused and nothing written.
+                # Stop, as the supervisor does; the lease keeper campaigns again in its own time.
+                log.warning("alert delivery stops, nothing more recorded by %s: %s", self.me, e)
+                return
             except Exception as e:  # the store is down: try again next round (REL3)
                 log.warning("alert delivery round failed: %r", e)
             leadership.progress()
@@ -459,25 +527,27 @@ class AlertDispatcher:
     async def tick(self, leadership: Leadership | None = None) -> int:
         """One round: send what is due to every sink; returns how many deliveries succeeded."""
         s = self.settings
+        fence = None if leadership is None else Fence.of(leadership)
         if self.clock.monotonic() >= self._next_expiry:
-            await self._expire()
-        todo = await self.store.transact(due, [k.name for k in self.sinks], s.batch, s.max_age)
+            await self._expire(fence)
+        todo = await self.store.transact(due, [k.name for k in self.sinks], s.batch, s.max_age, fence)
         jobs = [self._drain(k, todo[k.name], leadership) for k in self.sinks if todo.get(k.name)]
         # Every sink's round ends before this one does: with a plain gather, one sink's store
         # error ended the round while the others' loops ran on untracked, sending again what the
         # next round read as still due, even after the lease was gone.
         results = await asyncio.gather(*jobs, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        # A lost lease first: it ends the leader work, where another error only ends the round.
+        errors = sorted((r for r in results if isinstance(r, BaseException)), key=_lost_first)
+        if errors:
+            raise errors[0]
         return sum(r for r in results if isinstance(r, int))
 
-    async def _expire(self) -> None:
+    async def _expire(self, fence: Fence | None = None) -> None:
         """Give up, on the record, the alerts past ``max_age``: once a minute, sooner while a
         backlog (a sink down for a day) is still being recorded."""
         s = self.settings
         expired = await self.store.transact(
-            expire, [k.name for k in self.sinks], EXPIRE_BATCH, s.max_age, self.me
+            expire, [k.name for k in self.sinks], EXPIRE_BATCH, s.max_age, self.me, fence
         )
         backlog = any(len(ids) >= EXPIRE_BATCH for ids in expired.values())
         self._next_expiry = self.clock.monotonic() + (0.0 if backlog else EXPIRE_EVERY)
@@ -502,7 +572,9 @@ class AlertDispatcher:
     async def deliver(
         self, sink: AlertSink, alert: Alert, attempts: int = 0, lead: Leadership | None = None
     ) -> bool:
-        """Send one alert to one sink and record the outcome."""
+        """Send one alert to one sink and record the outcome, fenced by ``lead``'s term if given
+        (LostOwnership, nothing recorded, when the lease was lost meanwhile)."""
+        fence = None if lead is None else Fence.of(lead)
         try:
             await _alive_while(lead, asyncio.wait_for(sink.send(alert), timeout=sink.timeout))
         except asyncio.CancelledError:
@@ -512,7 +584,7 @@ class AlertDispatcher:
             give_up = sink.max_attempts is not None and n >= sink.max_attempts
             delay = sink.backoff.delay(n, self.rng)
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            await self.store.transact(record_failed, sink.name, alert.id, delay, give_up, why, self.me)
+            await self.store.transact(record_failed, sink.name, alert.id, delay, give_up, why, self.me, fence)
             self.failed += 1
             if give_up:
                 log.error("alert %d: sink %s failed %d time(s), giving up: %s", alert.id, sink.name, n, why)
@@ -526,9 +598,13 @@ class AlertDispatcher:
                     why,
                 )
             return False
-        await self.store.transact(record_delivered, sink.name, alert.id, self.me)
+        await self.store.transact(record_delivered, sink.name, alert.id, self.me, fence)
         self.delivered += 1
         return True
+
+
+def _lost_first(e: BaseException) -> bool:
+    return not isinstance(e, LostOwnership)
 
 
 # Alerts past max_age are given up on the record once a minute, this many per sink per round.

@@ -545,3 +545,182 @@ def test_webhook_to_a_closed_port_fails_and_is_retried(store: Store, clock: Fake
     assert tick(d) == 0
     [row] = deliveries(store)
     assert row["attempts"] == 1 and row["delivered_at"] is None and "Connect" in row["last_error"]
+
+
+# -- fencing by the lease term (LEAD4) ------------------------------------------------------------------
+# A deposed leader's delivery records change nothing: before, a dispatcher paused past its lease
+# woke up and recorded a give-up (max_attempts, max_age) or a back-off for an alert, and its
+# successor, which reads given-up alerts as done, never delivered it.
+
+OLD = "alerts-old:1:aaa"
+NEW = "alerts-new:2:bbb"
+TTL = 10.0
+
+
+def alert_lease(store: Store, holder: str) -> int:
+    from stepwarden.alerts import ALERT_LEASE
+
+    got = asyncio.run(store.acquire_lease(ALERT_LEASE, holder, TTL))
+    assert got is not None
+    return int(got[0])
+
+
+@pytest.mark.parametrize("outcome", ["delivered", "failed", "gave_up", "expired"])
+def test_a_deposed_dispatcher_records_nothing_stops_leading_and_the_new_leader_delivers(
+    store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture, outcome: str
+) -> None:
+    """The dispatcher is paused past its lease (the fake clock jumps) while it sends an alert, or,
+    for ``expired``, between two rounds; another worker takes the lease with the next term. When
+    it wakes, its record of the send (a delivery, a failure with back-off, a failure that gives up
+    at max_attempts) or its give-up of alerts past its max_age is refused by the fence: nothing is
+    written, it sends nothing more, and its leader work ends with one log line. The new leader
+    then delivers both alerts."""
+    from stepwarden.alerts import ALERT_LEASE
+    from stepwarden.leader import Leadership
+
+    sent: list[int] = []
+    new_terms: list[int] = []
+
+    async def paused_while_sending(alert: Alert) -> None:
+        sent.append(alert.id)
+        clock.advance(TTL + 1)  # SIGSTOP past the lease: another worker takes it
+        got = await store.acquire_lease(ALERT_LEASE, NEW, TTL)
+        assert got is not None
+        new_terms.append(int(got[0]))
+        if outcome != "delivered":
+            raise ConnectionError("pager down")
+
+    max_attempts = 1 if outcome == "gave_up" else None
+    sink = CallableSink(paused_while_sending, name="pager", backoff=FAST, max_attempts=max_attempts)
+    # An alert past the old leader's max_age (a setting since raised) is still due for the new one.
+    settings = AlertSettings(max_age=60.0) if outcome == "expired" else AlertSettings()
+    old = AlertDispatcher(store, [sink], OLD, clock=clock, settings=settings)
+    asyncio.run(old.register())
+    ids = [raise_alert(store), raise_alert(store)]
+    term = alert_lease(store, OLD)
+    if outcome == "expired":
+        clock.advance(120.0)  # paused between rounds, past its lease and the alerts' max_age
+        new_terms.append(alert_lease(store, NEW))
+
+    async def lead() -> None:
+        await asyncio.wait_for(old.lead(Leadership(ALERT_LEASE, OLD, term, clock)), 5)
+
+    with caplog.at_level(logging.WARNING, logger="stepwarden.alerts"):
+        asyncio.run(lead())  # returns: the leader work ended, no crash, no loop
+    assert new_terms == [term + 1]
+    assert sent == ([] if outcome == "expired" else [ids[0]])  # nothing sent once deposed
+    assert deliveries(store) == []
+    assert (old.delivered, old.failed, old.expired) == (0, 0, 0)
+    stops = [r.getMessage() for r in caplog.records if "alert delivery stops" in r.getMessage()]
+    assert len(stops) == 1 and f"term {term} is no longer held by {OLD}" in stops[0], stops
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no give-up logged
+
+    got: list[int] = []
+
+    async def receive(alert: Alert) -> None:
+        got.append(alert.id)
+
+    new = AlertDispatcher(store, [CallableSink(receive, name="pager")], NEW, clock=clock)
+    assert asyncio.run(new.tick(Leadership(ALERT_LEASE, NEW, term + 1, clock))) == 2
+    assert got == ids
+    assert [
+        (r["alert_id"], r["attempts"], r["delivered_by"], r["gave_up_at"]) for r in deliveries(store)
+    ] == [
+        (ids[0], 1, NEW, None),
+        (ids[1], 1, NEW, None),
+    ]
+
+
+@pytest.mark.parametrize("case", ["old-term", "other-holder", "expired", "taken-over"])
+def test_delivery_records_under_a_lease_not_held_raise_lost_ownership_and_write_nothing(
+    store: Store, clock: FakeClock, case: str
+) -> None:
+    """Each record the leader writes, checked in its own transaction: a delivery, a failure that
+    gives up, the give-up of alerts past max_age, and the read of what is due."""
+    from stepwarden.alerts import (
+        ALERT_LEASE,
+        Fence,
+        due,
+        expire,
+        record_delivered,
+        record_failed,
+        register_sinks,
+    )
+    from stepwarden.errors import LostOwnership
+
+    store.transact_sync(register_sinks, ["pager"])
+    alert_id = raise_alert(store)
+    term = alert_lease(store, OLD)
+    holder, use = OLD, term
+    if case == "old-term":
+        use = term - 1
+    elif case == "other-holder":
+        holder = NEW
+    elif case == "expired":
+        clock.advance(TTL)  # expired on the database clock; no one has taken it yet
+    else:
+        clock.advance(TTL + 1)
+        assert alert_lease(store, NEW) == term + 1
+    fence = Fence(ALERT_LEASE, holder, use)
+    clock.advance(1.0)
+    writes: list[tuple[Any, ...]] = [
+        (record_delivered, "pager", alert_id, OLD, fence),
+        (record_failed, "pager", alert_id, 2.0, True, "RuntimeError: nope", OLD, fence),
+        (expire, ["pager"], 10, 0.5, OLD, fence),
+        (due, ["pager"], 10, 3600.0, fence),
+    ]
+    for fn, *args in writes:
+        with pytest.raises(LostOwnership, match=f"lease 'alerts' term {use} is no longer held by {holder}"):
+            store.transact_sync(fn, *args)
+    assert deliveries(store) == []
+
+
+def test_the_lease_holders_fenced_records_land(store: Store, clock: FakeClock) -> None:
+    """The fence lets the holder of the current term write: its delivery, its give-up after a
+    failure, its give-up of alerts past max_age, and a whole round under its Leadership."""
+    from stepwarden.alerts import (
+        ALERT_LEASE,
+        Fence,
+        due,
+        expire,
+        record_delivered,
+        record_failed,
+        register_sinks,
+    )
+    from stepwarden.leader import Leadership
+
+    store.transact_sync(register_sinks, ["ok", "down", "old"])
+    a = raise_alert(store)
+    term = alert_lease(store, ME)
+    fence = Fence(ALERT_LEASE, ME, term)
+    clock.advance(2.0)
+    store.transact_sync(record_delivered, "ok", a, ME, fence)
+    store.transact_sync(record_failed, "down", a, 2.0, True, "RuntimeError: nope", ME, fence)
+    assert store.transact_sync(expire, ["old"], 10, 1.0, ME, fence) == {"old": [a]}
+    assert store.transact_sync(due, ["ok", "down", "old"], 10, 3600.0, fence) == {
+        "ok": [],
+        "down": [],
+        "old": [],
+    }
+    rows = {r["sink"]: r for r in deliveries(store)}
+    now = clock.wall()
+    assert (rows["ok"]["delivered_at"], rows["ok"]["delivered_by"]) == (pytest.approx(now), ME)
+    assert (rows["down"]["gave_up_at"], rows["down"]["last_error"]) == (
+        pytest.approx(now),
+        "RuntimeError: nope",
+    )
+    assert (rows["old"]["gave_up_at"], rows["old"]["delivered_by"]) == (pytest.approx(now), ME)
+
+    got: list[int] = []
+
+    async def receive(alert: Alert) -> None:
+        got.append(alert.id)
+
+    d = AlertDispatcher(store, [CallableSink(receive, name="late")], ME, clock=clock)
+    asyncio.run(d.register())
+    b = raise_alert(store)
+    assert asyncio.run(d.tick(Leadership(ALERT_LEASE, ME, term, clock))) == 1 and got == [b]
+    assert {(r["sink"], r["alert_id"]) for r in deliveries(store) if r["delivered_at"]} == {
+        ("ok", a),
+        ("late", b),
+    }

@@ -24,6 +24,9 @@ WHERE s.name = :sink AND a.created_at >= {now} - :max_age
 ORDER BY a.id LIMIT :limit;
 
 -- name: alert_delivered
+-- The leader's records (alert_delivered, alert_failed, alert_expired) each follow lease_holds in the
+-- same transaction (alerts.Fence, LEAD4): a deposed leader's record raises LostOwnership and writes
+-- nothing, so it cannot give up an alert its successor would still deliver.
 INSERT INTO alert_deliveries (sink, alert_id, attempts, delivered_at, delivered_by, updated_at)
 VALUES (:sink, :alert_id, 1, {now}, :me, {now})
 ON CONFLICT (sink, alert_id) DO UPDATE SET attempts = alert_deliveries.attempts + 1,
