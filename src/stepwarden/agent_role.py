@@ -402,18 +402,16 @@ class AgentRole:
                 try:
                     result = await self._call(handler, req, left)
                 except TimeoutError:
-                    if deadline - self.clock.monotonic() <= 0.001:
-                        # complete-by: cancel and stay silent (AGT4). The call that hung is still
-                        # a failure of the service for its breaker and this instance's health
-                        # (AGT3): uncounted, a service that hangs would never trip the breaker,
-                        # and every request would hold its slot for the whole budget.
-                        hung = "no answer by complete-by (the call was cancelled)"
-                        span.try_failed(n, hung)
-                        await self._guard(health.ended(agent.name, False, hung, trial and n == 1))
-                        return None
-                    last = "operation timed out"
+                    # At complete-by the call is cancelled and nothing is sent (AGT4); either way
+                    # it is a failed call for the breaker and this instance's health (AGT3):
+                    # uncounted, a service that hangs would never trip the breaker, and every
+                    # request would hold its slot for the whole budget.
+                    hung = deadline - self.clock.monotonic() <= 0.001
+                    last = "no answer by complete-by (cancelled)" if hung else "operation timed out"
                     span.try_failed(n, last)
                     await self._guard(health.ended(agent.name, False, last, trial and n == 1))
+                    if hung:
+                        return None
                 except Exception as e:
                     kind = agent.classify(e)
                     if kind == "permanent":
