@@ -42,6 +42,7 @@ from .leader import Leadership
 from .policies import Backoff, check_count, check_seconds, show
 from .store import Store
 from .store.base import Row, Tx
+from .store.supervision import fence
 from .store.transitions import event
 from .store.views import iso
 from .workflow import check_key, check_name
@@ -334,11 +335,8 @@ class Fence:
 
     def check(self, tx: Tx) -> None:
         """Raise :class:`~stepwarden.errors.LostOwnership` unless the term is still held, before
-        the transaction writes anything. As the supervisor's fence: the same ``lease_holds``
-        query, which on PostgreSQL also share-locks the lease row until commit, so a successor's
-        acquire waits for this transaction (SQLite's ``BEGIN IMMEDIATE`` serialises them)."""
-        if tx.one("lease_holds", name=self.lease, holder=self.holder, term=self.term) is None:
-            raise LostOwnership(f"lease {self.lease!r} term {self.term} is no longer held by {self.holder}")
+        the transaction writes anything: the supervisor's own fence (``supervision.fence``)."""
+        fence(tx, self.holder, self.lease, self.term)
 
 
 def _fence(tx: Tx, fence: Fence | None) -> None:

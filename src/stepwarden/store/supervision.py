@@ -16,7 +16,7 @@ from .transitions import fail_attempt
 
 def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: random.Random) -> SweepResult:
     """The supervisor's sweep (SUP1-3), fenced by the leader's term (LEAD4) and bounded (SUP6)."""
-    _fence(tx, me, lease, term)
+    fence(tx, me, lease, term)
     out = SweepResult()
     # Lock tasks in id order (no deadlocks between concurrent transitions), skipping any another
     # transaction holds, then re-check each candidate under the lock: a reply may have been
@@ -41,7 +41,7 @@ def rescue_orphans(
     for their complete-by: the same fenced transition as an expiry, counted as a failure (a step
     that kills its worker must not loop forever), but retried without back-off: the remote
     service did nothing wrong, so there is nothing to spare it from."""
-    _fence(tx, me, lease, term)
+    fence(tx, me, lease, term)
     out = SweepResult()
     if not _still_silent(tx, worker, silent_for):
         return out  # it beat again since it was judged: alive after all
@@ -59,7 +59,12 @@ def _still_silent(tx: Tx, worker: str, silent_for: float | None) -> bool:
     return tx.one("worker_still_silent", worker=worker, silent_for=silent_for) is not None
 
 
-def _fence(tx: Tx, me: str, lease: str, term: int) -> None:
+def fence(tx: Tx, me: str, lease: str, term: int) -> None:
+    """Raise LostOwnership unless ``me`` still holds ``lease`` with ``term``, unexpired on the
+    database clock (LEAD4), before the transaction writes anything. On PostgreSQL ``lease_holds``
+    also share-locks the lease row until commit, so a successor's acquire waits for this
+    transaction (SQLite's ``BEGIN IMMEDIATE`` serialises them). Every leader's writes use it: the
+    supervisor's here, the alert dispatcher's (``alerts.Fence``)."""
     if tx.one("lease_holds", name=lease, holder=me, term=term) is None:
         raise LostOwnership(f"lease {lease!r} term {term} is no longer held by {me}")
 
@@ -110,7 +115,7 @@ def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) 
     """Delete up to ``limit`` tasks finished more than ``retention`` seconds ago, with every row
     they own, so the hot tables stay the size of the live work. Leader-only and term-fenced, so
     two supervisors never prune at once; bounded, so a large backlog is many small transactions."""
-    _fence(tx, me, lease, term)
+    fence(tx, me, lease, term)
     found = [int(r["id"]) for r in tx.all("prunable_tasks", retention=retention, limit=limit)]
     ids = found
     if found and tx.dialect == "postgres":  # SQLite's single writer holds no row locks to wait on
@@ -132,7 +137,7 @@ def prune_records(tx: Tx, me: str, lease: str, term: int, retention: float, limi
     workers long silent (and their agent instances), events with no task, ended lease terms, and
     alerts no one needs (acknowledged, or their task pruned). Without it these grow for as long as
     the store lives, however small the live work. Leader-only and term-fenced, as ``prune``."""
-    _fence(tx, me, lease, term)
+    fence(tx, me, lease, term)
     out = {name: tx.run("prune_" + name, retention=retention, limit=limit) for name in AGED_RECORDS}
     alerts = [int(r["id"]) for r in tx.all("prunable_alerts", retention=retention, limit=limit)]
     if alerts:
