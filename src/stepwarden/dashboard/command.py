@@ -63,7 +63,7 @@ def resolve_token(
     ``STEPWARDEN_DASHBOARD_TOKEN_FILE``, and warnings to print. Both at once is refused rather than
     one silently winning: an operator who rotated the file would keep the old token."""
     warnings: list[str] = []
-    if token_file is not None and token_file != "":
+    if token_file:  # an empty value (the variable set to "") names no file
         if token is not None:
             raise click.UsageError(
                 "give the operator token once: --token (or STEPWARDEN_DASHBOARD_TOKEN) or --token-file"

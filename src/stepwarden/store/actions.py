@@ -51,7 +51,7 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
         raise InputError(f"task {task_id} is {task['state']}; only error tasks can be retried")
     steps = tx.all("steps_of_task", task_id=task_id)
     names = [s["name"] for s in steps]
-    undos = _failed_undos(steps) if task["state"] == "error" else []
+    undos = _failed_undos(steps)
     if undos:
         failed = undos[-1]["name"]
         if step_name is not None:
