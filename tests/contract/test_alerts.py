@@ -21,16 +21,24 @@ import pytest
 
 from stepwarden import App
 from stepwarden.alerts import (
+    ALERT_LEASE,
     Alert,
     AlertDispatcher,
     AlertSettings,
     CallableSink,
+    Fence,
     LogSink,
     WebhookSink,
     ack_alert,
+    due,
+    expire,
+    record_delivered,
+    record_failed,
+    register_sinks,
 )
 from stepwarden.clock import FakeClock
-from stepwarden.errors import InputError, NotFound
+from stepwarden.errors import InputError, LostOwnership, NotFound
+from stepwarden.leader import Leadership, LeaseKeeper, LeaseSettings
 from stepwarden.policies import Backoff
 from stepwarden.store import Store, views
 from stepwarden.store import transitions as t
@@ -429,9 +437,6 @@ def test_a_sink_timeout_longer_than_the_lease_stall_limit_is_recorded_not_taken_
     """A send under its sink's timeout is bounded, so it counts as progress: the lease keeper used
     to cancel it as a stall (stall_after 10 s against a 15 s webhook timeout), no failure was
     recorded, max_attempts never came, and each next leader sent the alert again."""
-    from stepwarden.alerts import ALERT_LEASE, AlertSettings
-    from stepwarden.leader import LeaseKeeper, LeaseSettings
-
     calls: list[float] = []
 
     async def hung(alert: Alert) -> None:
@@ -558,8 +563,6 @@ TTL = 10.0
 
 
 def alert_lease(store: Store, holder: str) -> int:
-    from stepwarden.alerts import ALERT_LEASE
-
     got = asyncio.run(store.acquire_lease(ALERT_LEASE, holder, TTL))
     assert got is not None
     return int(got[0])
@@ -575,9 +578,6 @@ def test_a_deposed_dispatcher_records_nothing_stops_leading_and_the_new_leader_d
     at max_attempts) or its give-up of alerts past its max_age is refused by the fence: nothing is
     written, it sends nothing more, and its leader work ends with one log line. The new leader
     then delivers both alerts."""
-    from stepwarden.alerts import ALERT_LEASE
-    from stepwarden.leader import Leadership
-
     sent: list[int] = []
     new_terms: list[int] = []
 
@@ -637,17 +637,6 @@ def test_delivery_records_under_a_lease_not_held_raise_lost_ownership_and_write_
 ) -> None:
     """Each record the leader writes, checked in its own transaction: a delivery, a failure that
     gives up, the give-up of alerts past max_age, and the read of what is due."""
-    from stepwarden.alerts import (
-        ALERT_LEASE,
-        Fence,
-        due,
-        expire,
-        record_delivered,
-        record_failed,
-        register_sinks,
-    )
-    from stepwarden.errors import LostOwnership
-
     store.transact_sync(register_sinks, ["pager"])
     alert_id = raise_alert(store)
     term = alert_lease(store, OLD)
@@ -678,17 +667,6 @@ def test_delivery_records_under_a_lease_not_held_raise_lost_ownership_and_write_
 def test_the_lease_holders_fenced_records_land(store: Store, clock: FakeClock) -> None:
     """The fence lets the holder of the current term write: its delivery, its give-up after a
     failure, its give-up of alerts past max_age, and a whole round under its Leadership."""
-    from stepwarden.alerts import (
-        ALERT_LEASE,
-        Fence,
-        due,
-        expire,
-        record_delivered,
-        record_failed,
-        register_sinks,
-    )
-    from stepwarden.leader import Leadership
-
     store.transact_sync(register_sinks, ["ok", "down", "old"])
     a = raise_alert(store)
     term = alert_lease(store, ME)

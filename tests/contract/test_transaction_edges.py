@@ -25,13 +25,18 @@ ROLLED_BACK = r"the transaction was ended inside the block \(COMMIT or ROLLBACK\
 ONE_WHOLE_TASK = {"tasks": 1, "steps": 1, "events": 1, "messages": 1}
 
 
-@pytest.fixture
-def app(store_url: str) -> Iterator[App]:
-    a = make_app(store_url)
+def app_with_orders(url: str) -> Iterator[App]:
+    """The one-step order app on ``url``, with the business table ``orders``."""
+    a = make_app(url)
     with a.transaction() as tx:
         tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY)")
     yield a
     a.close()
+
+
+@pytest.fixture
+def app(store_url: str) -> Iterator[App]:
+    yield from app_with_orders(store_url)
 
 
 def counts(app: App) -> dict[str, int]:
@@ -262,11 +267,7 @@ def test_postgres_a_failed_statement_the_block_caught_fails_the_block(pg_url: st
 
 @pytest.fixture
 def pg_app(pg_url: str) -> Iterator[App]:
-    a = make_app(pg_url)
-    with a.transaction() as tx:
-        tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY)")
-    yield a
-    a.close()
+    yield from app_with_orders(pg_url)
 
 
 def test_postgres_a_commit_on_the_connection_then_more_sql_fails_the_block_and_names_what_it_split(
