@@ -8,12 +8,14 @@ clock."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
 from test_agent_role import ME, dispatch, finish, kinds, replies, request_states, until
 
 from stepwarden.agent import Agent, AgentRole, Request
+from stepwarden.errors import Transient
 from stepwarden.store import Store
 from stepwarden.workflow import Workflow
 
@@ -89,3 +91,45 @@ def test_one_hang_counts_as_one_failure_of_the_instance_and_the_breaker(
     assert breaker_row(rt_store) == {"state": "closed", "failures": 1, "opens": 0}
     assert instance_row(rt_store)["failures"] == 1
     assert replies(rt_store) == []
+
+
+def test_a_trial_call_that_hangs_reopens_the_breaker_once_and_sends_nothing(
+    rt_store: Store, make_workflow: Factory
+) -> None:
+    """After the cool-off one instance makes the half-open trial; the service hangs on it too. At
+    complete-by the trial is cancelled, nothing is sent, and the breaker opens again, counted once
+    (the hang's failure gives the trial's verdict; the end of the trial adds no second one)."""
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=0.3)
+    calls: list[str] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(req.idempotency_key)
+        if len(calls) == 1:
+            raise Transient("down")
+        await asyncio.Event().wait()  # the trial hangs
+        return "never"
+
+    async def body() -> None:
+        role = AgentRole(rt_store, {"svc": agent}, ME)
+        dispatch(rt_store, make_workflow, n=1, budget=5.0, tries=1)
+        assert await role.pull() == 1
+        await finish(role)
+        await until(lambda: breaker_row(rt_store)["opens"] == 1, timeout=3.0)
+        # the cool-off over first: a request dispatched before it would have run out of budget
+        await until(lambda: time.monotonic() >= role.breakers["svc"].retry_at, timeout=3.0)
+        dispatch(rt_store, make_workflow, n=1, budget=0.3, tries=1)
+        assert await role.pull() == 1  # this instance wins the half-open trial
+        await finish(role, timeout=3.0)
+        assert len(calls) == 2
+        await until(lambda: "breaker_reopened" in kinds(rt_store), timeout=3.0)
+
+    asyncio.run(body())
+    assert breaker_row(rt_store)["state"] == "open"
+    assert [k for k in kinds(rt_store) if k.startswith("breaker_")] == [
+        "breaker_opened",
+        "breaker_trial",
+        "breaker_reopened",
+    ]
+    assert [r["outcome"] for r in replies(rt_store)] == ["retry"]  # the trial sent nothing
+    assert request_states(rt_store) == ["replied", "taken"]
