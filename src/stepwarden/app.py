@@ -21,7 +21,7 @@ from .leader import LeaseSettings, Work, run_while_leader
 from .policies import check_count, check_id, check_number, show
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
 from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
-from .store.base import Tx
+from .store.base import Tx, read_only
 from .worker import Worker, WorkerSettings, make_identity
 from .workflow import (
     DEFAULT_MAX_INPUT_BYTES,
@@ -240,7 +240,8 @@ class App:
         by the transaction's id, and raises :class:`StoreError` naming the tasks the end
         committed apart from the rest (a lent connection's new transaction is rolled back). With
         your own ``sqlite3`` connection in its default mode (it begins a transaction before a
-        write) the same sequence is not found: SQLite has no transaction id to compare. A
+        write) the block's end reads its tasks on another connection, which sees committed rows
+        only, and raises the same error for any it finds there. A
         PostgreSQL transaction aborted by a failed statement that the block caught raises it too
         when the block ends: it could commit nothing. On SQLite a block inside
         another one on the same database in the same thread is refused at once
@@ -477,12 +478,13 @@ class AppTransaction:
             raise self._ended_error()
         if self._xact is not None and self._current_xact() != self._xact:
             raise self._restarted_error()
+        if self._submitted and not self._lent and self.app.store.dialect == "sqlite":
+            self._check_sqlite_split()
 
     def _restarted_error(self) -> StoreError:
         """The transaction was ended on the connection and a later statement began another: what
         the first one committed is committed apart from the rest of the block, and the tasks
         written since are in the new one (a row's ``xmin`` is the transaction that wrote it)."""
-        self._reported = True
         rows = self._tx.sql(
             "SELECT id, xmin = pg_current_xact_id_if_assigned()::xid AS since FROM tasks"
             " WHERE id = ANY(?) ORDER BY id",
@@ -490,6 +492,26 @@ class AppTransaction:
         )
         before = [int(r["id"]) for r in rows if not r["since"]]
         since = [int(r["id"]) for r in rows if r["since"]]
+        return self._split_error(before, since)
+
+    def _check_sqlite_split(self) -> None:
+        """The SQLite form of the transaction-id check, for the caller's own ``sqlite3``
+        connection in its default mode, which begins a new transaction before the first write
+        after a COMMIT: SQLite has no transaction id, but under WAL another connection sees
+        committed rows only, so a task of the block that it can read was committed before the
+        block's end, apart from the rest. A ROLLBACK then more SQL splits nothing (what the
+        block left commits together) and is found only when a submitted task is gone. One read
+        on the store's own connection per block that submitted; a lent connection is the
+        store's, in autocommit mode, where an end is found as the transaction being closed."""
+        ids = self._submitted
+        before = self.app.store.transact_sync(_existing_tasks, ids)
+        here = set(_existing_tasks(self._tx, ids))
+        if before or len(here) < len(set(ids)):
+            since = sorted(here - set(before))
+            raise self._split_error(before, since)
+
+    def _split_error(self, before: list[int], since: list[int]) -> StoreError:
+        self._reported = True
         what = (
             "the transaction was ended inside the block (COMMIT or ROLLBACK on the connection) and a"
             " later statement began a new one"
@@ -525,16 +547,22 @@ class AppTransaction:
         """Which of the block's tasks exist, read on its connection (the transaction has ended;
         on PostgreSQL the read begins one, ended here: with the tasks' wake-up hints when they
         were committed)."""
-        ids = self._submitted
-        marks = ", ".join("?" for _ in ids)
-        rows = self._tx.sql(f"SELECT id FROM tasks WHERE id IN ({marks}) ORDER BY id", tuple(ids))
-        found = [int(r["id"]) for r in rows]
+        found = _existing_tasks(self._tx, self._submitted)
         if self._open_now():
             if found and hasattr(self._tx, "send_notifications"):
                 self.app.store.commit(self.connection, self._tx)
             else:
                 self.app.store.rollback(self.connection)
         return found
+
+
+@read_only
+def _existing_tasks(tx: Tx, ids: list[int]) -> list[int]:
+    """Which of the tasks ``ids`` exist as ``tx`` sees them; on a connection of the store's own,
+    which of them are committed."""
+    marks = ", ".join("?" for _ in ids)
+    rows = tx.sql(f"SELECT id FROM tasks WHERE id IN ({marks}) ORDER BY id", tuple(ids))
+    return [int(r["id"]) for r in rows]
 
 
 def _tasks(ids: list[int]) -> str:

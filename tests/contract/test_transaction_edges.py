@@ -17,6 +17,7 @@ import pytest
 from test_transactions import make_app, ph  # the same one-step order app
 
 from stepwarden import App, InputError, StoreError
+from stepwarden.store.base import read_only
 
 TABLES = ("tasks", "steps", "events", "messages", "orders")
 NOTHING = dict.fromkeys(TABLES, 0)
@@ -40,8 +41,10 @@ def app(store_url: str) -> Iterator[App]:
 
 
 def counts(app: App) -> dict[str, int]:
-    """The rows of each table, read by the store on its own connection."""
+    """The rows of each table, read by the store on its own connection (committed rows only; a
+    read-only transaction, which on SQLite does not wait for a caller's open write)."""
 
+    @read_only
     def read(tx: Any) -> dict[str, int]:
         return {t: int(tx.sql(f"SELECT COUNT(*) AS n FROM {t}")[0]["n"]) for t in TABLES}
 
@@ -315,6 +318,59 @@ def test_postgres_more_sql_after_a_commit_on_the_callers_connection_fails_the_bl
     finally:
         conn.close()
     assert counts(pg_app) == {**ONE_WHOLE_TASK, "orders": 0}
+
+
+def test_a_commit_on_the_callers_own_connection_then_a_write_fails_the_block_on_both_stores(
+    app: App, store_url: str
+) -> None:
+    """sqlite3 in its default mode, like psycopg, begins a new transaction with the next write
+    after a COMMIT, so the block looked open at its end. SQLite has no transaction id to compare;
+    the block's end reads its tasks on another connection, which sees committed rows only: task A
+    is found committed apart, task B left in the caller's new transaction with order o-2."""
+    conn = own_connection(store_url, autocommit=False)
+    try:
+        with pytest.raises(StoreError) as raised, app.transaction(conn) as tx:
+            insert_order(tx, "o-1")
+            first = tx.submit("order", {"order": "o-1"}, reply_to="web")
+            conn.commit()
+            conn.execute("INSERT INTO orders (id) VALUES ('o-2')")  # past tx: begins a new transaction
+            second = tx.submit("order", {"order": "o-2"}, reply_to="web")
+        message = str(raised.value)
+        assert "ended inside the block" in message and "began a new one" in message, message
+        assert f"committed task {first} apart from the rest of the block" in message, message
+        assert f"task {second}, written in the new transaction, left in it for you to roll back" in message
+        assert counts(app) == {**ONE_WHOLE_TASK, "orders": 1}, "the new transaction is the caller's"
+        conn.rollback()
+        # The same connection, used as it should be, raises nothing (the check reads no
+        # committed task of a block that has not committed yet).
+        with app.transaction(conn) as tx:
+            insert_order(tx, "o-3")
+            tx.submit("order", {"order": "o-3"}, reply_to="web")
+        conn.commit()
+    finally:
+        conn.close()
+    assert counts(app) == {"tasks": 2, "steps": 2, "events": 2, "messages": 2, "orders": 2}
+
+
+def test_a_rollback_on_the_callers_own_connection_then_a_write_fails_the_block_on_both_stores(
+    app: App, store_url: str
+) -> None:
+    """A ROLLBACK then more SQL splits nothing, but the block's task is gone with its order: the
+    end says the first transaction committed none of the block's tasks."""
+    conn = own_connection(store_url, autocommit=False)
+    try:
+        with (
+            pytest.raises(StoreError, match="committed none of the block's tasks"),
+            app.transaction(conn) as tx,
+        ):
+            insert_order(tx, "o-1")
+            tx.submit("order", {"order": "o-1"}, reply_to="web")
+            conn.rollback()
+            conn.execute("INSERT INTO orders (id) VALUES ('o-2')")
+        conn.rollback()
+    finally:
+        conn.close()
+    assert counts(app) == NOTHING
 
 
 def test_postgres_a_rollback_on_the_connection_then_more_sql_fails_the_block(pg_app: App) -> None:
