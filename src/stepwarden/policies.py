@@ -145,9 +145,13 @@ class Backoff:
             base = min(self.maximum, self.initial * self.multiplier ** max(0, n - 1))
         except OverflowError:  # a huge retry number: the cap applies
             base = self.maximum
+        return max(0.0, min(self.spread(base, rng), self.maximum * (1 + self.jitter)))
+
+    def spread(self, seconds: float, rng: random.Random | None) -> float:
+        """``seconds`` with this back-off's jitter (none without ``rng``)."""
         if self.jitter and rng is not None:
-            base *= 1 - self.jitter + 2 * self.jitter * rng.random()
-        return max(0.0, min(base, self.maximum * (1 + self.jitter)))
+            return seconds * (1 - self.jitter + 2 * self.jitter * rng.random())
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,9 @@ class Decision:
     action: Literal["retry", "error", "compensate"]
     delay: float = 0.0
     escalated: bool = False
+    # An escalation announced already, at an earlier failure: the "wait" escalation's later
+    # retries, which raise no alert of their own (one per outage, not one per wait).
+    repeated: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,7 +220,10 @@ class Retry:
             return Decision("retry", self.backoff.delay(failure_count, rng))
         escalation = self.escalation or on_error
         if escalation == "wait":
-            return Decision("retry", self.escalation_wait, escalated=True)
+            # Spread like the back-off: the tasks an outage escalated together would otherwise
+            # all come back at the same moment, and again every escalation_wait after that.
+            wait = self.backoff.spread(self.escalation_wait, rng)
+            return Decision("retry", wait, escalated=True, repeated=failure_count > self.max_failures)
         return Decision("compensate" if escalation == "compensate" else "error", escalated=True)
 
     def to_dict(self) -> dict[str, object]:

@@ -416,7 +416,8 @@ class StoreMachine(RuleBasedStateMachine):
                 action = s.escalation or s.on_error
                 if action == "wait":
                     action, delay = "retry", ESCALATION_WAIT
-                    self.alerts.append(("step_escalated", task.id, s.name))
+                    if n == s.max_failures:  # once per escalation, not at every wait
+                        self.alerts.append(("step_escalated", task.id, s.name))
         s.complete_by = None
         if undo:
             s.comp_failures += 1

@@ -576,23 +576,32 @@ def test_reaching_max_failures_can_compensate_in_reverse_order(
     assert alerts(store) == []
 
 
-def test_wait_escalation_retries_after_the_extended_wait_and_alerts(
+def test_wait_escalation_retries_after_the_extended_wait_and_alerts_once(
     store: Store, clock: FakeClock, make_workflow: Factory
 ) -> None:
+    """Each wait is escalation_wait spread by the back-off's jitter (tasks escalated together by
+    one outage do not all come back at once), and the alert is raised when the step first
+    escalates, not again at every wait of the same outage (it used to be one per wait, for ever)."""
     term = lease(store)
-    wf = make_workflow("a", retry=Retry(max_failures=1, escalation="wait", escalation_wait=300.0))
+    wait = 300.0
+    wf = make_workflow("a", retry=Retry(max_failures=1, escalation="wait", escalation_wait=wait))
     task_id = submit(store, wf)
-    claim(store)
-    clock.advance(10.5)
-    r = sweep(store, term)
-    assert (r.rescued, r.escalated) == (1, 0)
-    assert task(store, task_id)["state"] == "pending"
-    assert task(store, task_id)["run_at"] == pytest.approx(clock.wall() + 300.0, abs=1e-6)
+    delays = []
+    for cycle in range(3):
+        assert claim(store) == 1, f"cycle {cycle}: the task was not claimable after its wait"
+        clock.advance(10.5)  # past complete-by (10 s)
+        r = sweep(store, term)
+        assert (r.rescued, r.escalated) == (1, 0)
+        assert task(store, task_id)["state"] == "pending"
+        delay = task(store, task_id)["run_at"] - clock.wall()
+        assert wait * 0.8 - 1e-6 <= delay <= wait * 1.2 + 1e-6, delay  # Backoff's default jitter 0.2
+        delays.append(delay)
+        clock.advance(delay - 1.0)
+        assert claim(store) == 0, "claimed before its wait was over"
+        clock.advance(1.0)
+    assert all(d != pytest.approx(wait) for d in delays), "not spread (the sweep's rng is seeded here)"
     assert [a["kind"] for a in alerts(store)] == ["step_escalated"]
-    clock.advance(299.0)
-    assert claim(store) == 0
-    clock.advance(1.0)
-    assert claim(store) == 1
+    assert q(store, "SELECT failure_count FROM steps")[0]["failure_count"] == 3
 
 
 # -- error replies -----------------------------------------------------------------------------------

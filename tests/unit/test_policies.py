@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import cast
 
 import pytest
@@ -116,14 +117,24 @@ def test_retry_backoff_uses_jitter_from_the_rng() -> None:
 def test_retry_escalates_at_threshold(escalation: str | None, on_error: str, expected: Decision) -> None:
     r = Retry(max_failures=3, escalation=escalation, escalation_wait=45.0)  # type: ignore[arg-type]
     assert r.after_failure(3, on_error) == expected  # type: ignore[arg-type]
-    assert r.after_failure(7, on_error) == expected  # type: ignore[arg-type]
+    later = r.after_failure(7, on_error)  # type: ignore[arg-type]
+    assert later == (replace(expected, repeated=True) if expected.action == "retry" else expected)
 
 
-def test_retry_wait_escalation_keeps_retrying_after_the_extended_wait() -> None:
+def test_retry_wait_escalation_keeps_retrying_after_the_extended_wait_announced_once() -> None:
     r = Retry(max_failures=1, escalation="wait", escalation_wait=120.0)
     for n in range(1, 6):
         d = r.after_failure(n, "error")
-        assert (d.action, d.delay, d.escalated) == ("retry", 120.0, True)
+        assert (d.action, d.delay, d.escalated, d.repeated) == ("retry", 120.0, True, n > 1)
+
+
+def test_retry_wait_escalation_is_spread_by_the_backoffs_jitter() -> None:
+    r = Retry(max_failures=1, escalation="wait", escalation_wait=100.0, backoff=Backoff(jitter=0.25))
+    waits = {r.after_failure(2, "error", random.Random(seed)).delay for seed in range(20)}
+    assert len(waits) > 10
+    assert all(75.0 <= w <= 125.0 for w in waits), waits
+    no_jitter = Retry(max_failures=1, escalation="wait", escalation_wait=100.0, backoff=Backoff(jitter=0))
+    assert no_jitter.after_failure(2, "error", random.Random(1)).delay == 100.0
 
 
 def test_retry_max_failures_one_escalates_on_first_failure() -> None:

@@ -511,7 +511,7 @@ def fail_attempt(
             failures=failures,
             kind="undo" if undo else "do",
         )
-        if decision.escalated:
+        if decision.escalated and not decision.repeated:
             out_alerts.append(
                 alert(
                     tx,
