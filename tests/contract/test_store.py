@@ -833,6 +833,79 @@ def test_cancel_refuses_finished_tasks_and_unknown_ids(store: Store, make_workfl
         store.transact_sync(t.cancel_task, 999, "operator")
 
 
+def test_a_compensated_task_names_the_completed_steps_it_had_no_undo_for(
+    store: Store, make_workflow: Factory
+) -> None:
+    """CMP1 makes an undo optional: a step that declares none keeps its effect. The outcome says
+    so (event and reply-queue message ``not_undone``), so that "compensated" is not read as
+    "every effect undone"; a task whose every step has an undo says nothing of the kind."""
+    wf = make_workflow(steps={"a": {"compensate": None}, "b": {"on_error": "compensate"}})
+    task_id = submit(store, wf, reply_to="web")
+    claim(store)
+    complete(store, task_id, "a")
+    reply(store, task_id, "b", "error", error="card declined")
+    apply(store)
+    complete(store, task_id, "b")  # b's undo (a failed step is undone too); a has none
+    assert states(store, task_id) == ("compensated", ["completed", "compensated", "skipped"])
+    last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
+    assert last["kind"] == "compensated"
+    assert json.loads(last["body"])["not_undone"] == ["a"]
+    ended = q(store, "SELECT detail FROM events WHERE kind = 'compensated'")[0]
+    assert json.loads(ended["detail"])["not_undone"] == ["a"]
+    other = submit(store, make_workflow(steps={"b": {"on_error": "compensate"}}), reply_to="web")
+    claim(store)
+    complete(store, other, "a")
+    reply(store, other, "b", "error", error="card declined")
+    apply(store)
+    complete(store, other, "b")
+    complete(store, other, "a")
+    last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
+    assert last["kind"] == "compensated" and "not_undone" not in json.loads(last["body"])
+
+
+def test_cancel_of_a_task_undone_after_a_failure_is_refused_and_writes_nothing(
+    store: Store, make_workflow: Factory
+) -> None:
+    """Its undo began because b failed; a cancel would only turn the outcome into "cancelled"
+    and lose why. It is refused (InputError: exit 2 from the CLI) and the task ends compensated."""
+    task_id = submit(store, make_workflow(steps={"b": {"on_error": "compensate"}}), reply_to="web")
+    claim(store)
+    complete(store, task_id, "a")
+    reply(store, task_id, "b", "error", error="card declined")
+    apply(store)
+    assert task(store, task_id)["state"] == "compensating"
+    before = snapshot(store)
+    with pytest.raises(InputError, match="already being undone after a step failed; it will end compensated"):
+        store.transact_sync(t.cancel_task, task_id, "operator")
+    assert snapshot(store) == before
+    complete(store, task_id, "b")
+    complete(store, task_id, "a")
+    assert states(store, task_id)[0] == "compensated"
+
+
+def test_a_second_cancel_writes_nothing_and_a_cancel_that_begins_the_undo_records_it(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """A cancel of a task waiting out a back-off moves it to compensating at once: the event log
+    says so (``compensating``, as when a scheduler begins an undo), not only ``cancel_requested``.
+    Asking again changes nothing. A step that had started, has no undo and was waiting for its
+    retry ends ``failed``, not ``pending`` in a finished task."""
+    term = lease(store)
+    task_id = submit(store, make_workflow(steps={"b": {"compensate": None}}), reply_to="web")
+    claim(store)
+    complete(store, task_id, "a")
+    clock.advance(10.5)
+    sweep(store, term)  # b's attempt expired: b is waiting out its back-off, the task unlocked
+    assert store.transact_sync(t.cancel_task, task_id, "operator") == "compensating"
+    assert event_kinds(store, task_id)[-2:] == ["cancel_requested", "compensating"]
+    before = snapshot(store)
+    assert store.transact_sync(t.cancel_task, task_id, "operator") == "compensating"
+    assert snapshot(store) == before, "a second cancel wrote something"
+    assert claim(store) == 1
+    complete(store, task_id, "a")  # b has no undo: only a is undone
+    assert states(store, task_id) == ("cancelled", ["compensated", "failed", "skipped"])
+
+
 def _errored_at_b(store: Store, clock: FakeClock, wf: Workflow, term: int) -> int:
     """a completes; b expires once, then fails permanently: the task is error at b."""
     task_id = submit(store, wf)

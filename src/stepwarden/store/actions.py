@@ -92,19 +92,28 @@ def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
         raise NotFound(f"no task {task_id}")
     if task["state"] in ("processed", "compensated", "cancelled"):
         raise InputError(f"task {task_id} is already {task['state']}; nothing to cancel")
+    if task["state"] == "compensating" and not task["cancel_requested"]:
+        # Its undo began because a step failed: a cancel would only rename the outcome, and the
+        # final message would no longer say why the task was undone.
+        raise InputError(
+            f"task {task_id} is already being undone after a step failed; it will end compensated,"
+            " so there is nothing to cancel"
+        )
+    if task["cancel_requested"] and task["state"] != "error":
+        return str(task["state"])  # asked already, and on its way: nothing new to write
     tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
     event(tx, "cancel_requested", task_id, actor)
     if task["state"] == "error" and _failed_undos(tx.all("steps_of_task", task_id=task_id)):
         # Ended while being undone: the undo resumes, with a fresh budget of attempts (one more
         # failure used to end it in error again at once).
         _reopen_undos(tx, task_id)
-        message(tx, task, "compensating", reason="cancel requested")
-        return "compensating"
-    if task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
+    elif task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
         tx.put("skip_unstarted", task_id=task_id)
         tx.sql(
             "UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0 WHERE id = ?", (task_id,)
         )
-        message(tx, task, "compensating", reason="cancel requested")
-        return "compensating"
-    return str(task["state"])
+    else:
+        return str(task["state"])  # a step is running: the undo begins when its reply is applied
+    event(tx, "compensating", task_id, actor, reason="cancel requested")
+    message(tx, task, "compensating", reason="cancel requested")
+    return "compensating"

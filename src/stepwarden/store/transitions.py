@@ -150,9 +150,16 @@ def advance(tx: Tx, task: Row, me: str, steps: list[Row] | None = None, now: flo
             dispatch(tx, task, s, steps, me, "undo", now)
             return
     final = "cancelled" if task["cancel_requested"] else "compensated"
+    # A step that started and never completed, with no undo (its retry was waiting when the task
+    # was given up): failed, not left pending in a finished task.
+    tx.put("give_up_started", task_id=task["id"])
+    # Completed steps that declare no undo keep their effect: the outcome names them, so that
+    # "compensated" is not read as "every effect undone" (CMP1 makes the undo optional).
+    kept = [s["name"] for s in steps if s["state"] == "completed" and not s["compensate"]]
+    extra: dict[str, Any] = {"not_undone": kept} if kept else {}
     tx.put("finish_task", task_id=task["id"], state=final, error=None)
-    event(tx, final, task["id"], me)
-    message(tx, task, final)
+    event(tx, final, task["id"], me, **extra)
+    message(tx, task, final, **extra)
     task["state"] = final
 
 

@@ -67,6 +67,9 @@ WHERE id = :task_id;
 -- name: skip_unstarted
 UPDATE steps SET state = 'skipped' WHERE task_id = :task_id AND started_at IS NULL AND state = 'pending';
 
+-- name: give_up_started
+UPDATE steps SET state = 'failed' WHERE task_id = :task_id AND started_at IS NOT NULL AND state = 'pending';
+
 -- name: insert_reply
 INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, result, error, sent_by,
                      received_at)
