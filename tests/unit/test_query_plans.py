@@ -28,7 +28,6 @@ def plan(store: SQLiteStore, query: str) -> str:
 @pytest.mark.parametrize(
     ("query", "index"),
     [
-        ("claim_tasks", "tasks_claimable"),
         ("claim_requests", "requests_queued"),
         ("expired_steps", "steps_inflight"),
         ("new_replies_with_tasks", "replies_new"),
@@ -48,3 +47,20 @@ def test_hot_queries_use_their_partial_index_without_sorting(
         f"{query} sorts its candidates instead of reading them in index order:\n{p}"
     )
     assert "SCAN tasks\n" not in p + "\n" and "SCAN steps\n" not in p + "\n", p
+
+
+def test_the_claim_reads_ready_tasks_in_index_order_and_only_the_due_end_of_the_waiting_ones(
+    store: SQLiteStore,
+) -> None:
+    """Two arms, one per index: the ready tasks walked in priority order (no sort: the walk stops
+    at the limit), the waiting ones searched by when they are due (those not yet due are not
+    read), sorted by priority (only the due ones), and the two limits merged."""
+    rows = store.transact_sync(
+        lambda tx: tx.sql("EXPLAIN QUERY PLAN " + store.queries["claim_tasks"], PARAMS)
+    )
+    details = [r["detail"] for r in rows]
+    ready = next(r for r in rows if r["detail"] == "SCAN tasks USING INDEX tasks_claimable")
+    assert "SEARCH tasks USING INDEX tasks_waiting (run_at<?)" in details, details
+    sorts = [r for r in rows if "TEMP B-TREE" in r["detail"]]
+    assert all(r["parent"] != ready["parent"] for r in sorts), f"the ready tasks are sorted: {details}"
+    assert "SCAN tasks" not in details, details

@@ -23,7 +23,7 @@ def _reopen_undos(tx: Tx, task_id: int) -> None:
     )
     tx.sql(
         "UPDATE tasks SET state = 'compensating', locked_by = NULL, complete_by = NULL, finished_at = NULL, "
-        "last_error = NULL, run_at = 0, updated_at = ? WHERE id = ?",
+        "last_error = NULL, run_at = 0, waiting = 0, updated_at = ? WHERE id = ?",
         (_now(tx), task_id),
     )
 
@@ -78,7 +78,7 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
     )
     tx.sql(
         "UPDATE tasks SET state = 'pending', locked_by = NULL, complete_by = NULL, cancel_requested = 0, "
-        "finished_at = NULL, last_error = NULL, run_at = 0, updated_at = ? WHERE id = ?",
+        "finished_at = NULL, last_error = NULL, run_at = 0, waiting = 0, updated_at = ? WHERE id = ?",
         (_now(tx), task_id),
     )
     event(tx, "retried", task_id, actor, start, step=names[start])
@@ -110,7 +110,8 @@ def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
     elif task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
         tx.put("skip_unstarted", task_id=task_id)
         tx.sql(
-            "UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0 WHERE id = ?", (task_id,)
+            "UPDATE tasks SET state = 'compensating', locked_by = NULL, run_at = 0, waiting = 0 WHERE id = ?",
+            (task_id,),
         )
     else:
         return str(task["state"])  # a step is running: the undo begins when its reply is applied

@@ -171,6 +171,9 @@ class SQLiteStore(Store):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         conn.execute("PRAGMA foreign_keys=ON")
+        # The claim merges two short index walks with a sort of at most 2 x its limit rows: with
+        # temporary b-trees in a file, each execution opened one (~0.13 ms, 7x the statement).
+        conn.execute("PRAGMA temp_store=MEMORY")
         return conn
 
     @contextmanager

@@ -60,6 +60,7 @@ WHERE id = :task_id;
 
 -- name: release_task
 UPDATE tasks SET state = :state, locked_by = NULL, complete_by = NULL, run_at = {now} + :delay,
+                 waiting = CASE WHEN :delay > 0 THEN 1 ELSE 0 END,
                  failure_count = failure_count + :failed, last_error = COALESCE(:error, last_error),
                  updated_at = {now}
 WHERE id = :task_id;

@@ -4,14 +4,26 @@
 -- name: claim_tasks
 -- MATERIALIZED keeps the planner from re-running the locking subquery per row; SKIP LOCKED lets
 -- concurrent schedulers take disjoint batches without waiting on each other.
-WITH c AS MATERIALIZED (
-    SELECT id FROM tasks
-    WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND run_at <= {now}
+-- The best :limit of the ready tasks and of the waiting ones now due, each read from its own index
+-- (the waiting ones by when they are due: those not due yet are not read), in one priority order;
+-- a row one of them locked and the order left out stays unclaimed until this transaction ends.
+WITH ready AS MATERIALIZED (
+    SELECT id, priority FROM tasks
+    WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND waiting = 0
+      AND run_at <= {now}
     ORDER BY priority DESC, id LIMIT :limit
-    FOR UPDATE SKIP LOCKED)
+    FOR UPDATE SKIP LOCKED),
+due AS MATERIALIZED (
+    SELECT id, priority FROM tasks
+    WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND waiting = 1
+      AND run_at <= {now}
+    ORDER BY priority DESC, id LIMIT :limit
+    FOR UPDATE SKIP LOCKED),
+c AS (SELECT id FROM (SELECT * FROM ready UNION ALL SELECT * FROM due) u
+      ORDER BY priority DESC, id LIMIT :limit)
 UPDATE tasks t SET locked_by = :me,
                    state = CASE WHEN t.state = 'pending' THEN 'processing' ELSE t.state END,
-                   updated_at = {now}
+                   waiting = 0, updated_at = {now}
 FROM c WHERE t.id = c.id
 RETURNING t.id, t.state, t.input, t.priority, t.correlation_id, t.reply_to, t.cancel_requested, t.workflow,
           {now} AS now;

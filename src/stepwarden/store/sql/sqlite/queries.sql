@@ -2,11 +2,23 @@
 -- Every transition is conditional: a statement that changes no row means "you lost it".
 
 -- name: claim_tasks
+-- The best :limit of the ready tasks and of the waiting ones now due, each read from its own index
+-- (the waiting ones by when they are due: those not due yet are not read), in one priority order.
 UPDATE tasks SET locked_by = :me,
                  state = CASE WHEN state = 'pending' THEN 'processing' ELSE state END,
-                 updated_at = {now}
-WHERE id IN (SELECT id FROM tasks INDEXED BY tasks_claimable
-             WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND run_at <= {now}
+                 waiting = 0, updated_at = {now}
+WHERE id IN (SELECT id FROM (
+                 SELECT id, priority FROM (
+                     SELECT id, priority FROM tasks INDEXED BY tasks_claimable
+                     WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND waiting = 0
+                       AND run_at <= {now}
+                     ORDER BY priority DESC, id LIMIT :limit)
+                 UNION ALL
+                 SELECT id, priority FROM (
+                     SELECT id, priority FROM tasks INDEXED BY tasks_waiting
+                     WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND waiting = 1
+                       AND run_at <= {now}
+                     ORDER BY priority DESC, id LIMIT :limit))
              ORDER BY priority DESC, id LIMIT :limit)
 RETURNING id, state, input, priority, correlation_id, reply_to, cancel_requested, workflow,
           {now} AS now;

@@ -1,0 +1,150 @@
+"""Tasks waiting out a back-off stay out of the claim's way (SCH1, SUB5), on both stores.
+
+An outage of one service leaves its tasks waiting, each until its retry is due. The claim used to
+read them all, in priority order, to find the ones that were due: 30,000 of them cost every round
+10 ms under SQLite's write lock, idle rounds included, so one service's outage slowed every other
+workflow's claims. A task released with a delay is now marked waiting and kept in an index of its
+own, ordered by when it is due: the claim reads the ready tasks' index as before and only the
+due end of the waiting one.
+
+What a claim reads is counted by the database, not timed: on PostgreSQL the rows its plan read
+from ``tasks`` (``EXPLAIN ANALYZE``), on SQLite the virtual machine's steps for the statement.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from test_store import ME, Factory, apply, claim, reply, submit, task
+
+from stepwarden.clock import FakeClock
+from stepwarden.policies import Backoff, Retry
+from stepwarden.store import Store
+from stepwarden.store.base import Tx
+
+
+class _RolledBack(Exception):
+    pass
+
+
+def _read_by_plan(plan: dict[str, Any]) -> int:
+    """Rows of ``tasks`` that a PostgreSQL plan's scans read, the filtered-out ones included."""
+    own = 0
+    if plan.get("Relation Name") == "tasks" and plan["Node Type"] != "ModifyTable":
+        own = int(plan["Actual Rows"]) * int(plan.get("Actual Loops", 1)) + int(
+            plan.get("Rows Removed by Filter", 0)
+        )
+    return own + sum(_read_by_plan(p) for p in plan.get("Plans", []))
+
+
+def claim_cost(store: Store, limit: int = 10) -> tuple[int, list[int]]:
+    """What one claim of up to ``limit`` tasks reads, and the ids it would claim; rolled back."""
+    out: dict[str, Any] = {}
+
+    def measure(tx: Tx) -> None:
+        if store.dialect == "postgres":
+            text = store.queries["claim_tasks"]  # psycopg's placeholders, filled in for EXPLAIN
+            text = text.replace("%(me)s", f"'{ME}'").replace("%(limit)s", str(limit))
+            mine = "SELECT id FROM tasks WHERE locked_by = ? ORDER BY id"
+            before = {r["id"] for r in tx.sql(mine, (ME,))}
+            row = tx.sql("EXPLAIN (ANALYZE, FORMAT JSON) " + text)[0]
+            plan = next(iter(row.values()))
+            plan = json.loads(plan) if isinstance(plan, str) else plan
+            out["cost"] = _read_by_plan(plan[0]["Plan"])
+            out["ids"] = [r["id"] for r in tx.sql(mine, (ME,)) if r["id"] not in before]
+        else:
+            conn = store._conn()  # type: ignore[attr-defined]  # this thread's: the one tx runs on
+            steps = [0]
+
+            def count() -> int:
+                steps[0] += 1
+                return 0
+
+            conn.set_progress_handler(count, 1)
+            try:
+                rows = tx.all("claim_tasks", me=ME, limit=limit)
+            finally:
+                conn.set_progress_handler(None, 0)
+            out["cost"], out["ids"] = steps[0], sorted(r["id"] for r in rows)
+        raise _RolledBack
+
+    with pytest.raises(_RolledBack):
+        store.transact_sync(measure)
+    return int(out["cost"]), list(out["ids"])
+
+
+def waiting(store: Store, n: int, *, priority: int, delay: float) -> list[int]:
+    """``n`` tasks released by the store's own ``release_task`` (as a failed attempt is) to wait
+    ``delay`` seconds; written behind the store's back first, as claimed tasks, to be quick."""
+
+    def make(tx: Tx) -> list[int]:
+        ids = []
+        for _ in range(n):
+            row = tx.sql(
+                "INSERT INTO tasks (workflow, workflow_version, state, input, priority, locked_by, run_at,"
+                " created_at, updated_at) VALUES ('old', 1, 'processing', '{}', ?, 'gone:1:x', 0, 0, 0)"
+                " RETURNING id",
+                (priority,),
+            )
+            ids.append(int(row[0]["id"]))
+        for task_id in ids:
+            tx.put("release_task", task_id=task_id, state="pending", delay=delay, failed=1, error="502")
+        return ids
+
+    return store.transact_sync(make)
+
+
+def test_a_claim_reads_no_more_with_thousands_of_tasks_waiting_out_a_back_off(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    wf = make_workflow("a")
+    ready = [submit(store, wf, {"n": n}) for n in range(3)]
+    waiting(store, 20, priority=5, delay=600.0)  # higher priority than the ready ones, not due
+    few_cost, few_ids = claim_cost(store)
+    assert few_ids == ready, "a waiting task was claimed before it was due, or a ready one left"
+    waiting(store, 3000, priority=5, delay=600.0)
+    many_cost, many_ids = claim_cost(store)
+    assert many_ids == ready
+    assert many_cost < 2 * few_cost + 50, (
+        f"the claim read {many_cost} with 3,020 tasks waiting against {few_cost} with 20:"
+        " it reads the waiting tasks"
+    )
+    # An idle round (nothing ready, nothing due) reads next to nothing either.
+    assert claim(store, limit=10) == 3
+    idle_cost, idle_ids = claim_cost(store)
+    assert idle_ids == [] and idle_cost <= few_cost, (idle_cost, few_cost)
+
+
+def test_a_due_waiting_task_is_claimed_in_priority_order_with_the_ready_ones(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """Two indexes, one order: a due task of higher priority comes before a ready one of lower
+    priority, and a ready task of higher priority before a due one; one not yet due is left."""
+    quick = make_workflow("a")  # its first retry waits 10 s
+    slow = make_workflow("a", name="slow", retry=Retry(max_failures=5, backoff=Backoff(1000.0, jitter=0)))
+    high_due = submit(store, quick, {"n": 1}, priority=5)
+    not_due = submit(store, slow, {"n": 2}, priority=7)
+    assert claim(store) == 2
+    for task_id in (high_due, not_due):
+        reply(store, task_id, "a", "retry", error="transient: 502")
+    apply(store)
+    assert [task(store, i)["state"] for i in (high_due, not_due)] == ["pending", "pending"]
+    low_ready = submit(store, quick, {"n": 3}, priority=0)
+    high_ready = submit(store, quick, {"n": 4}, priority=9)
+    clock.advance(10.0)
+    order = []
+    for _ in range(3):
+        assert claim(store, limit=1) == 1
+        taken = [
+            i
+            for i in (high_ready, high_due, low_ready)
+            if task(store, i)["state"] == "processing" and i not in order
+        ]
+        assert len(taken) == 1, taken
+        order += taken
+    assert order == [high_ready, high_due, low_ready]
+    assert claim(store) == 0, "the task not yet due was claimed"
+    clock.advance(990.0)
+    assert claim(store) == 1 and task(store, not_due)["state"] == "processing"
