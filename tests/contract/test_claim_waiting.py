@@ -14,6 +14,7 @@ from ``tasks`` (``EXPLAIN ANALYZE``), on SQLite the virtual machine's steps for 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from test_store import ME, Factory, apply, claim, reply, submit, task
 
 from stepwarden.clock import FakeClock
 from stepwarden.policies import Backoff, Retry
-from stepwarden.store import Store
+from stepwarden.store import Store, open_store
 from stepwarden.store.base import Tx
 
 
@@ -148,3 +149,37 @@ def test_a_due_waiting_task_is_claimed_in_priority_order_with_the_ready_ones(
     assert claim(store) == 0, "the task not yet due was claimed"
     clock.advance(990.0)
     assert claim(store) == 1 and task(store, not_due)["state"] == "processing"
+
+
+def test_an_upgrade_to_schema_6_marks_the_tasks_already_waiting(store_url: str, tmp_path: Any) -> None:
+    """A store of schema 5 with a task waiting out a back-off (run_at ahead, unlocked): the
+    upgrade marks it waiting, so the claim leaves it until it is due, then takes it. (On the real
+    clock: a migration reads the database's own.)"""
+    if store_url.startswith("postgres"):
+        url = store_url
+        empty = open_store(url, migrate=False)
+        empty.transact_sync(lambda tx: (tx.sql("DROP SCHEMA public CASCADE"), tx.sql("CREATE SCHEMA public")))
+        empty.close()
+    else:
+        url = f"sqlite:///{tmp_path / 'old.db'}"
+    old: Any = open_store(url, migrate=False)
+    try:
+        assert old.migrate(target=5) == 5
+        now = time.time()
+
+        def seed(tx: Tx) -> None:
+            for run_at, priority in ((now + 3600.0, 9), (now - 1.0, 0)):
+                tx.sql(
+                    "INSERT INTO tasks (workflow, workflow_version, state, input, priority, run_at,"
+                    " created_at, updated_at) VALUES ('wf', 1, 'pending', '{}', ?, ?, ?, ?)",
+                    (priority, run_at, now, now),
+                )
+
+        old.transact_sync(seed)
+        assert old.migrate() == 1
+        rows = old.transact_sync(lambda tx: tx.sql("SELECT priority, waiting FROM tasks ORDER BY priority"))
+        assert [(r["priority"], r["waiting"]) for r in rows] == [(0, 0), (9, 1)]
+        claimed = old.transact_sync(lambda tx: tx.all("claim_tasks", me=ME, limit=10))
+        assert [r["priority"] for r in claimed] == [0], "the task waiting an hour was claimed"
+    finally:
+        old.close()
