@@ -113,8 +113,8 @@ def task_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
 def task_retry(ctx: click.Context, task_id: str, step: str | None) -> None:
     """Resubmit an errored task from its failed step, after fixing the cause."""
     tid = _task_id(task_id)
-    open_for(ctx).transact_sync(tr.retry_task, tid, step, "cli")
-    click.echo(f"task {tid} is pending again")
+    state = open_for(ctx).transact_sync(tr.retry_task, tid, step, "cli")
+    click.echo(tr.describe_retry(tid, state, step))
 
 
 @task.command("cancel")

@@ -718,7 +718,11 @@ def test_retry_of_a_task_whose_undo_failed_resumes_the_undo_not_the_steps(
     over c's undone effect (and dropping the cancel)."""
     task_id = _undo_of_b_fails_for_good(store, make_workflow, cancel)
     before = len(requests(store, task_id))
-    store.transact_sync(t.retry_task, task_id, None, "operator")
+    # The CLI and the dashboard print what it did (they used to say "pending again").
+    assert store.transact_sync(t.retry_task, task_id, None, "operator") == "compensating"
+    assert t.describe_retry(task_id, "compensating", None) == (
+        f"task {task_id} is compensating again: its undo resumes where it failed"
+    )
     assert states(store, task_id) == ("compensating", ["completed", "failed", "compensated"])
     assert step(store, task_id, "b")["comp_failures"] == 0  # a fresh budget for the undo
     assert claim(store) == 1

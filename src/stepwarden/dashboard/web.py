@@ -326,8 +326,8 @@ class Dashboard:
 
         async def run(actor: str, form: FormData) -> str:
             step = str(form.get("step") or "").strip() or None
-            await self.store.transact(tr.retry_task, task_id, step, actor)
-            return f"task {task_id} is pending again" + (f" from step {step}" if step else "")
+            state = await self.store.transact(tr.retry_task, task_id, step, actor)
+            return tr.describe_retry(task_id, state, step)
 
         return await self._act(request, "retry", run)
 

@@ -28,7 +28,7 @@ def _reopen_undos(tx: Tx, task_id: int) -> None:
     )
 
 
-def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
+def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> str:
     """Resubmit an errored task from its failed step, or from ``step_name`` (OPS2). A task that
     ended in ``error`` while being undone (a compensation failed for good) resumes its undo: its
     steps must not run forward again over effects already undone.
@@ -62,7 +62,7 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
         _reopen_undos(tx, task_id)
         event(tx, "retried", task_id, actor, undos[-1]["idx"], step=failed, kind="undo")
         message(tx, task, "retried", step=failed)
-        return
+        return "compensating"
     if step_name is not None and step_name not in names:
         raise InputError(f"task {task_id} has no step {step_name!r}; its steps are {', '.join(names)}")
     first_open = next((i for i, s in enumerate(steps) if s["state"] != "completed"), len(steps) - 1)
@@ -83,6 +83,14 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> None:
     )
     event(tx, "retried", task_id, actor, start, step=names[start])
     message(tx, task, "retried", step=names[start])
+    return "pending"
+
+
+def describe_retry(task_id: int, state: str, step: str | None) -> str:
+    """What a retry did, in the words the CLI and the dashboard print: the task's new state."""
+    if state == "compensating":
+        return f"task {task_id} is compensating again: its undo resumes where it failed"
+    return f"task {task_id} is pending again" + (f" from step {step}" if step else "")
 
 
 def cancel_task(tx: Tx, task_id: int, actor: str) -> str:

@@ -568,7 +568,7 @@ def fail_attempt(
 
 # The supervisor's and the operator's transitions live in their own modules; they are reached
 # through this one too (``transitions.sweep_expired``), the single entry point for every change.
-from .actions import cancel_task, retry_task  # noqa: E402
+from .actions import cancel_task, describe_retry, retry_task  # noqa: E402
 from .supervision import (  # noqa: E402
     lease_holder,
     owners_in_flight,
@@ -586,6 +586,7 @@ __all__ = [
     "begin_compensation",
     "cancel_task",
     "claim_and_dispatch",
+    "describe_retry",
     "dispatch",
     "event",
     "fail_attempt",
