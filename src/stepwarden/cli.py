@@ -121,7 +121,12 @@ def init(ctx: click.Context) -> None:
 )
 @click.option("--roles", default=",".join(ROLES), show_default=True, help="Comma-separated roles to run.")
 @click.option("--agents", default=None, help="Comma-separated agent names (default: all of the app's).")
-@click.option("--concurrency", type=int, default=None, help="Override every agent's concurrency.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 10_000),  # WorkerSettings' bounds, named by the option a user typed
+    default=None,
+    help="Override every agent's concurrency.",
+)
 @click.option("--name", default=None, help="Worker name (default: the host name).")
 @click.option(
     "--metrics-port",

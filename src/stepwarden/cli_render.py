@@ -163,7 +163,7 @@ def task_detail(v: dict[str, Any]) -> None:
     console.print(at)
     et = _table("at", "event", "step", "attempt", "actor", "detail", title="events")
     for e in v.get("events", []):
-        detail = " ".join(f"{k}={_detail_value(k, val)}" for k, val in e["detail"].items())[:160]
+        detail = " ".join(f"{k}={detail_value(k, val)}" for k, val in e["detail"].items())[:160]
         et.add_row(_short(e["at"]), e["kind"], _v(e["step"]), _v(e["attempt"]), _v(e["actor"]), detail)
     console.print(et)
     names = {s["idx"]: s["name"] for s in v["steps"]}
@@ -191,7 +191,7 @@ def task_detail(v: dict[str, Any]) -> None:
 _DETAIL_TIMES = {"complete_by"}
 
 
-def _detail_value(key: str, value: object) -> object:
+def detail_value(key: str, value: object) -> object:
     if isinstance(value, int | float) and not isinstance(value, bool):
         if key in _DETAIL_TIMES and value > 1e9:
             return _short(iso(value))

@@ -237,6 +237,8 @@ def watch(
             check_name("consumer name", consumer)
         _watch_queue(open_for(ctx), reply_to, consumer, timeout)
         return
+    from .cli_render import detail_value  # as task show prints them (rich: only where it is used)
+
     tid = _task_id(task_id) if task_id is not None else 0
     store = open_for(ctx)
     end = None if timeout is None else time.monotonic() + timeout
@@ -245,7 +247,8 @@ def watch(
         for e in store.transact_sync(views.events_after, tid, after):
             after = e["id"]
             detail = json.loads(e["detail"]) if e["detail"] else {}
-            line = f"{views.iso(e['at'])} {e['kind']:<16} " + " ".join(f"{k}={v}" for k, v in detail.items())
+            shown = " ".join(f"{k}={detail_value(k, v)}" for k, v in detail.items())
+            line = f"{views.iso(e['at'])} {e['kind']:<16} {shown}"
             click.echo(safe_text(line))  # a reason or error from a service may hold ESC sequences
         state = store.transact_sync(views.task_state, tid)
         if state is None:

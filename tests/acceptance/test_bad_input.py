@@ -175,6 +175,13 @@ def test_unknown_workflow_names_the_workflow(seeded: tuple[Db, int]) -> None:
     assert "no-such-workflow" in line
 
 
+@pytest.mark.parametrize("value", ["0", "10001"])
+def test_a_bad_concurrency_names_the_option_typed(seeded: tuple[Db, int], value: str) -> None:
+    """Not the settings class behind it (it said "WorkerSettings.concurrency must be ...")."""
+    line = refused_and_unchanged(seeded[0], "worker", "--app", DEMO_APP, "--concurrency", value)
+    assert "'--concurrency'" in line and "1<=x<=10000" in line, line
+
+
 def test_input_file_over_1mib_is_refused(seeded: tuple[Db, int], tmp_path: Path) -> None:
     db, _ = seeded
     big = tmp_path / "big.json"

@@ -607,6 +607,10 @@ def test_watch_a_task_until_it_is_final(world: World) -> None:
     assert events[0] == "received" and events[-1] == "processed", events
     assert events.count("step_completed") == 3, events
     assert all(is_iso(ln.split()[0]) for ln in lines[:-1])
+    dispatched = [ln for ln in lines if ln.split()[1] == "dispatched"]
+    assert len(dispatched) == 3 and all(  # a time, as task show prints it, not epoch seconds
+        re.search(r"complete_by=\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}(\s|$)", ln) for ln in dispatched
+    ), dispatched
 
 
 def test_watch_a_reply_queue_prints_its_status_messages_in_order(world: World) -> None:
