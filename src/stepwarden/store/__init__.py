@@ -25,6 +25,8 @@ from .base import (
 from .core import Store
 from .sql import pending_migrations
 from .sqlite import SQLiteStore
+from .sqlite_files import refuse_foreign_read
+from .sqlite_files import sqlite_why as _sqlite_why
 
 DEFAULT_URL = "sqlite:///stepwarden.db"
 
@@ -70,6 +72,7 @@ def open_existing(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK) -> Sto
             raise StoreMissing(f"{where} is a directory, not a stepwarden store: {_create_hint(url)}")
         if not os.path.isfile(path):
             raise StoreMissing(f"no stepwarden store at {where}: {_create_hint(url)}")
+        refuse_foreign_read(path)  # before the probe's connection, which would create files
         _check_version(_sqlite_version(path, where), "sqlite", url, where)
         return open_store(url, clock=clock, migrate=False)
     store = open_store(url, clock=clock, migrate=False)
@@ -107,15 +110,24 @@ def _check_version(version: int | None, dialect: str, url: str, where: str) -> N
 
 def _sqlite_version(path: str, where: str) -> int | None:
     """The schema version, read through a read-only connection: opening the store itself would
-    set the journal mode, writing to a file that may be anything."""
+    set the journal mode, writing to a file that may be anything.
+
+    Only a file that is no database, or one whose tables are not ours (``SQLITE_NOTADB``, a
+    plain SQL error such as a missing column), is "not a stepwarden store": a store that this user
+    may not read as it stands (its permissions, its folder's, a lock) is one, and the line says
+    why it cannot be read instead."""
     try:
         conn = sqlite3.connect(Path(path).absolute().as_uri() + "?mode=ro", uri=True)
     except sqlite3.Error as e:
-        raise StoreError(f"cannot open {where}: {e}") from None
+        raise StoreError(f"cannot open the SQLite store {where}: {_sqlite_why(path, e)}") from None
     try:
         if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_migrations'").fetchone() is None:
             return None
         return int(conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
+    except sqlite3.OperationalError as e:
+        if getattr(e, "sqlite_errorcode", sqlite3.SQLITE_ERROR) & 0xFF == sqlite3.SQLITE_ERROR:
+            raise StoreError(f"{where} is not a stepwarden store: {e}") from None
+        raise StoreError(f"cannot read the SQLite store {where}: {_sqlite_why(path, e)}") from None
     except sqlite3.DatabaseError as e:
         raise StoreError(f"{where} is not a stepwarden store: {e}") from None
     finally:
@@ -126,19 +138,6 @@ def _pg_version(tx: Tx) -> int | None:
     if not tx.sql("SELECT to_regclass('schema_migrations') IS NOT NULL AS present")[0]["present"]:
         return None
     return int(tx.sql("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations")[0]["v"])
-
-
-def _sqlite_why(path: str, e: sqlite3.Error) -> str:
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return "it is a directory"
-    if len(os.path.basename(path)) > 255:
-        return "the file name is longer than file systems allow (255 bytes)"
-    if "readonly" in str(e) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return f"{e} (the file, or its folder for the -wal and -shm files, is not writable)"
-    if not os.path.exists(path) and not os.access(folder, os.W_OK):
-        return f"{e} (cannot create a file in {_short(repr(folder))})"
-    return str(e)
 
 
 def _sqlite_url(url: str) -> tuple[str, str]:

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import InputError, MigrationError
+from ..errors import InputError, MigrationError, StoreError
 from .base import DEFERRED, WORK_CHANNELS, AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations
+from .sqlite_files import refuse_foreign_read, shown, sqlite_why
 
 log = logging.getLogger("stepwarden.sqlite")
 P = ParamSpec("P")
@@ -40,6 +41,13 @@ def _dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
 
 def _busy(e: sqlite3.OperationalError) -> bool:
     return "locked" in str(e) or "busy" in str(e)
+
+
+def _primary_code(e: sqlite3.Error) -> int | None:
+    """SQLite's primary result code (``SQLITE_BUSY``, ``SQLITE_READONLY``...), without the extended
+    bits: the message text is for people and may change between SQLite versions."""
+    code = getattr(e, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
 
 
 class SqliteTx:
@@ -158,6 +166,7 @@ class SQLiteStore(Store):
         # (a wait already in progress counts from then).
         self._wait_cap = math.inf
         self._wait_cap_since = 0.0
+        refuse_foreign_read(path)  # before any connection: one would create files it must not
         if migrate:
             self.migrate()
 
@@ -260,7 +269,44 @@ class SQLiteStore(Store):
     ) -> R:
         """One ``BEGIN IMMEDIATE`` transaction on ``conn``: commit on return, roll back on error.
         A function marked :func:`~stepwarden.store.base.read_only` runs in a deferred one instead:
-        under WAL it reads a snapshot and never waits for, nor holds, the write lock."""
+        under WAL it reads a snapshot and never waits for, nor holds, the write lock.
+
+        Two failures are raised as :class:`StoreError` naming the store and the cause (chained from
+        sqlite3's error), since sqlite3's text names neither: the write lock still held by another
+        connection when the busy timeout ran out, and a store this user cannot write. Every other
+        error goes on as it came."""
+        started = time.monotonic()
+        try:
+            return self._transact_on(conn, fn, *args, **kwargs)
+        except sqlite3.OperationalError as e:
+            explained = self._explained(e, time.monotonic() - started)
+            if explained is None:
+                raise
+            raise explained from e
+
+    def _explained(self, e: sqlite3.OperationalError, waited: float) -> StoreError | None:
+        """:class:`StoreError` for the lock that stayed taken and the store that cannot be written;
+        ``None`` for any other error. Only :meth:`transact_on`'s callers see it: :meth:`begin`,
+        which retries while ``_busy(e)``, and the callers' own transactions on lent connections
+        (``app.transaction()``) still get sqlite3's error."""
+        code = _primary_code(e)
+        if code == sqlite3.SQLITE_BUSY:
+            return StoreError(
+                f"the SQLite store {shown(self.path)} stayed locked by another writer for"
+                f" {waited:.1f} s (busy timeout {self.busy_timeout:g} s), so nothing was written: {e}"
+            )
+        if code == sqlite3.SQLITE_READONLY:
+            why = sqlite_why(self.path, e)
+            return StoreError(f"cannot write to the SQLite store {shown(self.path)}: {why}")
+        return None
+
+    def _transact_on(
+        self,
+        conn: sqlite3.Connection,
+        fn: Callable[Concatenate[Any, P], R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
         if getattr(fn, "stepwarden_read_only", False):
             conn.execute("BEGIN")
         else:
