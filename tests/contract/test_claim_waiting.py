@@ -46,7 +46,7 @@ def claim_cost(store: Store, limit: int = 10) -> tuple[int, list[int]]:
 
     def measure(tx: Tx) -> None:
         if store.dialect == "postgres":
-            text = store.queries["claim_tasks"]  # psycopg's placeholders, filled in for EXPLAIN
+            text = store.queries["claim_tasks"]  # type: ignore[attr-defined]  # psycopg's placeholders
             text = text.replace("%(me)s", f"'{ME}'").replace("%(limit)s", str(limit))
             mine = "SELECT id FROM tasks WHERE locked_by = ? ORDER BY id"
             before = {r["id"] for r in tx.sql(mine, (ME,))}

@@ -843,6 +843,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert self.store.transact_sync(t.cancel_task, task_id, OPERATOR) == task.state
             assert snapshot(self.store) == before, "a refused or repeated cancel changed the store"
             return
+        assert task is not None
         now_state = self.store.transact_sync(t.cancel_task, task_id, OPERATOR)
         task.cancel_requested = True
         if self._reopen_undos(task):
