@@ -508,10 +508,17 @@ class AgentRole:
         now = self.clock.monotonic()
         self._unanswered = {i: t for i, t in self._unanswered.items() if t > now}
 
-    async def _release_requests(self, ids: list[int], why: str) -> None:
+    async def _release_requests(self, ids: list[int], why: str, apply: bool = False) -> None:
         """Hand attempts back without counting a failure (a ``released`` reply, applied by a
-        scheduler): one transaction for all of them."""
-        await self.store.send_replies(self.me, [(i, "released", None, why) for i in ids])
+        scheduler): one transaction for all of them. ``apply``: apply them in that transaction
+        too (a stopping worker that also schedules: its own scheduler will not run again, and
+        until applied the step stays ``running``, locked by a worker that is gone)."""
+        replies = [(i, "released", None, why) for i in ids]
+        applied = await self.store.send_replies(self.me, replies, apply=apply)
+        if applied is not None:
+            log_raised(log, applied.alerts)  # the table's waiting replies, applied with them
+            self.on_applied(applied)
+            self.tracer.applied(applied)
 
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
@@ -551,7 +558,9 @@ class AgentRole:
             if unsent:
                 try:  # bounded: a stop has a deadline
                     await asyncio.wait_for(
-                        self._release_requests(unsent, "agent stopped before the call finished"),
+                        self._release_requests(
+                            unsent, "agent stopped before the call finished", self.settings.apply_replies
+                        ),
                         STOP_WRITE_WAIT,
                     )
                 except Exception as e:

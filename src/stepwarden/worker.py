@@ -20,15 +20,20 @@ from .agent import STOP_WRITE_WAIT, Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
+from .logs import log_raised
 from .policies import check_count, check_seconds, show
 from .scheduler import SchedulerRole, SchedulerSettings
 from .store import ApplyResult, Store
+from .store.agents import hand_back_dispatched
 from .store.base import WORK_CHANNELS
 from .supervisor import LEASE, Supervisor, SupervisorSettings
 from .workflow import check_ident
 
 # How long a stopping worker's transactions wait for a lock (SQLite's write lock held elsewhere).
 STOP_LOCK_WAIT = 2.0
+# Attempts handed back per transaction by a stopping worker (see Worker._hand_back): bounded, so
+# a scheduler leaving a large backlog of queued requests never writes it in one huge transaction.
+HAND_BACK_BATCH = 500
 
 if TYPE_CHECKING:
     from .app import App
@@ -251,6 +256,11 @@ class Worker:
             store.limit_lock_waits(STOP_LOCK_WAIT)
             # The agent role is the slowest to stop (its drain); the other roles end sooner.
             await asyncio.wait(jobs, timeout=s.agent.stop_within + 1)
+            if self.scheduler is not None or self.supervisor is not None:
+                # Bounded, as the stop record: a database that stopped answering must not hold
+                # the process; what is not handed back is then taken by another worker's agent,
+                # or rescued at complete-by.
+                await _safe(asyncio.wait_for(self._hand_back(), STOP_WRITE_WAIT))
             beats_stop.set()
             await asyncio.wait([beats], timeout=5)
             # Bounded: a database that stopped answering must not hold the process past its stop.
@@ -263,6 +273,33 @@ class Worker:
             if self.alert_dispatcher is not None:
                 self.alert_dispatcher.close()
             log.info("worker %s stopped", self.identity)
+
+    async def _hand_back(self) -> None:
+        """Hand back, uncounted, the attempts this worker dispatched that no agent has taken: once
+        every role has stopped, so nothing dispatches after it (DEP4).
+
+        Its roles still dispatch while they stop: the agents' last replies are applied (their
+        results must be durable) and start the next steps, a scheduler round or a supervisor
+        sweep in flight commits. Its own agents take nothing by then, so with no other live
+        instance of the agent such a request would wait, its task and step locked by this gone
+        identity, until its complete-by, and then count as a failed attempt. Handed back, the
+        task is claimable at once by the next scheduler (see ``store.agents.hand_back_dispatched``).
+        Repeated until a transaction finds nothing: applying the releases can apply replies
+        waiting in the table, which dispatch again."""
+        store = self.app.store
+        why = f"dispatched by worker {self.identity}, which stopped before an agent took it"
+        handed = 0
+        while True:
+            done = await store.transact(hand_back_dispatched, self.identity, why, HAND_BACK_BATCH, store.rng)
+            handed += done.handed
+            if done.applied is not None:
+                log_raised(log, done.applied.alerts)
+                if self.metrics is not None:
+                    self.metrics.applied(done.applied)
+            if not done.found:
+                break
+        if handed:
+            log.info("worker %s: handed back %d attempt(s) no agent had taken", self.identity, handed)
 
     def _woken(self, channel: str) -> None:
         """A database notification: new work may be waiting, so poll now instead of at the next tick."""

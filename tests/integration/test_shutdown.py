@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,9 +15,14 @@ import pytest
 from stepwarden.agent import AgentSettings
 
 if TYPE_CHECKING:
-    from conftest import Cluster
+    from conftest import Cluster, WorkerProc
 
 pytestmark = pytest.mark.timeout(90)
+
+APPS = Path(__file__).resolve().parents[1] / "apps"
+if str(APPS) not in sys.path:
+    sys.path.insert(0, str(APPS))
+import shutapp  # noqa: E402
 
 GRACE = AgentSettings().shutdown_grace
 EXIT_WITHIN = GRACE + 5  # the grace period, then cancelling, releasing and closing down
@@ -118,3 +124,128 @@ def test_sigterm_while_another_process_holds_the_sqlite_write_lock_still_exits(t
             holder.execute("ROLLBACK")
         holder.close()
         log.close()
+
+
+# -- a lone worker running every role, stopped mid-step ------------------------------------------
+# No other worker runs: nothing but the stopping worker itself can take what it dispatches, and
+# what it leaves locked waits for the next worker. DEP4: it must leave nothing held by its
+# identity, so that the next worker, started at once or after any pause, runs the task with no
+# failure counted and without waiting for a complete-by.
+
+
+def start_shutapp_worker(cluster: Cluster, name: str) -> WorkerProc:
+    """``Cluster.start`` for the app of ``tests/apps/shutapp.py`` (all roles): the same command,
+    environment, log and clean-up (the cluster ends it by pid), another ``--app``."""
+    cmd = [sys.executable, "-m", "stepwarden", "--db", cluster.url, "worker", "--app", "shutapp:app"]
+    cmd += ["--roles", "scheduler,agent,supervisor", "--name", name]
+    log_path = cluster.tmp / f"worker-{name}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - closed by WorkerProc.end
+    popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cluster.env, cwd=cluster.tmp)
+    # WorkerProc of the integration conftest: through the Cluster class's own globals, since
+    # several conftest modules share the name "conftest" in sys.modules.
+    w: WorkerProc = type(cluster).start.__globals__["WorkerProc"](name, popen, log_path, log)
+    cluster.workers.append(w)
+    cluster.identity(w)
+    return w
+
+
+def stop_lone_worker_mid_step(cluster: Cluster, workflow: str, seconds: float) -> tuple[int, WorkerProc]:
+    """Submit a two-step task whose step 1 runs ``seconds``, SIGTERM the only worker while step 1
+    runs, and check that it exits 0 leaving nothing held by its identity: no step ``running``, no
+    task or step locked by it, no request queued that only it would have taken."""
+    app = shutapp.make_app(cluster.url)
+    try:
+        task = app.submit(workflow, {"sleep": {"1": seconds}})
+    finally:
+        app.close()
+    leaving = start_shutapp_worker(cluster, "lone")
+    cluster.wait(lambda: cluster.executions("task_id = ? AND step = 'first'", task), 20, "step 1 to start")
+
+    sent = time.monotonic()
+    leaving.signal(signal.SIGTERM)
+    try:
+        code = leaving.popen.wait(timeout=EXIT_WITHIN)
+    except subprocess.TimeoutExpired:
+        code = None
+    took = time.monotonic() - sent
+    if code is None:
+        leaving.signal(signal.SIGKILL)  # ours, by pid: do not leave it to the finaliser's deadline
+    assert code == 0, f"the worker did not exit within {took:.1f}s of SIGTERM:\n{leaving.log_text()}"
+
+    steps = cluster.sql("SELECT name, state, locked_by FROM steps WHERE task_id = ? ORDER BY idx", task)
+    assert [s["name"] for s in steps if s["state"] == "running"] == [], steps
+    assert cluster.sql("SELECT task_id, idx FROM steps WHERE locked_by = ?", leaving.identity) == []
+    assert cluster.sql("SELECT id FROM tasks WHERE locked_by = ?", leaving.identity) == []
+    assert cluster.sql("SELECT id FROM requests WHERE state IN ('queued', 'taken')") == []
+    assert cluster.task_state(task) == "pending"  # claimable at once
+    return task, leaving
+
+
+def assert_processed_without_failure(cluster: Cluster, task: int, released: tuple[int, int]) -> None:
+    """The task ended ``processed``, with no failure counted anywhere and no rescue, and exactly
+    one attempt was handed back: ``released`` as (step index, attempt)."""
+    assert cluster.task_state(task) == "processed"
+    view = cluster.show(task)
+    assert view["failure_count"] == 0
+    assert [(s["name"], s["failure_count"]) for s in view["steps"]] == [("first", 0), ("second", 0)]
+    assert not cluster.events(task, "rescued")
+    assert not cluster.events(task, "retry_scheduled")
+    assert [(e["step_idx"], e["attempt"]) for e in cluster.events(task, "released")] == [released]
+
+
+def test_sigterm_lone_worker_hands_back_the_step_it_dispatched_while_stopping(cluster: Cluster) -> None:
+    """Step 1 ends inside the grace period; its reply is applied (its result is durable) and
+    dispatches step 2, which the stopping worker's agents no longer take. The worker hands that
+    attempt back on its way out, so the next worker runs it at once: long before its complete-by
+    (60 s, past this test's deadlines), where a rescue would have counted a failure."""
+    task, leaving = stop_lone_worker_mid_step(cluster, "two-long", 1.5)  # well inside the 5 s grace
+    first = cluster.one("SELECT state, result FROM steps WHERE task_id = ? AND idx = 0", task)
+    assert first["state"] == "completed" and first["result"]  # the case under test: step 1 finished
+
+    staying = start_shutapp_worker(cluster, "next")
+    cluster.wait(lambda: cluster.task_state(task) == "processed", 20, "the task to be processed")
+    assert_processed_without_failure(cluster, task, released=(1, 1))
+    second = cluster.show(task)["steps"][1]
+    attempts = [(a["attempt"], a["outcome"], a["dispatched_by"]) for a in second["attempts"]]
+    assert attempts == [(1, "released", leaving.identity), (2, "ok", staying.identity)]
+    runs = cluster.executions("task_id = ? AND outcome = 'ok'", task)
+    assert [(r["step"], r["attempt"], r["pid"]) for r in runs] == [
+        ("first", 1, leaving.pid),
+        ("second", 2, staying.pid),
+    ]
+
+
+def test_sigterm_lone_worker_restarted_after_the_steps_budget_counts_no_failure(cluster: Cluster) -> None:
+    """The same stop, and the next worker starts only once step 2's first attempt would have
+    passed its complete-by (a restart that takes a while). Left dispatched, that attempt would be
+    rescued as failed, and with ``max_failures=1`` the task would end in ``error`` with an alert;
+    handed back, it is simply dispatched again."""
+    task, _ = stop_lone_worker_mid_step(cluster, "two-short", 1.5)
+    budget = cluster.one("SELECT budget FROM steps WHERE task_id = ? AND idx = 1", task)["budget"]
+    assert budget == shutapp.SHORT_BUDGET
+    # Both stores read this machine's clock: wait until step 2's first attempt has expired.
+    expiry = cluster.one(
+        "SELECT complete_by FROM requests WHERE task_id = ? AND step_idx = 1 AND attempt = 1", task
+    )["complete_by"]
+    cluster.wait(lambda: time.time() > expiry + 0.5, budget + 5, "step 2's first attempt to expire")
+
+    start_shutapp_worker(cluster, "next")
+    cluster.wait(lambda: cluster.task_state(task) in ("processed", "error"), 20, "the task to end")
+    assert_processed_without_failure(cluster, task, released=(1, 1))
+    assert not cluster.sql("SELECT id FROM alerts WHERE task_id = ?", task)
+
+
+def test_sigterm_lone_worker_mid_step_past_the_grace_releases_it_at_once(cluster: Cluster) -> None:
+    """Step 1 outlasts the grace period: the call is cancelled and its attempt released, and,
+    since no scheduler of this worker runs any more, the release is applied in the same
+    transaction: the step is ``pending`` when the worker has gone, not ``running`` and locked by
+    it until the next scheduler applies the release."""
+    task, leaving = stop_lone_worker_mid_step(cluster, "two-long", 60)
+    assert [r["outcome"] for r in cluster.executions("task_id = ?", task)] == ["cancelled"]
+
+    staying = start_shutapp_worker(cluster, "next")
+    cluster.wait(lambda: cluster.task_state(task) == "processed", 20, "the task to be processed")
+    assert_processed_without_failure(cluster, task, released=(0, 1))
+    first = cluster.show(task)["steps"][0]
+    attempts = [(a["attempt"], a["outcome"], a["taken_by"]) for a in first["attempts"]]
+    assert attempts == [(1, "released", leaving.identity), (2, "ok", staying.identity)]

@@ -24,12 +24,13 @@ The functions here run inside one transaction each (``store.transact(fn, ...)``)
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import RequestMsg, Row, Tx, read_only
-from .core import _claim_requests
+from .base import ApplyResult, RequestMsg, Row, Tx, read_only
+from .core import _claim_requests, _record_replies
 from .records import alert, event
 from .views import iso
 
@@ -262,6 +263,64 @@ def _report_ok(tx: Tx, me: str, r: Report) -> Verdict:
 
 def _breaker(tx: Tx, agent: str) -> BreakerView | None:
     return breakers(tx).get(agent)
+
+
+@dataclass
+class HandBack:
+    """What :func:`hand_back_dispatched` did in one transaction: ``found`` requests still queued,
+    ``handed`` of them handed back (the rest were taken by an agent meanwhile, and left to it), and
+    what applying the releases did (``applied``: its alerts are the caller's to log)."""
+
+    found: int = 0
+    handed: int = 0
+    applied: ApplyResult | None = None
+
+
+def hand_back_dispatched(tx: Tx, me: str, why: str, limit: int, rng: random.Random) -> HandBack:
+    """Hand back, uncounted, up to ``limit`` attempts that the stopping worker ``me`` dispatched
+    and that no agent has taken yet (DEP4).
+
+    A worker stopping gracefully still applies its last replies, so their results are durable,
+    and applying a reply dispatches the task's next step; but its own agents take nothing more
+    by then. Left alone, such a request waits, with the task and step locked by an identity that
+    is gone, until another worker's agent takes it or, with no live instance of its agent, until
+    its complete-by, when the supervisor rescues it as a FAILED attempt: a routine restart would
+    count a failure (and end a task with ``max_failures=1`` in ``error``). Handed back here, the
+    step is ``pending`` and the task unlocked, claimable at once by any scheduler.
+
+    It is the agent's own hand-back (a ``released`` reply), applied in the same transaction, as
+    a worker that also schedules applies its agents' replies: the step's attempt is checked
+    (SCH4), ``release_attempt`` moves step and task back without counting a failure, the request
+    is marked replied. Each request is first taken from the queue by a conditional update (still
+    ``queued``), after its task is locked (tasks before requests, in id order, as every
+    transition): one that another worker's agent took in the meantime is left to that agent.
+    Attempts past their complete-by are not touched; they are the supervisor's. The releases may
+    apply, like any batch, replies already waiting in the table, which can dispatch further steps
+    by ``me``: the caller repeats until a transaction finds nothing. ``limit`` bounds the
+    transaction (SUP6)."""
+    now = float(tx.all("now")[0]["now"])  # the database's clock (DESIGN principle 3)
+    rows = tx.sql(
+        "SELECT id, task_id FROM requests WHERE state = 'queued' AND dispatched_by = ? AND complete_by > ?"
+        " ORDER BY task_id, id LIMIT ?",
+        (me, now, limit),
+    )
+    out = HandBack(found=len(rows))
+    if not rows:
+        return out
+    for task_id in sorted({int(r["task_id"]) for r in rows}):
+        tx.one("task_for_update", task_id=task_id)
+    ids = [int(r["id"]) for r in rows]
+    marks = ", ".join("?" for _ in ids)  # placeholders only: the values go as parameters
+    taken = tx.sql(
+        f"UPDATE requests SET state = 'taken', taken_by = ?, taken_at = ? WHERE id IN ({marks})"
+        " AND state = 'queued' RETURNING id",
+        (me, now, *ids),
+    )
+    handed = sorted(int(r["id"]) for r in taken)
+    out.handed = len(handed)
+    if handed:
+        out.applied = _record_replies(tx, me, [(i, "released", None, why) for i in handed], True, rng)
+    return out
 
 
 # -- views for operators (CLI, dashboard, metrics) ---------------------------------------------------
