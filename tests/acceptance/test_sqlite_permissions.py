@@ -22,7 +22,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,15 +105,6 @@ def users(tmp_path: Path) -> Users:
     shared.mkdir()
     shared.chmod(0o1777)
     return Users(shared, owned_store(shared, "store.db"))
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    try:
-        yield p
-    finally:
-        p.stop_all()
 
 
 # -- case 1: a reader who cannot write the store, in a folder it can write -----------------------

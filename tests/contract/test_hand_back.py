@@ -17,31 +17,19 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from test_store import submit
 
 from stepwarden.clock import FakeClock
 from stepwarden.store import Store, open_store
 from stepwarden.store import transitions as t
 from stepwarden.store.agents import HandBack, hand_back_dispatched
 from stepwarden.testing.postgres import wait_for_lock_waiter
-from stepwarden.workflow import Workflow, encode_input
+from stepwarden.workflow import Workflow
 
 ME = "leaving:1:aaa"  # the stopping worker (a scheduler)
 OTHER = "staying:2:bbb"  # another scheduler
 AGENT = "agent:3:ccc"  # another worker's agent
 WHY = "dispatched by a worker that stopped before an agent took it"
-
-
-def submit(store: Store, wf: Workflow) -> int:
-    task_id, _ = store.transact_sync(
-        t.submit,
-        wf,
-        encode_input({"n": 1}),
-        correlation_id=None,
-        idempotency_key=None,
-        priority=0,
-        reply_to=None,
-    )
-    return int(task_id)
 
 
 def q(store: Store, sql: str, *params: Any) -> list[dict[str, Any]]:

@@ -28,14 +28,9 @@ GRACE = AgentSettings().shutdown_grace
 EXIT_WITHIN = GRACE + 5  # the grace period, then cancelling, releasing and closing down
 
 
-def stop_agent_mid_step(cluster: Cluster, workflow: str) -> None:
-    cluster.start("boss", "scheduler,supervisor")
-    leaving = cluster.start("agent1", "agent")
-    # Attempt 1 would run for a minute, inside a 30 s complete-by; attempt 2 is quick.
-    task = cluster.submit(workflow, {"sleep": {"1": 60}})
-    cluster.wait(lambda: cluster.executions("task_id = ? AND attempt = 1", task), 15, "attempt 1 to start")
-    staying = cluster.start("agent2", "agent")
-
+def sigterm_and_wait_for_exit(leaving: WorkerProc, what: str) -> None:
+    """SIGTERM, then its exit code 0 within EXIT_WITHIN; killed (ours, by pid) if it hangs, so the
+    finaliser's deadline is not what ends it."""
     sent = time.monotonic()
     leaving.signal(signal.SIGTERM)
     try:
@@ -44,8 +39,19 @@ def stop_agent_mid_step(cluster: Cluster, workflow: str) -> None:
         code = None
     took = time.monotonic() - sent
     if code is None:
-        leaving.signal(signal.SIGKILL)  # ours, by pid: do not leave it to the finaliser's deadline
-    assert code == 0, f"the agent did not exit within {took:.1f}s of SIGTERM:\n{leaving.log_text()}"
+        leaving.signal(signal.SIGKILL)
+    assert code == 0, f"the {what} did not exit within {took:.1f}s of SIGTERM:\n{leaving.log_text()}"
+
+
+def stop_agent_mid_step(cluster: Cluster, workflow: str) -> None:
+    cluster.start("boss", "scheduler,supervisor")
+    leaving = cluster.start("agent1", "agent")
+    # Attempt 1 would run for a minute, inside a 30 s complete-by; attempt 2 is quick.
+    task = cluster.submit(workflow, {"sleep": {"1": 60}})
+    cluster.wait(lambda: cluster.executions("task_id = ? AND attempt = 1", task), 15, "attempt 1 to start")
+    staying = cluster.start("agent2", "agent")
+
+    sigterm_and_wait_for_exit(leaving, "agent")
 
     assert cluster.wait(lambda: cluster.task_state(task) == "processed", 15, "the task to be processed")
     view = cluster.show(task)
@@ -161,16 +167,7 @@ def stop_lone_worker_mid_step(cluster: Cluster, workflow: str, seconds: float) -
     leaving = start_shutapp_worker(cluster, "lone")
     cluster.wait(lambda: cluster.executions("task_id = ? AND step = 'first'", task), 20, "step 1 to start")
 
-    sent = time.monotonic()
-    leaving.signal(signal.SIGTERM)
-    try:
-        code = leaving.popen.wait(timeout=EXIT_WITHIN)
-    except subprocess.TimeoutExpired:
-        code = None
-    took = time.monotonic() - sent
-    if code is None:
-        leaving.signal(signal.SIGKILL)  # ours, by pid: do not leave it to the finaliser's deadline
-    assert code == 0, f"the worker did not exit within {took:.1f}s of SIGTERM:\n{leaving.log_text()}"
+    sigterm_and_wait_for_exit(leaving, "worker")
 
     steps = cluster.sql("SELECT name, state, locked_by FROM steps WHERE task_id = ? ORDER BY idx", task)
     assert [s["name"] for s in steps if s["state"] == "running"] == [], steps
