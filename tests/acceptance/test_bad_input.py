@@ -576,6 +576,9 @@ def test_ctrl_c_during_a_command_exits_130_with_one_line(tmp_path: Path) -> None
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a test run started in the background of a shell ignores SIGINT, the
+        # child inherits that, and Python installs no KeyboardInterrupt handler over an ignored one.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         # watch prints the task's events first: once a line is out, the command is running
