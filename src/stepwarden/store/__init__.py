@@ -21,11 +21,12 @@ from .base import (
     SweepResult,
     Tx,
     redact_url,
+    shorten,
 )
 from .core import Store
 from .sql import pending_migrations
 from .sqlite import SQLiteStore
-from .sqlite_files import refuse_foreign_read
+from .sqlite_files import primary_code, refuse_foreign_read
 from .sqlite_files import sqlite_why as _sqlite_why
 
 DEFAULT_URL = "sqlite:///stepwarden.db"
@@ -67,7 +68,7 @@ def open_existing(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK) -> Sto
     url = resolve_url(url)
     if url.startswith("sqlite:///"):
         path, _ = _sqlite_url(url)  # a malformed URL is bad input before it is a missing store
-        where = _short(repr(path))
+        where = shorten(repr(path))
         if os.path.isdir(path):
             raise StoreMissing(f"{where} is a directory, not a stepwarden store: {_create_hint(url)}")
         if not os.path.isfile(path):
@@ -84,12 +85,8 @@ def open_existing(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK) -> Sto
     return store
 
 
-def _short(text: str, limit: int = 120) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _init_command(url: str) -> str:
-    return f"`stepwarden --db {_short(redact_url(url))} init`"
+    return f"`stepwarden --db {shorten(redact_url(url))} init`"
 
 
 def _create_hint(url: str) -> str:
@@ -125,7 +122,7 @@ def _sqlite_version(path: str, where: str) -> int | None:
             return None
         return int(conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
     except sqlite3.OperationalError as e:
-        if getattr(e, "sqlite_errorcode", sqlite3.SQLITE_ERROR) & 0xFF == sqlite3.SQLITE_ERROR:
+        if primary_code(e) in (sqlite3.SQLITE_ERROR, None):
             raise StoreError(f"{where} is not a stepwarden store: {e}") from None
         raise StoreError(f"cannot read the SQLite store {where}: {_sqlite_why(path, e)}") from None
     except sqlite3.DatabaseError as e:
@@ -170,7 +167,7 @@ def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: 
             return SQLiteStore(path, clock=clock, migrate=migrate, synchronous=sync)
         except sqlite3.Error as e:  # sqlite3 names neither the file nor what to do about it
             raise StoreError(
-                f"cannot open the SQLite store {_short(repr(path))}: {_sqlite_why(path, e)}"
+                f"cannot open the SQLite store {shorten(repr(path))}: {_sqlite_why(path, e)}"
             ) from None
     if url.startswith(("postgresql://", "postgres://")):
         from .postgres import PostgresStore

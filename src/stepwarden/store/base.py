@@ -26,6 +26,11 @@ def read_only(fn: F) -> F:
     return fn
 
 
+def shorten(text: str, limit: int = 120) -> str:
+    """``text`` cut to ``limit`` characters for an error line (a path, a URL), marked with "..."."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def redact_url(url: str) -> str:
     """A store URL fit for an error line or a log: a password in it is masked."""
     return re.sub(r"://([^:@/]+):[^@/]*@", r"://\1:***@", url)

@@ -28,7 +28,7 @@ from ..errors import InputError, MigrationError, StoreError
 from .base import DEFERRED, WORK_CHANNELS, AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations
-from .sqlite_files import refuse_foreign_read, shown, sqlite_why
+from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
 
 log = logging.getLogger("stepwarden.sqlite")
 P = ParamSpec("P")
@@ -40,14 +40,8 @@ def _dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
 
 
 def _busy(e: sqlite3.OperationalError) -> bool:
-    return "locked" in str(e) or "busy" in str(e)
-
-
-def _primary_code(e: sqlite3.Error) -> int | None:
-    """SQLite's primary result code (``SQLITE_BUSY``, ``SQLITE_READONLY``...), without the extended
-    bits: the message text is for people and may change between SQLite versions."""
-    code = getattr(e, "sqlite_errorcode", None)
-    return code & 0xFF if isinstance(code, int) else None
+    """Another connection holds the lock ("database is locked", or a table's lock)."""
+    return primary_code(e) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 class SqliteTx:
@@ -289,7 +283,7 @@ class SQLiteStore(Store):
         ``None`` for any other error. Only :meth:`transact_on`'s callers see it: :meth:`begin`,
         which retries while ``_busy(e)``, and the callers' own transactions on lent connections
         (``app.transaction()``) still get sqlite3's error."""
-        code = _primary_code(e)
+        code = primary_code(e)
         if code == sqlite3.SQLITE_BUSY:
             return StoreError(
                 f"the SQLite store {shown(self.path)} stayed locked by another writer for"

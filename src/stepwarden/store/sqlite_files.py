@@ -9,12 +9,19 @@ import os
 import sqlite3
 
 from ..errors import StoreError
+from .base import shorten
 
 
-def shown(path: str, limit: int = 120) -> str:
+def shown(path: str) -> str:
     """A path inside an error line: quoted, escaped, shortened."""
-    text = repr(path)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return shorten(repr(path))
+
+
+def primary_code(e: sqlite3.Error) -> int | None:
+    """SQLite's primary result code (``SQLITE_BUSY``, ``SQLITE_READONLY``...), without the extended
+    bits: the message text is for people and may change between SQLite versions."""
+    code = getattr(e, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
 
 
 def _owner(path: str) -> str:
