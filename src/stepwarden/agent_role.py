@@ -358,14 +358,18 @@ class AgentRole:
                     fut.set_result(None)
 
     def _committed(self, replies: int, applied: ApplyResult | None) -> None:
-        log_raised(log, applied.alerts if applied else ())
         self.completed += replies
         self.batches += 1
         if applied is None:
             self.on_reply()  # a scheduler has replies to apply
         else:  # applied, and the next steps dispatched and taken as far as we have room
-            self.on_applied(applied)
-            self.tracer.applied(applied)
+            self._applied(applied)
+
+    def _applied(self, applied: ApplyResult) -> None:
+        """Replies this role applied itself: their alerts logged, metrics and task spans told."""
+        log_raised(log, applied.alerts)
+        self.on_applied(applied)
+        self.tracer.applied(applied)
 
     async def _attempt(
         self, agent: Agent, msg: RequestMsg, trial: bool = False, span: AttemptSpan | NoAttempt = NO_ATTEMPT
@@ -515,10 +519,8 @@ class AgentRole:
         until applied the step stays ``running``, locked by a worker that is gone)."""
         replies = [(i, "released", None, why) for i in ids]
         applied = await self.store.send_replies(self.me, replies, apply=apply)
-        if applied is not None:
-            log_raised(log, applied.alerts)  # the table's waiting replies, applied with them
-            self.on_applied(applied)
-            self.tracer.applied(applied)
+        if applied is not None:  # the table's waiting replies are applied with them
+            self._applied(applied)
 
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""

@@ -139,6 +139,7 @@ class Worker:
         self.app = app
         self.settings = s = settings or WorkerSettings()
         self.identity = make_identity(s.name)
+        self._spans = tracing.tracer(self.identity)  # task spans for the replies a round applies
         self.agents = self._agents()
         self.wake = asyncio.Event()
         self.scheduler: SchedulerRole | None = None
@@ -185,20 +186,13 @@ class Worker:
         jobs: list[asyncio.Task[None]] = []
         m = self.metrics
         if "scheduler" in s.roles:
-            spans = tracing.tracer(self.identity)  # task spans for the replies this round applies
-
-            def scheduler_applied(result: ApplyResult) -> None:
-                spans.applied(result)
-                if m is not None:
-                    m.applied(result)
-
             self.scheduler = SchedulerRole(
                 store,
                 self.identity,
                 clock=clock,
                 settings=s.scheduler,
                 wake=self.wake,
-                on_applied=scheduler_applied,
+                on_applied=self._applied,
             )
             jobs.append(asyncio.create_task(self.scheduler.run(stop), name="scheduler"))
         if self.agents:
@@ -294,12 +288,18 @@ class Worker:
             handed += done.handed
             if done.applied is not None:
                 log_raised(log, done.applied.alerts)
-                if self.metrics is not None:
-                    self.metrics.applied(done.applied)
+                self._applied(done.applied)
             if not done.found:
                 break
         if handed:
             log.info("worker %s: handed back %d attempt(s) no agent had taken", self.identity, handed)
+
+    def _applied(self, result: ApplyResult) -> None:
+        """Replies applied outside the agent role (a scheduler round, the hand-back on the way
+        out): the task spans they end and the metrics they count."""
+        self._spans.applied(result)
+        if self.metrics is not None:
+            self.metrics.applied(result)
 
     def _woken(self, channel: str) -> None:
         """A database notification: new work may be waiting, so poll now instead of at the next tick."""
