@@ -190,6 +190,15 @@ def assert_processed_without_failure(cluster: Cluster, task: int, released: tupl
     assert [(e["step_idx"], e["attempt"]) for e in cluster.events(task, "released")] == [released]
 
 
+def next_worker_finishes(cluster: Cluster, task: int, released: tuple[int, int]) -> WorkerProc:
+    """A fresh worker, started after the lone one stopped, ends the task (waited for until it is
+    final, so an ``error`` fails at once): processed, with no failure counted."""
+    staying = start_shutapp_worker(cluster, "next")
+    cluster.wait(lambda: cluster.task_state(task) in ("processed", "error"), 20, "the task to end")
+    assert_processed_without_failure(cluster, task, released=released)
+    return staying
+
+
 def test_sigterm_lone_worker_hands_back_the_step_it_dispatched_while_stopping(cluster: Cluster) -> None:
     """Step 1 ends inside the grace period; its reply is applied (its result is durable) and
     dispatches step 2, which the stopping worker's agents no longer take. The worker hands that
@@ -199,9 +208,7 @@ def test_sigterm_lone_worker_hands_back_the_step_it_dispatched_while_stopping(cl
     first = cluster.one("SELECT state, result FROM steps WHERE task_id = ? AND idx = 0", task)
     assert first["state"] == "completed" and first["result"]  # the case under test: step 1 finished
 
-    staying = start_shutapp_worker(cluster, "next")
-    cluster.wait(lambda: cluster.task_state(task) == "processed", 20, "the task to be processed")
-    assert_processed_without_failure(cluster, task, released=(1, 1))
+    staying = next_worker_finishes(cluster, task, released=(1, 1))
     second = cluster.show(task)["steps"][1]
     attempts = [(a["attempt"], a["outcome"], a["dispatched_by"]) for a in second["attempts"]]
     assert attempts == [(1, "released", leaving.identity), (2, "ok", staying.identity)]
@@ -226,9 +233,7 @@ def test_sigterm_lone_worker_restarted_after_the_steps_budget_counts_no_failure(
     )["complete_by"]
     cluster.wait(lambda: time.time() > expiry + 0.5, budget + 5, "step 2's first attempt to expire")
 
-    start_shutapp_worker(cluster, "next")
-    cluster.wait(lambda: cluster.task_state(task) in ("processed", "error"), 20, "the task to end")
-    assert_processed_without_failure(cluster, task, released=(1, 1))
+    next_worker_finishes(cluster, task, released=(1, 1))
     assert not cluster.sql("SELECT id FROM alerts WHERE task_id = ?", task)
 
 
@@ -240,9 +245,7 @@ def test_sigterm_lone_worker_mid_step_past_the_grace_releases_it_at_once(cluster
     task, leaving = stop_lone_worker_mid_step(cluster, "two-long", 60)
     assert [r["outcome"] for r in cluster.executions("task_id = ?", task)] == ["cancelled"]
 
-    staying = start_shutapp_worker(cluster, "next")
-    cluster.wait(lambda: cluster.task_state(task) == "processed", 20, "the task to be processed")
-    assert_processed_without_failure(cluster, task, released=(0, 1))
+    staying = next_worker_finishes(cluster, task, released=(0, 1))
     first = cluster.show(task)["steps"][0]
     attempts = [(a["attempt"], a["outcome"], a["taken_by"]) for a in first["attempts"]]
     assert attempts == [(1, "released", leaving.identity), (2, "ok", staying.identity)]

@@ -92,7 +92,7 @@ def refuse_foreign_read(path: str) -> None:
     )
 
 
-def permission_causes(path: str) -> list[str]:
+def _permission_causes(path: str) -> list[str]:
     """What in the file system keeps this user from using the store at ``path``, each cause as a
     clause that is true now (empty if none is found): sqlite3's own message says only "attempt to
     write a readonly database" or "unable to open database file", whichever file is at fault."""
@@ -129,7 +129,7 @@ def sqlite_why(path: str, e: sqlite3.Error) -> str:
         return "the file name is longer than file systems allow (255 bytes)"
     if not os.path.exists(path) and not _can(folder, os.W_OK):
         return f"{e} (cannot create a file in {shown(folder)})"
-    causes = permission_causes(path)
+    causes = _permission_causes(path)
     if not causes:
         return str(e)
     text = f"{e}: {'; '.join(causes)}"
