@@ -14,15 +14,17 @@ from ``tasks`` (``EXPLAIN ANALYZE``), on SQLite the virtual machine's steps for 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
 import pytest
-from test_store import ME, Factory, apply, claim, reply, submit, task
+from test_store import ME, Factory, apply, claim, event_kinds, reply, submit, task
 
 from stepwarden.clock import FakeClock
 from stepwarden.policies import Backoff, Retry
 from stepwarden.store import Store, open_store
+from stepwarden.store import transitions as t
 from stepwarden.store.base import Tx
 
 
@@ -183,3 +185,45 @@ def test_an_upgrade_to_schema_6_marks_the_tasks_already_waiting(store_url: str, 
         assert [r["priority"] for r in claimed] == [0], "the task waiting an hour was claimed"
     finally:
         old.close()
+
+
+def test_two_schedulers_claim_ready_and_due_tasks_each_exactly_once(
+    store_url: str, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """The two arms each skip what another scheduler holds (PostgreSQL: SKIP LOCKED in both; a
+    row one arm locked and the merge left out is only skipped until that transaction ends): with
+    due and ready tasks mixed, two schedulers racing take every task once between them."""
+    s1, s2 = open_store(store_url, clock=clock), open_store(store_url, clock=clock)
+    try:
+        wf = make_workflow("a")  # its first retry waits 10 s
+        due = [submit(s1, wf, {"n": n}, priority=n % 3) for n in range(20)]
+        assert claim(s1, limit=50) == 20
+        for task_id in due:
+            reply(s1, task_id, "a", "retry", error="transient: 502")
+        apply(s1)
+        ready = [submit(s1, wf, {"n": 100 + n}, priority=n % 3) for n in range(20)]
+        clock.advance(10.0)
+        barrier = threading.Barrier(2)
+        got: dict[str, int] = {}
+
+        def scheduler(s: Store, me: str) -> None:
+            barrier.wait()
+            n = 0
+            while (k := s.transact_sync(t.claim_and_dispatch, me, 3)) > 0:
+                n += k
+            got[me] = n
+
+        threads = [threading.Thread(target=scheduler, args=(s, f"s{i}")) for i, s in enumerate((s1, s2))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=30)
+        assert got.get("s0", 0) + got.get("s1", 0) == 40, got
+        for task_id in due + ready:
+            view = task(s1, task_id)
+            assert view["state"] == "processing" and view["locked_by"] in ("s0", "s1"), view
+            claims = [k for k in event_kinds(s1, task_id) if k == "claimed"]
+            assert len(claims) == (2 if task_id in due else 1), (task_id, claims)
+    finally:
+        s1.close()
+        s2.close()
