@@ -14,17 +14,15 @@ from ``tasks`` (``EXPLAIN ANALYZE``), on SQLite the virtual machine's steps for 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any
 
 import pytest
-from test_store import ME, Factory, apply, claim, event_kinds, reply, submit, task
+from test_store import ME, Factory, apply, claim, event_kinds, race_two_schedulers, reply, submit, task
 
 from stepwarden.clock import FakeClock
 from stepwarden.policies import Backoff, Retry
 from stepwarden.store import Store, open_store
-from stepwarden.store import transitions as t
 from stepwarden.store.base import Tx
 
 
@@ -203,21 +201,7 @@ def test_two_schedulers_claim_ready_and_due_tasks_each_exactly_once(
         apply(s1)
         ready = [submit(s1, wf, {"n": 100 + n}, priority=n % 3) for n in range(20)]
         clock.advance(10.0)
-        barrier = threading.Barrier(2)
-        got: dict[str, int] = {}
-
-        def scheduler(s: Store, me: str) -> None:
-            barrier.wait()
-            n = 0
-            while (k := s.transact_sync(t.claim_and_dispatch, me, 3)) > 0:
-                n += k
-            got[me] = n
-
-        threads = [threading.Thread(target=scheduler, args=(s, f"s{i}")) for i, s in enumerate((s1, s2))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=30)
+        got = race_two_schedulers(s1, s2)
         assert got.get("s0", 0) + got.get("s1", 0) == 40, got
         for task_id in due + ready:
             view = task(s1, task_id)

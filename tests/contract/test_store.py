@@ -247,6 +247,27 @@ def test_higher_priority_is_claimed_first_then_oldest(store: Store, make_workflo
     assert claim(store) == 0
 
 
+def race_two_schedulers(s1: Store, s2: Store, limit: int = 3) -> dict[str, int]:
+    """Schedulers ``s0`` (on ``s1``) and ``s1`` (on ``s2``) started together, each claiming
+    ``limit`` at a time until a round finds nothing: how many each claimed."""
+    barrier = threading.Barrier(2)
+    got: dict[str, int] = {}
+
+    def scheduler(s: Store, me: str) -> None:
+        barrier.wait()
+        n = 0
+        while (k := s.transact_sync(t.claim_and_dispatch, me, limit)) > 0:
+            n += k
+        got[me] = n
+
+    threads = [threading.Thread(target=scheduler, args=(s, f"s{i}")) for i, s in enumerate((s1, s2))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    return got
+
+
 def test_claim_is_exclusive_between_two_schedulers(
     store_url: str, clock: FakeClock, make_workflow: Factory
 ) -> None:
@@ -255,21 +276,7 @@ def test_claim_is_exclusive_between_two_schedulers(
     try:
         wf = make_workflow()
         ids = [submit(s1, wf) for _ in range(40)]
-        barrier = threading.Barrier(2)
-        got: dict[str, int] = {}
-
-        def scheduler(s: Store, me: str) -> None:
-            barrier.wait()
-            n = 0
-            while (k := s.transact_sync(t.claim_and_dispatch, me, 3)) > 0:
-                n += k
-            got[me] = n
-
-        threads = [threading.Thread(target=scheduler, args=(s, f"s{i}")) for i, s in enumerate((s1, s2))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=20)
+        got = race_two_schedulers(s1, s2)
         assert got["s0"] + got["s1"] == 40
         for task_id in ids:
             assert event_kinds(s1, task_id).count("claimed") == 1
