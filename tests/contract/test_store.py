@@ -690,7 +690,7 @@ def test_a_compensation_that_keeps_failing_ends_in_error_naming_the_step(
     assert states(store, task_id) == ("error", ["failed", "failed", "skipped"])
     [al] = alerts(store)
     assert (al["kind"], al["task_id"], al["step"]) == ("compensation_failed", task_id, "a")
-    assert "NOT undone" in al["message"]
+    assert "NOT undone" in al["message"] and "still standing" not in al["message"]  # b never started
     assert r.alerts[0]["kind"] == "compensation_failed"
 
 
@@ -872,6 +872,22 @@ def test_a_compensated_task_names_the_completed_steps_it_had_no_undo_for(
     complete(store, other, "a")
     last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
     assert last["kind"] == "compensated" and "not_undone" not in json.loads(last["body"])
+
+
+def test_an_undo_that_fails_for_good_names_every_step_left_standing(
+    store: Store, make_workflow: Factory
+) -> None:
+    """CMP3: the undo stops at the step whose compensation failed, so the steps before it keep
+    their effects too. The alert, the ``error`` event and the reply-queue message name them all;
+    the alert named only the failed step, which read as if the rest had been undone."""
+    task_id = _undo_of_b_fails_for_good(store, make_workflow, cancel=False)
+    [al] = alerts(store)
+    assert (al["kind"], al["task_id"], al["step"]) == ("compensation_failed", task_id, "b")
+    assert "'b' failed (refund refused); its effect is NOT undone; still standing: 'a'" in al["message"]
+    last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
+    assert (last["kind"], json.loads(last["body"])["not_undone"]) == ("error", ["a", "b"])
+    ended = q(store, "SELECT detail FROM events WHERE kind = 'error'")[0]
+    assert json.loads(ended["detail"])["not_undone"] == ["a", "b"]
 
 
 def test_cancel_of_a_task_undone_after_a_failure_is_refused_and_writes_nothing(

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 from ..errors import InputError, NotFound
-from .base import Row, Tx
+from .base import Tx
 from .records import _now, event, message
-
-
-def _failed_undos(steps: list[Row]) -> list[Row]:
-    """The steps whose compensation failed for good: the task ended in ``error`` while being
-    undone. (A forward failure never counts a compensation failure.)"""
-    return [s for s in steps if s["state"] == "failed" and int(s["comp_failures"] or 0) > 0]
+from .undo import failed_undos
 
 
 def _reopen_undos(tx: Tx, task_id: int) -> None:
@@ -51,7 +46,7 @@ def retry_task(tx: Tx, task_id: int, step_name: str | None, actor: str) -> str:
         raise InputError(f"task {task_id} is {task['state']}; only error tasks can be retried")
     steps = tx.all("steps_of_task", task_id=task_id)
     names = [s["name"] for s in steps]
-    undos = _failed_undos(steps)
+    undos = failed_undos(steps)
     if undos:
         failed = undos[-1]["name"]
         if step_name is not None:
@@ -111,7 +106,7 @@ def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
         return str(task["state"])  # asked already, and on its way: nothing new to write
     tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
     event(tx, "cancel_requested", task_id, actor)
-    if task["state"] == "error" and _failed_undos(tx.all("steps_of_task", task_id=task_id)):
+    if task["state"] == "error" and failed_undos(tx.all("steps_of_task", task_id=task_id)):
         # Ended while being undone: the undo resumes, with a fresh budget of attempts (one more
         # failure used to end it in error again at once).
         _reopen_undos(tx, task_id)

@@ -20,6 +20,7 @@ from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx
 
 # The records a change writes beside it; other modules reach them here too (``transitions.event``).
 from .records import _now, alert, event, message
+from .undo import not_undone
 
 
 def submit(
@@ -155,7 +156,7 @@ def advance(tx: Tx, task: Row, me: str, steps: list[Row] | None = None, now: flo
     tx.put("give_up_started", task_id=task["id"])
     # Completed steps that declare no undo keep their effect: the outcome names them, so that
     # "compensated" is not read as "every effect undone" (CMP1 makes the undo optional).
-    kept = [s["name"] for s in steps if s["state"] == "completed" and not s["compensate"]]
+    kept = not_undone(steps)
     extra: dict[str, Any] = {"not_undone": kept} if kept else {}
     tx.put("finish_task", task_id=task["id"], state=final, error=None)
     event(tx, final, task["id"], me, **extra)
@@ -552,16 +553,23 @@ def fail_attempt(
         )
         begin_compensation(tx, task, me, reason=why)
         return "compensate"
+    extra: dict[str, Any] = {}
     if undo:
+        # The undo stops here, in reverse order, so the steps before this one keep their effects
+        # too (CMP3): the alert names every step left un-undone, not only the one that failed.
+        left = not_undone(tx.all("steps_of_task", task_id=task["id"]))
         text = f"compensation of step {step['name']!r} failed ({error[:200]}); its effect is NOT undone"
+        if others := [n for n in left if n != step["name"]]:
+            text += f"; still standing: {', '.join(map(repr, others))}"
         kind = "compensation_failed"
+        extra = {"not_undone": left}
     else:
         text = f"step {step['name']!r} failed after {failures} failure(s): {error[:300]}"
         kind = "task_error"
     tx.put("finish_task", task_id=task["id"], state="error", error=error)
     out_alerts.append(alert(tx, kind, task["id"], step["name"], text))
-    event(tx, "error", task["id"], me, step["idx"], step["attempt"], step=step["name"], reason=text)
-    message(tx, task, "error", step=step["name"], error=text)
+    event(tx, "error", task["id"], me, step["idx"], step["attempt"], step=step["name"], reason=text, **extra)
+    message(tx, task, "error", step=step["name"], error=text, **extra)
     task["state"] = "error"
     return "error"
 
