@@ -39,6 +39,7 @@ from .helpers import (
     clean_env,
     make_db,
     order,
+    sw,
     wait_until,
 )
 
@@ -185,17 +186,9 @@ def test_a_store_in_a_folder_the_reader_cannot_write_is_named_as_a_store_with_th
 
 # -- case 3: write failures in operator commands --------------------------------------------------
 
+
 # The console script's own code with one change: the busy timeout is 1 s instead of 30 s, so that a
 # lock held throughout fails in about a second. Nothing else on the CLI or in the URL sets it.
-SHORT_BUSY_TIMEOUT = (
-    "import sys\n"
-    "from stepwarden.store.sqlite import SQLiteStore\n"
-    "SQLiteStore.__init__.__kwdefaults__['busy_timeout'] = 1.0\n"
-    "from stepwarden.cli import main\n"
-    "main(sys.argv[1:])\n"
-)
-
-
 def test_a_write_lock_held_past_the_busy_timeout_is_one_line_naming_the_store(tmp_path: Path) -> None:
     db = make_db(tmp_path)
     task = db.submit()
@@ -203,16 +196,7 @@ def test_a_write_lock_held_past_the_busy_timeout_is_one_line_naming_the_store(tm
     try:
         other.execute("BEGIN IMMEDIATE")
         for args in (("task", "retry", str(task)), ("submit", WORKFLOW, "--input", json.dumps(order()))):
-            t0 = time.monotonic()
-            p = subprocess.run(
-                [sys.executable, "-c", SHORT_BUSY_TIMEOUT, "--db", db.url, *args],
-                cwd=tmp_path,
-                env=clean_env(),
-                input=b"",
-                capture_output=True,
-                timeout=30,
-            )
-            r = Result(list(args), p.returncode, p.stdout.decode(), p.stderr.decode(), time.monotonic() - t0)
+            r = sw("--db", f"{db.url}?busy_timeout=1", *args, cwd=tmp_path, timeout=30)
             line = assert_one_error_line(r, code=1)
             assert f"the SQLite store {str(db.path)!r} stayed locked by another writer for" in line, line
             assert "(busy timeout 1 s)" in line and "nothing was written" in line, line

@@ -227,6 +227,37 @@ def test_sqlite_app_submit_inside_a_block_fails_at_once_and_reads_do_not_wait(tm
         app.close()
 
 
+def test_sqlite_a_block_that_cannot_take_the_write_lock_is_a_store_error_naming_the_store(
+    tmp_path: Any,
+) -> None:
+    """Another connection holds the write lock past the URL's ``busy_timeout``: the block does not
+    begin, and the caller gets the StoreError a submission gets (naming the store and the wait),
+    not sqlite3's bare "database is locked". Once the lock is free, the next block works."""
+    path = tmp_path / "store.db"
+    app = make_app(f"sqlite:///{path}?busy_timeout=0.3")
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        with app.transaction() as tx:
+            tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY)")
+        holder.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        locked = r"stayed locked by another writer for 0\.\d s \(busy timeout 0\.3 s\)"
+        with pytest.raises(StoreError, match=locked), app.transaction():
+            raise AssertionError("the block ran without the write lock")
+        assert time.monotonic() - started < 2.0
+        with pytest.raises(StoreError, match="stayed locked") as raised:
+            app.submit("order", {"order": "o-1"})
+        assert isinstance(raised.value.__cause__, sqlite3.OperationalError)
+        holder.execute("ROLLBACK")
+        with app.transaction() as tx:
+            insert_order(tx, "o-2")
+            tx.submit("order", {"order": "o-2"}, reply_to="web")
+        assert counts(app) == {**ONE_WHOLE_TASK, "orders": 1}
+    finally:
+        holder.close()
+        app.close()
+
+
 # -- PostgreSQL: a transaction aborted by a failed statement ------------------------------------
 
 

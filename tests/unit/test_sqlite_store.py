@@ -73,3 +73,35 @@ def test_the_url_can_ask_for_synchronous_normal_and_nothing_else(tmp_path: Path)
     with pytest.raises(InputError, match="unknown sqlite URL option"):
         open_store(f"sqlite:///{tmp_path / 'c.db'}?journal=off")
     assert not (tmp_path / "c.db").exists()  # bad input writes nothing
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "1e9", ""])
+def test_a_busy_timeout_that_is_no_number_of_seconds_is_refused_writing_nothing(
+    tmp_path: Path, value: str
+) -> None:
+    from stepwarden.errors import InputError
+
+    with pytest.raises(InputError, match="busy_timeout must be a number of seconds from 0 to 86400"):
+        open_store(f"sqlite:///{tmp_path / 'c.db'}?busy_timeout={value}")
+    assert not (tmp_path / "c.db").exists()
+
+
+def test_the_url_sets_the_busy_timeout_and_passes_it_on(tmp_path: Path) -> None:
+    """How long a writer waits for the write lock (30 s by default); workers started from the
+    store's URL (the demo's, the CLI's) get the same."""
+    store = open_store(f"sqlite:///{tmp_path / 'a.db'}?busy_timeout=2.5&synchronous=normal")
+    try:
+        assert isinstance(store, SQLiteStore)
+        assert (store.busy_timeout, store.synchronous) == (2.5, "NORMAL")
+        assert store.url.endswith("a.db?synchronous=NORMAL&busy_timeout=2.5")
+        conn = store.connect()
+        assert conn.execute("PRAGMA busy_timeout").fetchone()["timeout"] == 2500
+        conn.close()
+        again = open_store(store.url)
+        assert again.busy_timeout == 2.5 and again.url == store.url  # type: ignore[attr-defined]
+        again.close()
+    finally:
+        store.close()
+    zero = open_store(f"sqlite:///{tmp_path / 'b.db'}?busy_timeout=0")
+    assert zero.busy_timeout == 0 and zero.url.endswith("b.db?busy_timeout=0")  # type: ignore[attr-defined]
+    zero.close()

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl
 
 from ..clock import SYSTEM_CLOCK, Clock
@@ -137,8 +139,12 @@ def _pg_version(tx: Tx) -> int | None:
     return int(tx.sql("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations")[0]["v"])
 
 
-def _sqlite_url(url: str) -> tuple[str, str]:
-    """``sqlite:///PATH[?synchronous=MODE]``: the path and the mode, or :class:`InputError`."""
+MAX_BUSY_TIMEOUT = 86400.0
+
+
+def _sqlite_url(url: str) -> tuple[str, dict[str, Any]]:
+    """``sqlite:///PATH[?synchronous=MODE&busy_timeout=SECONDS]``: the path and the
+    :class:`SQLiteStore` keywords its options give, or :class:`InputError`."""
     path, _, query = url[len("sqlite:///") :].partition("?")
     if not path:
         raise InputError("sqlite URL has no path: use sqlite:///relative.db or sqlite:////absolute.db")
@@ -148,23 +154,41 @@ def _sqlite_url(url: str) -> tuple[str, str]:
             "stepwarden's processes and threads share the store"
         )
     options = dict(parse_qsl(query, keep_blank_values=True))
-    unknown = sorted(set(options) - {"synchronous"})
+    unknown = sorted(set(options) - {"synchronous", "busy_timeout"})
     if unknown:
         raise InputError(
-            f"unknown sqlite URL option(s) {', '.join(repr(k)[:40] for k in unknown)}: only synchronous"
+            f"unknown sqlite URL option(s) {', '.join(repr(k)[:40] for k in unknown)}:"
+            " only synchronous and busy_timeout"
         )
     sync = options.get("synchronous", "FULL").upper()
     if sync not in ("FULL", "NORMAL", "EXTRA"):
         raise InputError("sqlite URL option synchronous must be FULL (the default), NORMAL or EXTRA")
-    return path, sync
+    keywords: dict[str, Any] = {"synchronous": sync}
+    if "busy_timeout" in options:
+        keywords["busy_timeout"] = _busy_timeout(options["busy_timeout"])
+    return path, keywords
+
+
+def _busy_timeout(text: str) -> float:
+    """Seconds a writer waits for the write lock before failing (the default is 30)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= MAX_BUSY_TIMEOUT:  # NaN and infinity fail this too
+        raise InputError(
+            f"sqlite URL option busy_timeout must be a number of seconds from 0 to"
+            f" {MAX_BUSY_TIMEOUT:g}, not {text[:40]!r}"
+        )
+    return seconds
 
 
 def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: bool = True) -> Store:
     url = resolve_url(url)
     if url.startswith("sqlite:///"):
-        path, sync = _sqlite_url(url)
+        path, options = _sqlite_url(url)
         try:
-            return SQLiteStore(path, clock=clock, migrate=migrate, synchronous=sync)
+            return SQLiteStore(path, clock=clock, migrate=migrate, **options)
         except sqlite3.Error as e:  # sqlite3 names neither the file nor what to do about it
             raise StoreError(
                 f"cannot open the SQLite store {shorten(repr(path))}: {_sqlite_why(path, e)}"

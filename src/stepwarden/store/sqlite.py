@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
+from urllib.parse import urlencode
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError, MigrationError, StoreError
@@ -33,6 +34,8 @@ from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
 log = logging.getLogger("stepwarden.sqlite")
 P = ParamSpec("P")
 R = TypeVar("R")
+
+DEFAULT_BUSY_TIMEOUT = 30.0  # seconds a writer waits for the write lock (``?busy_timeout=``)
 
 
 def _dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
@@ -132,7 +135,7 @@ class SQLiteStore(Store):
         *,
         clock: Clock = SYSTEM_CLOCK,
         synchronous: str = "FULL",
-        busy_timeout: float = 30.0,
+        busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
         watch_interval: float = 0.005,
         migrate: bool = True,
     ) -> None:
@@ -140,9 +143,11 @@ class SQLiteStore(Store):
         if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
             raise ValueError("synchronous must be FULL, NORMAL or EXTRA")
         self.path = path
-        self.url = f"sqlite:///{path}" + (
-            "" if synchronous.upper() == "FULL" else f"?synchronous={synchronous.upper()}"
-        )
+        # The options that are not the defaults, so that workers started from this URL get them too.
+        options = {"synchronous": synchronous.upper()} if synchronous.upper() != "FULL" else {}
+        if busy_timeout != DEFAULT_BUSY_TIMEOUT:
+            options["busy_timeout"] = f"{busy_timeout:g}"
+        self.url = f"sqlite:///{path}" + (f"?{urlencode(options)}" if options else "")
         self.clock = clock
         self.synchronous = synchronous.upper()
         self.busy_timeout = busy_timeout
@@ -280,9 +285,8 @@ class SQLiteStore(Store):
 
     def _explained(self, e: sqlite3.OperationalError, waited: float) -> StoreError | None:
         """:class:`StoreError` for the lock that stayed taken and the store that cannot be written;
-        ``None`` for any other error. Only :meth:`transact_on`'s callers see it: :meth:`begin`,
-        which retries while ``_busy(e)``, and the callers' own transactions on lent connections
-        (``app.transaction()``) still get sqlite3's error."""
+        ``None`` for any other error (a caller's own SQL in ``app.transaction()`` gets sqlite3's
+        errors as they came)."""
         code = primary_code(e)
         if code == sqlite3.SQLITE_BUSY:
             return StoreError(
@@ -347,7 +351,21 @@ class SQLiteStore(Store):
         contention a writer idles for milliseconds after the lock was freed: with many short
         transactions from several processes that idling, not the work, sets the pace. Here the
         busy handler is off for BEGIN only (set back for every other statement) and the retry
-        sleeps 0.1 ms growing to 2 ms, until the same ``busy_timeout`` deadline."""
+        sleeps 0.1 ms growing to 2 ms, until the same ``busy_timeout`` deadline.
+
+        A lock still taken at the deadline, or a store this user cannot write, is a
+        :class:`StoreError` naming the store (chained from sqlite3's error): ``app.transaction()``
+        begins its block here, outside :meth:`transact_on`."""
+        started = time.monotonic()
+        try:
+            self._take_write_lock(conn)
+        except sqlite3.OperationalError as e:
+            explained = self._explained(e, time.monotonic() - started)
+            if explained is None:
+                raise
+            raise explained from e
+
+    def _take_write_lock(self, conn: Any) -> None:
         conn.execute("PRAGMA busy_timeout = 0")
         try:
             try:
