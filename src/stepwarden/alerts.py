@@ -44,7 +44,7 @@ from .store import Store
 from .store.base import Row, Tx
 from .store.supervision import fence
 from .store.transitions import event
-from .store.views import iso
+from .store.views import iso, show_alert
 from .workflow import check_key, check_name
 
 if TYPE_CHECKING:
@@ -86,7 +86,8 @@ class Alert:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape of ``stepwarden alerts --json`` (ISO 8601 UTC times)."""
+        """The alert in a log record and a sink's payload (ISO 8601 UTC times): ``alerts --json``
+        adds what became of it at each sink (``deliveries``)."""
         return {
             "id": self.id,
             "kind": self.kind,
@@ -358,9 +359,9 @@ def ack_alert(tx: Tx, alert_id: int, by: str) -> tuple[dict[str, Any], bool]:
     changed = row["acked_at"] is None and tx.run("alert_ack", id=alert_id, by=by) > 0
     if changed:
         event(tx, "alert_acked", row["task_id"], by, alert=alert_id, kind=row["kind"])
-        row = tx.one("alert_get", id=alert_id)
-        assert row is not None
-    return Alert.from_row(row).to_dict(), changed
+    view = show_alert(tx, alert_id)  # the shape ``alerts --json`` prints, its deliveries with it
+    assert view is not None
+    return view, changed
 
 
 def register_sinks(tx: Tx, names: Sequence[str]) -> None:

@@ -107,7 +107,8 @@ def test_cli_alerts_ack(store: Store) -> None:
     assert r.returncode == 0 and r.stdout.strip() == f"alert {a} acknowledged by carol", r
     r = sw("ack", str(a), "--json")
     assert r.returncode == 0 and "already" not in r.stdout, r
-    assert json.loads(r.stdout)["acked_by"] == "carol"
+    acked = json.loads(r.stdout)
+    assert acked["acked_by"] == "carol"
     r = sw("ack", str(a))
     assert r.returncode == 0 and f"alert {a} was already acknowledged by carol at" in r.stdout, r
     listed = json.loads(sw("--json").stdout)
@@ -115,6 +116,7 @@ def test_cli_alerts_ack(store: Store) -> None:
     assert {"id", "kind", "task_id", "step", "message", "created_at", "acked_at", "deliveries"} <= set(
         listed[0]
     )
+    assert acked == listed[0]  # `ack --json` prints the alert as `alerts --json` does, deliveries too
     assert json.loads(sw("--unacked", "--json").stdout) == []
     for bad in (("ack", "999999"), ("ack", "x1"), ("ack", str(a), "--by", "\x07")):
         r = sw(*bad)

@@ -154,13 +154,16 @@ def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
     return out
 
 
+ALERT_COLUMNS = "id, kind, task_id, step, message, created_at, acked_at, acked_by"
+
+
 @read_only
 def list_alerts(
     tx: Tx, include_acked: bool = True, limit: int | None = None, newest: bool = False
 ) -> list[dict[str, Any]]:
     """Alerts, oldest first, each with ``deliveries``: what became of it at each alert sink.
     ``limit``: the first ``limit`` of them, or with ``newest`` the most recent (still oldest first)."""
-    sql = "SELECT id, kind, task_id, step, message, created_at, acked_at, acked_by FROM alerts"
+    sql = f"SELECT {ALERT_COLUMNS} FROM alerts"
     if not include_acked:
         sql += " WHERE acked_at IS NULL"
     sql += " ORDER BY id DESC" if newest else " ORDER BY id"
@@ -169,6 +172,17 @@ def list_alerts(
     rows = tx.sql(sql)
     if newest:
         rows.reverse()
+    return _alert_views(tx, rows)
+
+
+@read_only
+def show_alert(tx: Tx, alert_id: int) -> dict[str, Any] | None:
+    """One alert in the shape of :func:`list_alerts` (``alerts ack --json`` prints it)."""
+    rows = tx.sql(f"SELECT {ALERT_COLUMNS} FROM alerts WHERE id = ?", (int(alert_id),))
+    return _alert_views(tx, rows)[0] if rows else None
+
+
+def _alert_views(tx: Tx, rows: list[Row]) -> list[dict[str, Any]]:
     out = [dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"]), deliveries=[]) for a in rows]
     if out:
         by_id = {a["id"]: a for a in out}
