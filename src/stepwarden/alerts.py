@@ -521,7 +521,7 @@ class AlertDispatcher:
             leadership.progress()
             # A wait of known length is not a stall: an interval longer than the lease's
             # stall_after made every idle round give the lease up.
-            await _alive_while(leadership, self.clock.sleep(self.settings.interval))
+            await leadership.sleep(self.settings.interval)
 
     async def tick(self, leadership: Leadership | None = None) -> int:
         """One round: send what is due to every sink; returns how many deliveries succeeded."""

@@ -17,11 +17,12 @@ from .agent import Agent, default_classify
 from .alerts import AlertSink, ack_alert, as_sink
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, StoreError, UnknownWorkflow
-from .leader import LeaseSettings, Work, run_while_leader
+from .leader import Leadership, LeaseSettings, Work, run_while_leader
 from .policies import check_count, check_id, check_number, show
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
 from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
 from .store.base import Tx, read_only
+from .store.supervision import fence
 from .worker import Worker, WorkerSettings, make_identity
 from .workflow import (
     DEFAULT_MAX_INPUT_BYTES,
@@ -427,6 +428,20 @@ class AppTransaction:
         elif was_open:  # this statement ended it: stopped here, what follows would run outside it
             raise self._ended_error()
         return out
+
+    def fence(self, lead: Leadership) -> None:
+        """Raise :class:`~stepwarden.errors.LostOwnership` unless ``lead``'s term still holds
+        its lease on the database clock, so that the block's writes commit only under a current
+        term (LEAD4 for an application's own leader work, LEAD7). Call it first in the block. On
+        PostgreSQL the lease row stays share-locked until the block ends, so a successor's
+        acquire waits for it (and so does this process's own renewal: keep a fenced block well
+        under the lease's ``ttl - margin``); on SQLite the block's write lock orders them."""
+        if not isinstance(lead, Leadership):
+            raise InputError(f"fence takes the Leadership your leader work was given, not {show(lead)}")
+        if self._opened and not self._open_now():
+            raise self._ended_error()
+        fence(self._tx, lead.holder, lead.name, lead.term)
+        self._opened = self._opened or self._open_now()
 
     def submit(
         self,

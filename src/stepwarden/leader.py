@@ -12,11 +12,10 @@ fenced by the term in SQL (LEAD4), so a paused ex-leader that wakes up changes n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError
@@ -25,6 +24,8 @@ from .store import Store
 
 log = logging.getLogger("stepwarden.leader")
 LOST = "renewal refused: the lease is lost"
+MAX_FAILURE_PAUSE = 60.0  # seconds: the longest wait before campaigning again after failed work
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,18 @@ class Leadership:
     def progress(self) -> None:
         self.last_progress = self._clock.monotonic()
 
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` without the wait counting as a stall (LEAD6): a loop that waits
+        between its rounds is idle, not stuck, whatever ``stall_after`` is. The stall clock
+        starts again when the sleep ends (the lease is still renewed meanwhile, and the sleep is
+        cancelled with the work if the lease is lost)."""
+        seconds = max(0.0, float(seconds))
+        self.last_progress = max(self.last_progress, self._clock.monotonic() + seconds)
+        try:
+            await self._clock.sleep(seconds)
+        finally:
+            self.progress()
+
 
 Work = Callable[[Leadership], Coroutine[Any, Any, None]]
 
@@ -110,6 +123,10 @@ class LeaseKeeper:
         self.on_change = on_change or (lambda what, term: None)
         self.term: int | None = None
         self.terms_held = 0
+        self.failures = 0  # the work raised this many terms in a row: campaign again more slowly
+        # A work that ignored its cancellation is left running; until it ends this process does
+        # not campaign again, so that two runs of it never overlap here.
+        self._stubborn: asyncio.Task[None] | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -119,24 +136,51 @@ class LeaseKeeper:
         """Campaign, lead, lose, campaign again, until ``stop`` is set; resign on the way out (LEAD5)."""
         s = self.settings
         while not stop.is_set():
+            if self._stubborn is not None and not self._stubborn.done():
+                await self._sleep_or_stop(stop, s.retry_every)
+                continue
             try:
                 sent = self.clock.monotonic()
-                got = await self.store.acquire_lease(self.name, self.holder, s.ttl)
+                # Raced with ``stop``: an acquire stuck on a dead connection must not hold up a
+                # shutdown (if it commits after all, the lease runs out by its TTL).
+                acquire = self.store.acquire_lease(self.name, self.holder, s.ttl)
+                got = await self._unless_stopped(acquire, stop)
             except Exception as e:  # the store is down: keep campaigning, never crash (REL3)
                 log.warning("lease %s: acquire failed: %s", self.name, e)
                 got = None
-            if got is None and s.take_from_dead is not None:
+            if got is None and s.take_from_dead is not None and not stop.is_set():
                 try:
                     sent = self.clock.monotonic()
-                    got = await self._take_from_dead(s.take_from_dead)
+                    got = await self._unless_stopped(self._take_from_dead(s.take_from_dead), stop)
                 except Exception as e:
                     log.warning("lease %s: takeover failed: %s", self.name, e)
             if got is None:
                 await self._sleep_or_stop(stop, s.retry_every)
                 continue
             await self._lead(got[0], sent, stop)
-            # Having just given the lease up (a stall, a lost renewal), let a healthier peer win it.
-            await self._sleep_or_stop(stop, s.retry_every)
+            # Having just given the lease up (a stall, a lost renewal), let a healthier peer win it;
+            # after work that keeps raising, wait longer each time (its errors are logged).
+            await self._sleep_or_stop(stop, self._pause())
+
+    def _pause(self) -> float:
+        """Seconds before campaigning again: ``retry_every``, doubled for each term in a row whose
+        work raised, up to :data:`MAX_FAILURE_PAUSE` (or ``retry_every``, if that is longer)."""
+        retry = self.settings.retry_every
+        if not self.failures:
+            return retry
+        return float(min(retry * 2 ** min(self.failures - 1, 30), max(retry, MAX_FAILURE_PAUSE)))
+
+    async def _unless_stopped(self, aw: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+        """``aw``'s result, or None as soon as ``stop`` is set (``aw`` is then cancelled)."""
+        job = asyncio.ensure_future(aw)
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({job, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not job.done():
+                job.cancel()
+        return None if job.cancelled() else job.result()
 
     async def _take_from_dead(self, dead_after: float) -> tuple[int, float] | None:
         """Take the lease now if its holder is presumed dead, instead of waiting out its TTL."""
@@ -170,9 +214,21 @@ class LeaseKeeper:
 
     async def _lead(self, term: int, sent: float, stop: asyncio.Event) -> None:
         s = self.settings
+        trust_until = sent + s.ttl - s.margin
+        if self.clock.monotonic() >= trust_until:
+            # The acquire's answer came after the window in which it may be trusted (a slow
+            # commit, a lock it waited on): the lease may have expired already. The work never
+            # starts on such a term, not even for a first slice (LEAD2).
+            log.warning(
+                "lease %s: term %d was acquired %.1fs ago, past the trust window; not leading on it",
+                self.name,
+                term,
+                self.clock.monotonic() - sent,
+            )
+            await self._resign(term)
+            return
         self.term = term
         self.terms_held += 1
-        trust_until = sent + s.ttl - s.margin
         ctx = Leadership(self.name, self.holder, term, self.clock)
         log.info("lease %s: %s leads with term %d", self.name, self.holder, term)
         self.on_change("acquired", term)
@@ -185,7 +241,7 @@ class LeaseKeeper:
                 await self._wait(work, stop, wake - now)
                 if work.done():
                     exc = None if work.cancelled() else work.exception()
-                    reason = f"leader work ended ({exc!r})" if exc else "leader work ended"
+                    reason = f"leader work raised {exc!r}" if exc else "leader work returned"
                     break
                 if stop.is_set():
                     break
@@ -209,14 +265,55 @@ class LeaseKeeper:
                     break
                 trust_until = sent + s.ttl - s.margin
         finally:
+            self.term = None  # not trusted from here on, whatever the work does next
             work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            log.info("lease %s: %s stops leading term %d: %s", self.name, self.holder, term, reason)
+            keeper_cancelled = False
+            try:
+                await self._until_done(work, s.ttl)
+            except asyncio.CancelledError:  # the keeper itself is being cancelled: resign first
+                keeper_cancelled = True
+            self._ended(work, term, reason)
             if reason != LOST:
                 await self._resign(term)
-            self.term = None
             self.on_change("lost", term)
+            if keeper_cancelled:
+                raise asyncio.CancelledError
+
+    async def _until_done(self, work: asyncio.Task[None], bound: float) -> None:
+        """Wait (on our Clock) up to ``bound`` seconds for the cancelled work to end."""
+        timer = asyncio.create_task(self.clock.sleep(bound))
+        try:
+            await asyncio.wait({work, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            timer.cancel()
+
+    def _ended(self, work: asyncio.Task[None], term: int, reason: str) -> None:
+        """Log how the term's work ended; count the terms in a row whose work raised."""
+        log.info("lease %s: %s stops leading term %d: %s", self.name, self.holder, term, reason)
+        if not work.done():
+            self._stubborn = work
+            log.error(
+                "lease %s: the leader work of term %d has not ended %gs after it was cancelled (it"
+                " swallows CancelledError?); it is left running, and this process campaigns again"
+                " only once it ends",
+                self.name,
+                term,
+                self.settings.ttl,
+            )
+            return
+        exc = None if work.cancelled() else work.exception()
+        if exc is None:
+            self.failures = 0
+            return
+        self.failures += 1
+        log.error(
+            "lease %s: the leader work of term %d raised (%d term(s) in a row); campaigning again in %gs",
+            self.name,
+            term,
+            self.failures,
+            self._pause(),
+            exc_info=exc,
+        )
 
     async def _renew(self, term: int, budget: float) -> bool | None:
         """Renew, giving up when the trust window ends (measured on our Clock, not the loop's):

@@ -3,13 +3,15 @@ transaction stepwarden opens and in one the caller already has open on their own
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from typing import Any
 
 import psycopg
 import pytest
 
-from stepwarden import App, Request, Step
+from stepwarden import App, InputError, Leadership, LostOwnership, Request, Step
+from stepwarden.clock import SYSTEM_CLOCK
 
 
 def make_app(url: str) -> App:
@@ -57,6 +59,42 @@ def test_an_exception_rolls_back_row_and_task(app: App) -> None:
     assert rows(app, "SELECT COUNT(*) AS n FROM orders") == [{"n": 0}]
     assert rows(app, "SELECT COUNT(*) AS n FROM tasks") == [{"n": 0}]
     assert rows(app, "SELECT COUNT(*) AS n FROM steps") == [{"n": 0}]
+
+
+def test_a_fenced_block_commits_only_under_the_current_term(app: App) -> None:
+    """LEAD4 for an application's own leader work (LEAD7): a deposed leader's block raises
+    LostOwnership and writes nothing; the new leader's commits."""
+    store = app.store
+    got = app_lease(app, "A")
+    old = Leadership("nightly", "A", got, SYSTEM_CLOCK)
+    with app.transaction() as tx:
+        tx.fence(old)
+        tx.execute(f"INSERT INTO orders VALUES ({ph(app)}, {ph(app)})", ("by-a", 1))
+    run_sync(store.resign_lease("nightly", "A", got))
+    new = Leadership("nightly", "B", app_lease(app, "B"), SYSTEM_CLOCK)
+    assert new.term == old.term + 1
+    with (
+        pytest.raises(LostOwnership, match="'nightly' term 1 is no longer held by A"),
+        app.transaction() as tx,
+    ):
+        tx.fence(old)  # the paused ex-leader wakes up
+        tx.execute(f"INSERT INTO orders VALUES ({ph(app)}, {ph(app)})", ("late", 2))
+    with app.transaction() as tx:
+        tx.fence(new)
+        tx.execute(f"INSERT INTO orders VALUES ({ph(app)}, {ph(app)})", ("by-b", 3))
+    assert rows(app, "SELECT id FROM orders ORDER BY total") == [{"id": "by-a"}, {"id": "by-b"}]
+    with pytest.raises(InputError, match="fence takes the Leadership"), app.transaction() as tx:
+        tx.fence(1)  # type: ignore[arg-type]
+
+
+def app_lease(app: App, holder: str) -> int:
+    got = run_sync(app.store.acquire_lease("nightly", holder, 60.0))
+    assert got is not None
+    return int(got[0])
+
+
+def run_sync(coro: Any) -> Any:
+    return asyncio.run(coro)
 
 
 def test_inside_the_callers_own_connection_and_transaction(app: App, store_url: str) -> None:
