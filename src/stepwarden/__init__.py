@@ -7,7 +7,8 @@ private and may change.
 
 from .agent import Agent, Request
 from .alerts import Alert, CallableSink, LogSink, WebhookSink
-from .app import App, AppTransaction
+from .app import App
+from .app_transaction import AppTransaction
 from .clock import Clock, FakeClock, SystemClock
 from .errors import (
     InputError,

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -15,14 +14,13 @@ from typing import Any
 
 from .agent import Agent, default_classify
 from .alerts import AlertSink, ack_alert, as_sink
+from .app_transaction import AppTransaction
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import InputError, NotFound, StoreError, UnknownWorkflow
-from .leader import Leadership, LeaseSettings, Work, run_while_leader
+from .errors import InputError, NotFound, UnknownWorkflow
+from .leader import LeaseSettings, Work, run_while_leader
 from .policies import check_count, check_id, check_number, show
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
 from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
-from .store.base import Tx, read_only
-from .store.supervision import fence
 from .worker import Worker, WorkerSettings, make_identity
 from .workflow import (
     DEFAULT_MAX_INPUT_BYTES,
@@ -246,7 +244,10 @@ class App:
         PostgreSQL transaction aborted by a failed statement that the block caught raises it too
         when the block ends: it could commit nothing. On SQLite a block inside
         another one on the same database in the same thread is refused at once
-        (:class:`InputError`): it would wait for the write lock the outer block holds.
+        (:class:`InputError`): it would wait for the write lock the outer block holds; on
+        PostgreSQL it is a transaction of its own. On PostgreSQL a lent session left idle inside
+        its transaction for more than a minute is ended by the server: :class:`StoreError` says
+        so, and nothing of the block is committed.
         """
         store = self.store
         if connection is not None:
@@ -272,8 +273,15 @@ class App:
                     # Ended inside the block (a ROLLBACK on SQLite, after it nothing to undo): the
                     # caller's own exception goes on, with a word on what that end did.
                     e.add_note(f"stepwarden: {block._ended()}")
+                if (explained := store.block_error(e)) is not None:
+                    raise explained from e
                 raise
-            store.commit(conn, tx)
+            try:
+                store.commit(conn, tx)
+            except Exception as e:
+                if (explained := store.block_error(e)) is not None:
+                    raise explained from e
+                raise
 
     # -- results -------------------------------------------------------------------------------
     def task(self, task_id: int) -> dict[str, Any]:
@@ -381,207 +389,6 @@ class App:
         if settings is not None and kw:
             raise InputError(f"give settings or keyword arguments ({', '.join(kw)}), not both")
         return Worker(self, settings or WorkerSettings(**kw))
-
-
-class AppTransaction:
-    """The caller's open transaction: run their SQL and submit tasks; all commit or none."""
-
-    def __init__(self, app: App, conn: Any, tx: Tx, *, lent: bool = False) -> None:
-        self.app = app
-        self._lent = lent  # the store's connection: whatever the block leaves open is rolled back
-        self.connection = conn
-        self._tx = tx
-        # Whether the block's transaction has begun (psycopg begins one with the first statement,
-        # as sqlite3 does with the first write when it manages transactions itself): found ended
-        # after that, the caller ended it.
-        self._opened = app.store.in_transaction(conn)
-        self._submitted: list[int] = []  # the tasks this block created
-        self._reported = False  # the end was raised as a StoreError already
-        # PostgreSQL: the id of the transaction the block's first submission wrote in. psycopg
-        # begins a new transaction with the first statement after a COMMIT, so one ended on the
-        # connection and followed by more SQL looks open again; a different id at the end says so.
-        self._xact: str | None = None
-
-    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
-        """Your SQL in this transaction, with the driver's placeholders (``?`` sqlite3, ``%s`` psycopg).
-        A statement that ends the transaction (``COMMIT``, ``ROLLBACK``) raises :class:`StoreError`.
-
-        On PostgreSQL it is never prepared on the server: a lent session outlives the block, and
-        a statement psycopg had prepared on it would fail ("cached plan must not change result
-        type") once your schema changed under it."""
-        conn = self.connection
-        was_open = self._open_now()
-        if self._opened and not was_open:
-            raise self._ended_error()  # ended on the connection itself: this would run outside it
-        if self.app.store.dialect != "postgres":
-            out = conn.execute(sql, params)
-        else:
-            try:
-                out = conn.execute(sql, params, prepare=False)
-            except Exception as e:
-                # The likeliest slip of code moved from SQLite: the error stays psycopg's own.
-                if params and "?" in sql and "placeholder" in str(e):
-                    e.add_note("stepwarden: on PostgreSQL tx.execute takes psycopg's %s placeholders, not ?")
-                raise
-        if self._open_now():
-            self._opened = True
-        elif was_open:  # this statement ended it: stopped here, what follows would run outside it
-            raise self._ended_error()
-        return out
-
-    def fence(self, lead: Leadership) -> None:
-        """Raise :class:`~stepwarden.errors.LostOwnership` unless ``lead``'s term still holds
-        its lease on the database clock, so that the block's writes commit only under a current
-        term (LEAD4 for an application's own leader work, LEAD7). Call it first in the block. On
-        PostgreSQL the lease row stays share-locked until the block ends, so a successor's
-        acquire waits for it (and so does this process's own renewal: keep a fenced block well
-        under the lease's ``ttl - margin``); on SQLite the block's write lock orders them."""
-        if not isinstance(lead, Leadership):
-            raise InputError(f"fence takes the Leadership your leader work was given, not {show(lead)}")
-        if self._opened and not self._open_now():
-            raise self._ended_error()
-        fence(self._tx, lead.holder, lead.name, lead.term)
-        self._opened = self._opened or self._open_now()
-
-    def submit(
-        self,
-        workflow: str,
-        input: Any,
-        *,
-        correlation_id: str | None = None,
-        idempotency_key: str | None = None,
-        priority: int = 0,
-        reply_to: str | None = None,
-    ) -> int:
-        text, kw = self.app._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
-        if self._opened and not self._open_now():
-            raise self._ended_error()  # ended on the connection itself: nothing written after it
-        wf = self.app.workflows.get(workflow)
-        if wf is None:  # look it up inside this transaction: another connection would wait on our lock
-            row = self._tx.one("get_workflow", name=workflow)
-            if row is None:
-                raise UnknownWorkflow(f"unknown workflow {workflow!r}")
-            wf = Workflow.from_dict(json.loads(row["definition"]))
-        task_id, created = transitions.submit(self._tx, wf, text, **kw)
-        # The task's received event and message written now, not kept for the commit: a COMMIT
-        # the caller's code sends on the connection commits whole tasks, and nothing of ours
-        # is left to write once the transaction has ended.
-        self._tx.flush()
-        self._opened = self._opened or self._open_now()
-        if created:
-            self._submitted.append(task_id)
-            if self._xact is None and self.app.store.dialect == "postgres":
-                self._xact = self._current_xact()  # one round trip per block, not per submission
-        return task_id
-
-    def _current_xact(self) -> str | None:
-        row = self._tx.sql("SELECT pg_current_xact_id_if_assigned()::text AS x")[0]
-        return None if row["x"] is None else str(row["x"])
-
-    def _open_now(self) -> bool:
-        return self.app.store.in_transaction(self.connection)
-
-    def _check_end(self) -> None:
-        """At the end of the block, before anything of ours is sent: the transaction is still open."""
-        if self.app.store.aborted(self.connection):
-            raise StoreError(
-                "a statement inside the block failed and PostgreSQL aborted the transaction, so none"
-                " of it can commit; nothing was submitted (to go on after a failed statement, run it"
-                " after a SAVEPOINT and ROLLBACK TO that savepoint)"
-            )
-        if self._opened and not self._open_now():
-            raise self._ended_error()
-        if self._xact is not None and self._current_xact() != self._xact:
-            raise self._restarted_error()
-        if self._submitted and not self._lent and self.app.store.dialect == "sqlite":
-            self._check_sqlite_split()
-
-    def _restarted_error(self) -> StoreError:
-        """The transaction was ended on the connection and a later statement began another: what
-        the first one committed is committed apart from the rest of the block, and the tasks
-        written since are in the new one (a row's ``xmin`` is the transaction that wrote it)."""
-        rows = self._tx.sql(
-            "SELECT id, xmin = pg_current_xact_id_if_assigned()::xid AS since FROM tasks"
-            " WHERE id = ANY(?) ORDER BY id",
-            (self._submitted,),
-        )
-        before = [int(r["id"]) for r in rows if not r["since"]]
-        since = [int(r["id"]) for r in rows if r["since"]]
-        return self._split_error(before, since)
-
-    def _check_sqlite_split(self) -> None:
-        """The SQLite form of the transaction-id check, for the caller's own ``sqlite3``
-        connection in its default mode, which begins a new transaction before the first write
-        after a COMMIT: SQLite has no transaction id, but under WAL another connection sees
-        committed rows only, so a task of the block that it can read was committed before the
-        block's end, apart from the rest. A ROLLBACK then more SQL splits nothing (what the
-        block left commits together) and is found only when a submitted task is gone. One read
-        on the store's own connection per block that submitted; a lent connection is the
-        store's, in autocommit mode, where an end is found as the transaction being closed."""
-        ids = self._submitted
-        before = self.app.store.transact_sync(_existing_tasks, ids)
-        here = set(_existing_tasks(self._tx, ids))
-        if before or len(here) < len(set(ids)):
-            since = sorted(here - set(before))
-            raise self._split_error(before, since)
-
-    def _split_error(self, before: list[int], since: list[int]) -> StoreError:
-        self._reported = True
-        what = (
-            "the transaction was ended inside the block (COMMIT or ROLLBACK on the connection) and a"
-            " later statement began a new one"
-        )
-        if before:
-            what += f"; the first committed {_tasks(before)} apart from the rest of the block"
-        else:
-            what += "; the first committed none of the block's tasks"
-        if since:
-            where = "rolled back with it" if self._lent else "left in it for you to roll back"
-            what += f"; {_tasks(since)}, written in the new transaction, {where}"
-        return StoreError(what)
-
-    def _ended_error(self) -> StoreError:
-        self._reported = True
-        return StoreError(self._ended())
-
-    def _ended(self) -> str:
-        """What ending the transaction inside the block did to the tasks it had submitted."""
-        what = "the transaction was ended inside the block (COMMIT or ROLLBACK)"
-        if not self._submitted:
-            return f"{what}; nothing was submitted"
-        try:
-            committed = self._committed()
-        except Exception as e:  # the connection may be gone with its transaction
-            ids = ", ".join(map(str, self._submitted))
-            return f"{what}; whether it committed the tasks submitted before it ({ids}) is unknown: {e!r}"
-        if not committed:
-            return f"{what}; nothing was submitted"
-        return f"{what}; it committed what the block had written before it, {_tasks(committed)} included"
-
-    def _committed(self) -> list[int]:
-        """Which of the block's tasks exist, read on its connection (the transaction has ended;
-        on PostgreSQL the read begins one, ended here: with the tasks' wake-up hints when they
-        were committed)."""
-        found = _existing_tasks(self._tx, self._submitted)
-        if self._open_now():
-            if found and hasattr(self._tx, "send_notifications"):
-                self.app.store.commit(self.connection, self._tx)
-            else:
-                self.app.store.rollback(self.connection)
-        return found
-
-
-@read_only
-def _existing_tasks(tx: Tx, ids: list[int]) -> list[int]:
-    """Which of the tasks ``ids`` exist as ``tx`` sees them; on a connection of the store's own,
-    which of them are committed."""
-    marks = ", ".join("?" for _ in ids)
-    rows = tx.sql(f"SELECT id FROM tasks WHERE id IN ({marks}) ORDER BY id", tuple(ids))
-    return [int(r["id"]) for r in rows]
-
-
-def _tasks(ids: list[int]) -> str:
-    return f"task {ids[0]}" if len(ids) == 1 else f"tasks {', '.join(map(str, ids))}"
 
 
 def _task_id(value: object) -> int:

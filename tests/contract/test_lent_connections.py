@@ -21,7 +21,7 @@ import pytest
 from psycopg.rows import dict_row
 from test_transactions import make_app  # the same one-step order app
 
-from stepwarden import App, InputError
+from stepwarden import App, InputError, StoreError
 from stepwarden.store import postgres
 
 
@@ -91,7 +91,7 @@ def test_postgres_lends_one_session_and_the_next_block_finds_nothing_of_the_last
         )
         assert one(tx, "SHOW enable_seqscan") == "on"  # the caller's SQL is planned as usual
         assert one(tx, "SHOW lock_timeout") == "10s"  # our limits for a caller's session hold
-        assert one(tx, "SHOW idle_in_transaction_session_timeout") == "5s"
+        assert one(tx, "SHOW idle_in_transaction_session_timeout") == "1min"  # a block's, not a role's
         tx.submit("order", {"n": 2})
         tx.execute("LISTEN news")
         tx.execute("NOTIFY news, 'for this block only'")  # delivered to this session at commit
@@ -382,3 +382,59 @@ def test_sqlite_placeholders_on_postgres_fail_with_a_note_and_write_nothing(pg_a
     with pg_app.transaction() as tx:
         tx.execute("INSERT INTO orders (id) VALUES (%s)", ("o-1",))
         assert one(tx, "SELECT count(*) FROM orders") == 1
+
+
+# -- time limits on a block's session ------------------------------------------------------------
+
+
+def test_postgres_a_block_may_wait_on_the_network_for_a_minute(pg_app: App) -> None:
+    """A block's session had the roles' 5 s idle-in-transaction limit: a web handler that called
+    a payment service inside its block for more than 5 s lost the block. It has a minute now, and
+    keeps it on the session the next block is lent."""
+    for _ in range(2):
+        with pg_app.transaction() as tx:
+            assert one(tx, "SHOW idle_in_transaction_session_timeout") == "1min"
+            assert one(tx, "SHOW lock_timeout") == "10s"
+
+
+@pytest.mark.parametrize("where", ["in-the-block", "at-its-end"])
+def test_postgres_a_block_whose_session_the_server_ended_says_why(pg_app: App, where: str) -> None:
+    """The server ends a session left idle in its transaction past the limit; the user saw
+    psycopg's "the connection is lost" (from the rollback of a connection already dead), the
+    real cause hidden in the chain. Now: a StoreError naming the limit, nothing committed, and
+    the next block works on a fresh session."""
+    idle = "idle inside its transaction past idle_in_transaction"
+    with pytest.raises(StoreError, match=idle) as raised, pg_app.transaction() as tx:
+        tx.submit("order", {"n": "lost"})
+        tx.execute("SET LOCAL idle_in_transaction_session_timeout = '200ms'")
+        time.sleep(1.0)  # the server's limit, not a race: five times the 200 ms it is set to
+        if where == "in-the-block":
+            tx.execute("SELECT 1")
+    assert getattr(raised.value.__cause__, "sqlstate", None) == "25P03"
+    with pg_app.transaction() as tx:
+        tx.submit("order", {"n": "next"})
+    assert states(pg_app) == ["pending"]  # the next block's task; nothing of the lost one
+
+
+def test_postgres_a_submission_that_waited_out_the_lock_timeout_says_it_was_not_written(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another transaction holds the idempotency key (submitted, not committed); a submission of
+    the same key waits for it until lock_timeout. That was reported as a lost connection ("may or
+    may not have been written"); the statement was stopped in a live session and wrote nothing."""
+    monkeypatch.setattr(
+        postgres,
+        "OUR_SESSIONS",
+        tuple((k, "300ms" if k == "lock_timeout" else v) for k, v in postgres.OUR_SESSIONS),
+    )
+    app = make_app(pg_url)
+    try:
+        with app.transaction() as tx:
+            first = tx.submit("order", {"n": 1}, idempotency_key="order-1")
+            with pytest.raises(
+                StoreError, match=r"not written: it waited lock_timeout .* same idempotency key"
+            ):
+                app.submit("order", {"n": 1}, idempotency_key="order-1")
+        assert app.submit("order", {"n": 1}, idempotency_key="order-1") == first
+    finally:
+        app.close()

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .. import liveness
-from ..errors import UnknownWorkflow
+from ..errors import StoreError, UnknownWorkflow
 from ..policies import stored_policy
 from ..workflow import Workflow, encode_result
 from . import transitions as t
@@ -82,6 +82,12 @@ class Store:
 
     def rollback(self, conn: Any) -> None:
         raise NotImplementedError
+
+    def block_error(self, e: BaseException) -> StoreError | None:
+        """What ended an ``app.transaction()`` block, said in the store's words, when the driver's
+        own error would not tell the caller what happened (PostgreSQL ending a session left idle
+        in its transaction); None to let ``e`` go on as it came."""
+        return None
 
     def limit_lock_waits(self, seconds: float) -> None:
         """From now on, a transaction gives up waiting for a lock after ``seconds``, the waits in

@@ -52,6 +52,7 @@ from .pg_options import (
     pg_options,
 )
 from .pg_sessions import (
+    CALLER_IDLE_LIMIT,
     CALLER_RESET,
     CALLER_SESSIONS,
     OUR_SESSIONS,
@@ -260,6 +261,8 @@ class PostgresStore(Store):
                     tx = PgTx(conn, self.queries, set(), prepare=self.prepare)
                     out = fn(tx, *args, **kwargs)
                 except psycopg.OperationalError as e:
+                    if not _connection_lost(e):  # the server stopped the statement: not written
+                        raise StoreError(f"the submission was not written: {_stopped(e)}") from e
                     raise StoreError(
                         "lost the connection to PostgreSQL while a submission was in flight: it may "
                         "or may not have been written (look for it by correlation id: `stepwarden tasks "
@@ -424,7 +427,19 @@ class PostgresStore(Store):
         tx.read_tail()
 
     def rollback(self, conn: Any) -> None:
+        if conn.broken or conn.closed:
+            return  # the server ended the session, and its transaction with it: nothing to undo
         conn.rollback()
+
+    def block_error(self, e: BaseException) -> StoreError | None:
+        if getattr(e, "sqlstate", None) == "25P03":  # idle_in_transaction_session_timeout
+            return StoreError(
+                "PostgreSQL ended the app.transaction() block's session: it sat idle inside its"
+                " transaction past idle_in_transaction_session_timeout (a block's session has"
+                f" {CALLER_IDLE_LIMIT} s), so nothing of the block was committed; make slow calls"
+                " (a remote service) before or after the block, not inside it"
+            )
+        return None
 
     def migrate(self, target: int | None = None, *, lock_wait: float | None = None) -> int:
         """Apply missing migrations, serialised across processes by an advisory lock (waited for
@@ -508,6 +523,17 @@ def _connection_lost(e: BaseException) -> bool:
     (55P03) or a cancelled statement (57014) would only wait, or fail, again."""
     state = getattr(e, "sqlstate", None)
     return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
+
+
+def _stopped(e: psycopg.OperationalError) -> str:
+    """Why the server stopped a statement in a live session, for a one-line error."""
+    if getattr(e, "sqlstate", None) == "55P03":  # lock_not_available: lock_timeout ran out
+        return (
+            "it waited lock_timeout for a row another transaction holds, most likely a"
+            " submission with the same idempotency key that has not committed yet; submit again"
+            f" once that transaction has ended: {_first_line(e)}"
+        )
+    return _first_line(e)
 
 
 def _stale(conn: Any) -> bool:
