@@ -34,6 +34,9 @@ STOP_LOCK_WAIT = 2.0
 # Attempts handed back per transaction by a stopping worker (see Worker._hand_back): bounded, so
 # a scheduler leaving a large backlog of queued requests never writes it in one huge transaction.
 HAND_BACK_BATCH = 500
+# Seconds between a starting worker's tries to record its workflows while the store fails.
+REGISTER_RETRY_MIN = 0.5
+REGISTER_RETRY_MAX = 10.0
 
 if TYPE_CHECKING:
     from .app import App
@@ -174,7 +177,9 @@ class Worker:
         app = self.app
         store = app.store
         clock = app.clock
-        await store.register_workflows(list(app.workflows.values()), self.identity)
+        if not await self._register_workflows(stop):
+            log.info("worker %s stopped before it could start", self.identity)
+            return
         await _safe(self._beat())
         log.info(
             "worker %s starting: roles=%s agents=%s store=%s",
@@ -267,6 +272,30 @@ class Worker:
             if self.alert_dispatcher is not None:
                 self.alert_dispatcher.close()
             log.info("worker %s stopped", self.identity)
+
+    async def _register_workflows(self, stop: asyncio.Event) -> bool:
+        """Record the app's workflows (``submit`` without ``--app`` checks against them): the
+        worker's first transaction. A store that is down or locked just then (a server
+        restarting, another process's long write) is waited out with back-off, as every role
+        waits out a failing store later (REL3), instead of ending the process, which a service
+        manager that restarts it would turn into a crash loop. False if ``stop`` came first."""
+        store, delay = self.app.store, REGISTER_RETRY_MIN
+        while True:
+            try:
+                await store.register_workflows(list(self.app.workflows.values()), self.identity)
+                return True
+            except Exception as e:
+                log.warning(
+                    "worker %s: cannot record its workflows in the store yet, trying again in %gs: %s",
+                    self.identity,
+                    delay,
+                    e,
+                )
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+                return False
+            except TimeoutError:
+                delay = min(delay * 2, REGISTER_RETRY_MAX)
 
     async def _hand_back(self) -> None:
         """Hand back, uncounted, the attempts this worker dispatched that no agent has taken: once
