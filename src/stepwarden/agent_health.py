@@ -96,6 +96,10 @@ class AgentHealth:
         self.instances = {n: InstanceHealth() for n in agents}
         self.registered = False
         self._background: set[asyncio.Task[None]] = set()
+        # Each agent's latest report in flight: the next one waits for it, so that the store
+        # counts one agent's calls in the order they ended (a success written after a later
+        # failure would reset the breaker's count of failures in a row).
+        self._reports: dict[str, asyncio.Task[None]] = {}
         # Agents whose trial a failed pull may have won in the store (its commit unconfirmed),
         # until return_unknown_trials() gives such trials back.
         self.trials_unknown: set[str] = set()
@@ -154,9 +158,11 @@ class AgentHealth:
                 if inst.probing or now < inst.probe_at:
                     continue
                 probes.add(name)
-                wants[name] = sa.Want(1, may_trial=False)
+                wants[name] = sa.Want(1, may_trial=False, ops=self._ops(name))
                 continue
-            wants[name] = sa.Want(room, may_trial=b.state != "closed" and now >= b.retry_at)
+            wants[name] = sa.Want(
+                room, may_trial=b.state != "closed" and now >= b.retry_at, ops=self._ops(name)
+            )
         if not wants:
             return [], set(), set(), {}
         try:
@@ -179,6 +185,10 @@ class AgentHealth:
             self.instances[name].probing = True
             log.info("agent %s: probing this unhealthy instance with one request", name)
         return got.requests, got.trials, probes & taken, got.workflows
+
+    def _ops(self, agent: str) -> tuple[str, ...]:
+        """The operations this worker has for ``agent``: a pull takes no request for another one."""
+        return tuple(sorted(self.agents[agent].operations))
 
     async def return_unknown_trials(self) -> None:
         """After a pull whose commit was not confirmed, and once the requests it may have taken
@@ -219,6 +229,42 @@ class AgentHealth:
             return
         inst.failures += 1
         await self._send(agent, False, error, trial)
+
+    def report_soon(
+        self, agent: str, ok: bool, error: str | None = None, trial: bool = False
+    ) -> asyncio.Task[None]:
+        """:meth:`ended`, in the background, after this agent's reports still in flight: off the
+        path of the reply, which must not wait for the store to count the call (a slow report,
+        up to ``report_timeout``, made an answer given in time arrive after complete-by). The
+        caller waits for the task where the verdict matters (before the next try: may it call,
+        is this instance still healthy?). A trial is marked reported at once, so that the end
+        of its request adds no second verdict (see :meth:`release_trial`)."""
+        if trial:
+            self.breakers[agent].trial = False
+        before = self._reports.get(agent)
+
+        async def report() -> None:
+            if before is not None and not before.done():  # bounded: a stuck one holds up none for long
+                await asyncio.wait({before}, timeout=self.settings.report_timeout)
+            try:
+                await self.ended(agent, ok, error, trial)
+            except Exception as e:  # the store's troubles are handled in _send; anything else here
+                log.warning("agent %s: health bookkeeping failed: %r", agent, e)
+
+        t = asyncio.create_task(report(), name=f"health-report-{agent}")
+        self._reports[agent] = t
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+        return t
+
+    async def give_back_trial(self, agent: str, why: str) -> None:
+        """The trial request ended without calling the service (its operation is not in this
+        worker, or its call never started before complete-by): the trial says nothing about the
+        service, so it is given back unrun, open to any instance at once, not counted failed."""
+        if self.breakers[agent].trial:
+            self.breakers[agent].trial = False
+            if await self.store.transact(sa.return_trials, self.me, [agent], why):
+                log.info("agent %s: gave back the breaker trial unrun: %s", agent, why)
 
     async def release_trial(self, agent: str, why: str) -> None:
         """The trial request ended without a call's verdict (complete-by passed): count it failed."""

@@ -4,7 +4,8 @@ An agent instance pulls request messages only up to its capacity (AGT6), runs ea
 the attempt's complete-by (AGT2, AGT4), retries transient failures inside the attempt with
 back-off and jitter, and replies once. At complete-by it cancels the work and sends nothing: the
 supervisor, not the agent, decides what happens next. A plain (non-async) function cannot be
-interrupted; it keeps running in its thread, and its late result is discarded unsent.
+interrupted; it keeps running in its thread, and its late result is discarded unsent. How one
+attempt runs (async or plain, its tries, the rules at complete-by) is in ``agent_attempt.py``.
 
 Kept apart from the definitions an application writes, which need none of this machinery. A test
 that patches a bound the role reads (``STOP_WRITE_WAIT``) patches it here, where the role reads it.
@@ -14,24 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import inspect
 import logging
-import random
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import tracing
-from .agent_definition import Agent, Handler, Request
+from .agent_attempt import Attempts, AttemptState, Outcome
+from .agent_definition import Agent
 from .agent_health import AgentHealth
 from .agent_settings import CANCELLED_WAIT, REPLIES_WAIT, STOP_WRITE_WAIT, AgentSettings
 from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
-from .errors import InputError, Permanent, Transient
 from .logs import log_raised
 from .store import ApplyResult, RequestMsg, Store
 from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
-from .workflow import encode_result, storable_text
 
 # The logger the agent role always had (agent_health.py logs under it too): log configurations and
 # tests select the role's records by this name.
@@ -43,6 +39,19 @@ SWEEP_WAIT = 1.0
 # deadline (monotonic) and the store's clock may disagree by a little.
 UNANSWERED_MARGIN = 5.0
 UNANSWERED_KEPT = 1024  # past this many, the expired ones are forgotten at once
+SEND_TRIES = 5  # tries of each reply before it is given up (its attempt then expires)
+# After a request for an operation this worker lacks (a rolling deploy), its agent's slots are
+# refilled only by pulls, which take only the operations this worker has, for this long: the
+# takes of reply batches and scheduler rounds take any of the agent's requests.
+FOREIGN_HOLD = 60.0
+
+
+class Reservation(dict[str, int]):
+    """Slots per agent handed out by :meth:`AgentRole.reserve`, with the local monotonic moment
+    they were (``at``): just before the transaction that fills them is sent, so that the calls it
+    starts count their deadlines from then (see :meth:`AgentRole.pull`)."""
+
+    at: float = 0.0
 
 
 class AgentRole:
@@ -80,10 +89,10 @@ class AgentRole:
         self.health = AgentHealth(store, me, agents, clock, self.settings)
         self.breakers = self.health.breakers
         self.tracer = tracing.tracer(me)  # spans per attempt when the `otel` extra is installed
-        self.rng = random.Random()
-        self.pool = ThreadPoolExecutor(
-            max_workers=threads or max(4, sum(a.concurrency for a in agents.values())),
-            thread_name_prefix="stepwarden-agent",
+        # Plain calls run in a pool per agent, ``threads`` (default: the agent's concurrency)
+        # threads each; a thread still busy after complete-by keeps its slot counted.
+        self.attempts = Attempts(
+            me, agents, self.health, clock, self.settings, threads=threads, busy=self._busy, free=self._free
         )
         self.tasks: dict[asyncio.Task[None], RequestMsg] = {}
         self.completed = 0
@@ -114,6 +123,9 @@ class AgentRole:
         # never sent, cancelled), until just past their complete-by: they ran, so the sweep must
         # not release them as never started; they are the supervisor's, and count as failed.
         self._unanswered: dict[int, float] = {}
+        # Agents for which a request for an operation not in this worker came, and until when
+        # only pulls fill their slots (see FOREIGN_HOLD).
+        self._foreign: dict[str, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -160,39 +172,72 @@ class AgentRole:
         if not self.health.registered:
             await self.health.register({n: a.concurrency for n, a in self.agents.items()})
         rooms = {n: a.concurrency - self.inflight[n] for n, a in self.agents.items()}
+        # The deadline of each call counts from here, before the transaction is sent, as a lease's
+        # trust does (LEAD2): the time the database says is left was measured later than this, so
+        # a slow round trip shortens the call's time rather than carrying it past complete-by.
+        sent = self.clock.monotonic()
         try:
             msgs, trials, probes, workflows = await self.health.pull(rooms, self.tracer.wants_workflows)
         except Exception:
             self._takes_unknown = True
             raise
         for msg in msgs:
-            self._start(msg, msg.agent in trials, msg.agent in probes, workflows.get(msg.task_id))
+            self._start(msg, sent, msg.agent in trials, msg.agent in probes, workflows.get(msg.task_id))
         return len(msgs)
 
     def _start(
-        self, msg: RequestMsg, trial: bool = False, probe: bool = False, workflow: str | None = None
+        self,
+        msg: RequestMsg,
+        sent: float,
+        trial: bool = False,
+        probe: bool = False,
+        workflow: str | None = None,
     ) -> None:
         agent = self.agents[msg.agent]
+        if msg.operation not in agent.operations:
+            if self._foreign.get(agent.name, float("-inf")) <= self.clock.monotonic():
+                log.warning(
+                    "agent %s: a request for operation %r, which this worker does not have: handed "
+                    "back, and only its operations pulled for %gs",
+                    agent.name,
+                    msg.operation,
+                    FOREIGN_HOLD,
+                )
+            self._foreign[agent.name] = self.clock.monotonic() + FOREIGN_HOLD
         self.inflight[agent.name] += 1
         self._held[msg.id] = agent.name
         span = self.tracer.attempt(msg, workflow)
-        t = asyncio.create_task(self.execute(agent, msg, trial, probe, span), name=f"request-{msg.id}")
+        deadline = sent + msg.remaining
+        t = asyncio.create_task(
+            self.execute(agent, msg, trial, probe, span, deadline), name=f"request-{msg.id}"
+        )
         self._young.add(msg.id)
         self.tasks[t] = msg
         t.add_done_callback(lambda done: self.tasks.pop(done, None))
 
     # -- requests handed over in this worker's own transactions (see scheduler.LocalAgents) -------
+    def _busy(self, agent: str) -> None:
+        """A plain call abandoned at complete-by still runs in its thread: its slot stays counted."""
+        self.inflight[agent] += 1
+
+    def _free(self, agent: str) -> None:
+        self.inflight[agent] -= 1
+        self.wake.set()  # a slot is free: pull now, not at the next idle poll
+
     def reserve(self, freeing: Mapping[str, int] | None = None) -> dict[str, int]:
         """Free slots per agent that a transaction of this worker may fill directly: only agents
         whose shared breaker is closed and for which this instance is healthy (anything else goes
         through :meth:`pull`, which knows about trials and probes). ``freeing``: slots that the
         same transaction's replies give back. Held (counted in flight) until :meth:`accept`."""
-        out: dict[str, int] = {}
+        out = Reservation()
+        out.at = self.clock.monotonic()  # before the transaction that fills them is sent
         if not self.health.registered or self._stopping or self._sweeping:
             return out
         for name, a in self.agents.items():
             b = self.breakers[name]
             if b.state != "closed" or b.trial or not self.health.healthy(name):
+                continue
+            if self._foreign.get(name, float("-inf")) > out.at:
                 continue
             room = a.concurrency - self.inflight[name] + (freeing or {}).get(name, 0)
             if room > 0:
@@ -224,8 +269,9 @@ class AgentRole:
                 ", ".join(str(m.id) for m in msgs),
             )
             return
+        sent = reserved.at if isinstance(reserved, Reservation) else self.clock.monotonic()
         for msg in msgs:
-            self._start(msg)
+            self._start(msg, sent)
 
     async def execute(
         self,
@@ -234,20 +280,36 @@ class AgentRole:
         trial: bool = False,
         probe: bool = False,
         span: AttemptSpan | NoAttempt = NO_ATTEMPT,
+        deadline: float | None = None,
     ) -> None:
+        """Run one request's attempt and send its reply. ``deadline``: the local monotonic moment
+        of its complete-by (default: ``msg.remaining`` from now)."""
+        if deadline is None:
+            deadline = self.clock.monotonic() + msg.remaining
+        state = AttemptState()
         try:
             with span:
-                await self._execute(agent, msg, trial, span)
+                await self._execute(agent, msg, trial, span, deadline, state)
         finally:
             self._answered(msg.id)
             if msg.id in self._held:  # a committed reply would have given its slot back already
                 self._remember_unanswered(msg)
             self._release(msg.id)
             self.wake.set()
+            task = asyncio.current_task()
+            pending = [r for r in state.reports if not r.done()]
+            if pending and not (task is not None and task.cancelling()):
+                # The reply did not wait for the call's health report; the request's end does, so
+                # that the breaker and this instance's health are known when it is over.
+                await asyncio.wait(pending, timeout=self.settings.report_timeout + 1)
             if probe:
                 self.health.probe_done(agent.name)
-            if trial:  # a trial that ended without a verdict (complete-by passed) counts as failed
+            if trial and state.called:  # a trial that ended without a verdict counts as failed
                 await self._guard(self.health.release_trial(agent.name, "the trial call gave no answer"))
+            elif trial:  # it never reached the service: it says nothing about it
+                await self._guard(
+                    self.health.give_back_trial(agent.name, "its request ended without calling the service")
+                )
 
     def _release(self, request_id: int) -> None:
         name = self._held.pop(request_id, None)
@@ -255,11 +317,22 @@ class AgentRole:
             self.inflight[name] -= 1
 
     async def _execute(
-        self, agent: Agent, msg: RequestMsg, trial: bool, span: AttemptSpan | NoAttempt
+        self,
+        agent: Agent,
+        msg: RequestMsg,
+        trial: bool,
+        span: AttemptSpan | NoAttempt,
+        deadline: float,
+        state: AttemptState,
     ) -> None:
         try:
             started = self.clock.monotonic()
-            outcome = await self._attempt(agent, msg, trial, span)
+            outcome: Outcome | None = await self.attempts.run(agent, msg, deadline, trial, span, state)
+            if outcome is not None and self.clock.monotonic() >= deadline:
+                # One guard for every reply (ok, error, retry, released): past complete-by the
+                # agent sends nothing (AGT4); the attempt is the supervisor's.
+                log.info("request %s: answered %r after complete-by: not sent", msg.id, outcome[0])
+                outcome = None
             span.finish(outcome[0] if outcome else "silent", outcome[2] if outcome else None)
             self.on_attempt(agent.name, outcome[0] if outcome else "silent", self.clock.monotonic() - started)
             if outcome is None:
@@ -318,44 +391,64 @@ class AgentRole:
             await self._linger()
             batch, self._outbox = self._outbox, []
             self._young.clear()  # still running now: not waited for by the next batch
-            for n in range(1, 6):
-                try:
-                    items = [item for item, _ in batch]
-                    if self.settings.apply_replies:
-                        # One transaction records the replies, applies them (the next steps are
-                        # dispatched) and refills the slots they free: one commit per cycle.
-                        freeing: dict[str, int] = {}
-                        for request_id, *_ in items:
-                            name = self._held.get(request_id)  # slots given back already don't count
-                            if name is not None:
-                                freeing[name] = freeing.get(name, 0) + 1
-                        reserved = self.reserve(freeing)
-                        taken: list[RequestMsg] = []
-                        sent = False
-                        try:
-                            applied, taken = await self.store.send_replies_and_take(self.me, items, reserved)
-                            sent = True
-                        finally:
-                            self.accept(taken, reserved, failed=not sent)
-                    else:
-                        applied = await self.store.send_replies(self.me, items, apply=False)
-                except Exception as e:  # the attempts expire and are rescued if this never succeeds
-                    log.warning("%d repl(ies) failed to send (try %d): %r", len(batch), n, e)
+            left = [item for item, _ in batch]
+            for n in range(1, SEND_TRIES + 1):
+                if len(left) > 1 and n > 1:
+                    # The batch failed: one by one now, so that a reply the database refuses on
+                    # every try (text it cannot store, say) cannot take the others down with it.
+                    left = [item for item in left if not await self._send_batch([item], n)]
+                elif await self._send_batch(left, n):
+                    left = []
+                if not left:
+                    break
+                if n < SEND_TRIES:
                     await self.clock.sleep(0.2 * n)
-                    continue
-                # Committed: these slots are free now, not once each call's task next runs. A
-                # refill taken with them is already counted; the next batch's reservation must not
-                # count them twice, or it would take nothing.
-                for request_id, *_ in items:
-                    self._release(request_id)
-                try:  # once: the batch is committed, whatever happens here
-                    self._committed(len(batch), applied)
-                except Exception as e:
-                    log.exception("agent %s: after a reply batch committed: %r", self.me, e)
-                break
+            if left:  # the attempts expire and are rescued
+                log.error(
+                    "agent %s: %d repl(ies) could not be sent after %d tries, given up: requests %s",
+                    self.me,
+                    len(left),
+                    SEND_TRIES,
+                    ", ".join(str(request_id) for request_id, *_ in left),
+                )
             for _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)
+
+    async def _send_batch(self, items: list[tuple[int, str, Any, str | None]], n: int) -> bool:
+        """Send ``items`` in one transaction (try ``n``); False if it failed."""
+        try:
+            if self.settings.apply_replies:
+                # One transaction records the replies, applies them (the next steps are
+                # dispatched) and refills the slots they free: one commit per cycle.
+                freeing: dict[str, int] = {}
+                for request_id, *_ in items:
+                    name = self._held.get(request_id)  # slots given back already don't count
+                    if name is not None:
+                        freeing[name] = freeing.get(name, 0) + 1
+                reserved = self.reserve(freeing)
+                taken: list[RequestMsg] = []
+                sent = False
+                try:
+                    applied, taken = await self.store.send_replies_and_take(self.me, items, reserved)
+                    sent = True
+                finally:
+                    self.accept(taken, reserved, failed=not sent)
+            else:
+                applied = await self.store.send_replies(self.me, items, apply=False)
+        except Exception as e:
+            log.warning("%d repl(ies) failed to send (try %d): %r", len(items), n, e)
+            return False
+        # Committed: these slots are free now, not once each call's task next runs. A refill
+        # taken with them is already counted; the next batch's reservation must not count them
+        # twice, or it would take nothing.
+        for request_id, *_ in items:
+            self._release(request_id)
+        try:  # once: the batch is committed, whatever happens here
+            self._committed(len(items), applied)
+        except Exception as e:
+            log.exception("agent %s: after a reply batch committed: %r", self.me, e)
+        return True
 
     def _committed(self, replies: int, applied: ApplyResult | None) -> None:
         self.completed += replies
@@ -370,98 +463,6 @@ class AgentRole:
         log_raised(log, applied.alerts)
         self.on_applied(applied)
         self.tracer.applied(applied)
-
-    async def _attempt(
-        self, agent: Agent, msg: RequestMsg, trial: bool = False, span: AttemptSpan | NoAttempt = NO_ATTEMPT
-    ) -> tuple[str, Any, str | None] | None:
-        """Returns (outcome, result, error) to send, or None to stay silent (complete-by passed)."""
-        deadline = self.clock.monotonic() + msg.remaining
-        handler = agent.operations.get(msg.operation)
-        if handler is None:
-            return "error", None, f"agent {agent.name!r} has no operation {msg.operation!r} in this worker"
-        payload = msg.payload
-        req = Request(
-            task_id=msg.task_id,
-            step=msg.idempotency_key.split(":", 1)[1],
-            attempt=msg.attempt,
-            kind=msg.kind,
-            idempotency_key=msg.idempotency_key,
-            input=payload.get("input"),
-            results=payload.get("results") or {},
-            undo=payload.get("undo"),
-            complete_by=msg.complete_by,
-            deadline=deadline,
-        )
-        tries, backoff = msg.policy.tries, msg.policy.in_attempt
-        health = self.health
-        last = "no attempt made"
-        for n in range(1, tries + 1):
-            left = deadline - self.clock.monotonic()
-            if left <= 0:
-                return None
-            held = None if (trial and n == 1) else health.may_call(agent.name)
-            if held is not None:
-                last = held
-            else:
-                try:
-                    result = await self._call(handler, req, left)
-                except TimeoutError:
-                    # At complete-by the call is cancelled and nothing is sent (AGT4); either way
-                    # it is a failed call for the breaker and this instance's health (AGT3):
-                    # uncounted, a service that hangs would never trip the breaker, and every
-                    # request would hold its slot for the whole budget.
-                    hung = deadline - self.clock.monotonic() <= 0.001
-                    last = "no answer by complete-by (cancelled)" if hung else "operation timed out"
-                    span.try_failed(n, last)
-                    await self._guard(health.ended(agent.name, False, last, trial and n == 1))
-                    if hung:
-                        return None
-                except Exception as e:
-                    kind = agent.classify(e)
-                    if kind == "permanent":
-                        # the service answered: it is up
-                        await self._guard(health.ended(agent.name, True, None, trial and n == 1))
-                        return "error", None, _describe(e)
-                    last = _describe(e)
-                    span.try_failed(n, last)
-                    await self._guard(health.ended(agent.name, False, last, trial and n == 1))
-                else:
-                    await self._guard(health.ended(agent.name, True, None, trial and n == 1))
-                    try:  # encoded once, here: a result the store cannot keep is this step's error
-                        return "ok", encode_result(result), None
-                    except InputError as e:
-                        return "error", None, f"the operation's result cannot be stored: {e}"
-                if not health.healthy(agent.name):
-                    # Others succeed where this instance fails: hand the attempt back, uncounted,
-                    # so that a healthy instance runs it now (AGT6).
-                    return "released", None, f"instance {self.me} unhealthy for {agent.name!r}: {last}"
-            delay = backoff.delay(n, self.rng)
-            if n == tries or self.clock.monotonic() + delay >= deadline:
-                break
-            await self.clock.sleep(delay)
-        # Transient failures used up this attempt's tries: say so before complete-by, so the step is
-        # retried now rather than after its deadline.
-        if self.clock.monotonic() >= deadline:
-            return None
-        return "retry", None, f"transient: {last}"
-
-    async def _call(self, handler: Handler, req: Request, timeout: float) -> Any:
-        if inspect.iscoroutinefunction(handler):
-            # Not wait_for: no task of its own per call (a no-op operation then replies within
-            # the loop iteration that started it).
-            async with asyncio.timeout(timeout):
-                result = await handler(req)
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                # A stop (drain) cancelled the call and the operation swallowed it: wait_for would
-                # still have raised, and so does this, rather than reply after drain released it.
-                raise asyncio.CancelledError
-            return result
-        loop = asyncio.get_running_loop()
-        # In the caller's context, so the attempt's span (and other context) is current in the thread.
-        fut = loop.run_in_executor(self.pool, contextvars.copy_context().run, handler, req)
-        # A thread cannot be interrupted: on timeout the call runs on, and its result is dropped.
-        return await asyncio.wait_for(asyncio.shield(fut), timeout)
 
     async def _release_unknown_takes(self) -> None:
         """Hand back the requests this instance holds in the store but never started: taken by a
@@ -567,9 +568,4 @@ class AgentRole:
                     )
                 except Exception as e:
                     log.warning("requests %s: could not release them (they will expire): %r", unsent, e)
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _describe(e: BaseException) -> str:
-    text = storable_text(str(e) or type(e).__name__)
-    return f"{type(e).__name__}: {text}"[:1000] if not isinstance(e, Permanent | Transient) else text[:1000]
+        self.attempts.shutdown()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .errors import InputError
 from .policies import check_count, check_seconds, is_number, show
+from .workflow import DEFAULT_MAX_INPUT_BYTES
 
 # What a graceful stop waits for once its grace is over, each step bounded: the cancelled calls to
 # end, the replies already made to commit, and each of its own writes (the release of the
@@ -18,6 +19,14 @@ from .policies import check_count, check_seconds, is_number, show
 CANCELLED_WAIT = 1.0
 REPLIES_WAIT = 5.0
 STOP_WRITE_WAIT = 5.0
+# A try of an operation starts only with at least this long left before complete-by (and, for a
+# second or later try, at least as long as the previous try took): a call started with a few
+# milliseconds left cannot answer in time, and would only hang to complete-by and count as a
+# failure of the service. The attempt replies `retry` at once instead (or, for a first try, ends
+# silent: see docs/concepts.md, "A step's attempt, end to end").
+MIN_TRY_LEFT = 0.01
+# The largest result a store keeps, as the biggest input an App accepts (App.max_input_bytes).
+MAX_RESULT_LIMIT = 10**9
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,8 @@ class AgentSettings:
     31 years, :data:`~stepwarden.policies.MAX_SECONDS`): ``poll_interval``, ``idle_poll_max``,
     ``instance_stale``, ``trial_ttl`` and ``report_timeout`` more than 0, ``shutdown_grace`` and
     ``success_every`` from 0, ``reply_linger`` from 0 to 1; ``unhealthy_after`` is an int from 1
-    to 2**31-1. Anything else raises :class:`~stepwarden.errors.InputError` naming the field.
+    to 2**31-1, ``max_result_bytes`` an int from 1 to 10**9. Anything else raises
+    :class:`~stepwarden.errors.InputError` naming the field.
     """
 
     poll_interval: float = 0.05
@@ -52,6 +62,9 @@ class AgentSettings:
     # run in three, at two transactions per cycle (~350 workflows/s against ~520). A call that
     # takes longer is not waited for (nor again by later batches): a batch waits at most this.
     reply_linger: float = 0.002
+    # The largest result an operation may return, as UTF-8 JSON: a larger one is that step's error
+    # (it would be carried in every later step's payload). The default is SUB4's input limit.
+    max_result_bytes: int = DEFAULT_MAX_INPUT_BYTES
 
     def __post_init__(self) -> None:
         for name in ("poll_interval", "idle_poll_max", "instance_stale", "trial_ttl", "report_timeout"):
@@ -60,6 +73,10 @@ class AgentSettings:
             check_seconds(f"AgentSettings.{name}", getattr(self, name))
         count = check_count("AgentSettings.unhealthy_after", self.unhealthy_after)
         object.__setattr__(self, "unhealthy_after", count)
+        limit = check_count(
+            "AgentSettings.max_result_bytes", self.max_result_bytes, high=MAX_RESULT_LIMIT, unit=" of bytes"
+        )
+        object.__setattr__(self, "max_result_bytes", limit)
         if not is_number(self.reply_linger) or not 0 <= self.reply_linger <= 1:
             raise InputError(
                 f"AgentSettings.reply_linger must be between 0 and 1 s, not {show(self.reply_linger)}"

@@ -13,6 +13,7 @@ import errno
 import http.client
 import socket
 import urllib.error
+from collections.abc import Callable
 
 from .errors import Permanent, Transient
 
@@ -73,6 +74,10 @@ TRANSIENT_CLASS_NAMES = frozenset(
 MAX_CAUSES = 5
 
 
+# How many exceptions of an exception group (nested groups flattened) are looked at.
+MAX_LEAVES = 100
+
+
 def default_classify(exc: BaseException) -> str:
     """``"transient"`` or ``"permanent"`` (AGT5); the rules are listed in docs/concepts.md,
     "How failures are classified". Give an agent ``classify=`` to judge its failures otherwise.
@@ -80,14 +85,30 @@ def default_classify(exc: BaseException) -> str:
     Timeouts, connection and network errors (builtin, standard library, httpx, and by class name
     other clients'), HTTP 5xx, 408, 425 and 429, and :class:`Transient` are worth retrying;
     :class:`Permanent`, other HTTP statuses, and anything else (a bug does not heal by retrying)
-    are not. An exception raised ``from`` a transient one is transient.
+    are not. An exception raised ``from`` a transient one is transient. An exception group (a
+    ``TaskGroup`` fan-out) is permanent if any of its exceptions is judged permanent by a rule
+    (:class:`Permanent`, a 404), else transient if any is transient, else permanent.
     """
-    return _judge(exc, MAX_CAUSES, set())
+    return _judge(exc, MAX_CAUSES, set()) or PERMANENT
 
 
-def _judge(exc: BaseException, links: int, seen: set[int]) -> str:
+def judge(classify: Callable[[BaseException], object], exc: BaseException) -> tuple[str, str | None]:
+    """``(kind, trouble)``: what an agent's ``classify`` says of ``exc``. A classify that raises,
+    or returns anything but ``"transient"`` or ``"permanent"``, is a bug of the agent's: the
+    failure is then permanent, at once (an error reply, not silence until complete-by, nor a
+    retry the author never asked for), and ``trouble`` says why, for the error text."""
+    try:
+        kind = classify(exc)
+    except Exception as e:  # a BaseException (a stop) is not classify's to swallow
+        return PERMANENT, f"classify raised {type(e).__name__}: {e}"
+    if kind in (TRANSIENT, PERMANENT):
+        return str(kind), None
+    return PERMANENT, f"classify returned {kind!r}, not 'transient' or 'permanent'"
+
+
+def _judge(exc: BaseException, links: int, seen: set[int]) -> str | None:
     """The first verdict along ``exc`` and its ``__cause__`` chain (at most ``links`` links, each
-    exception once); permanent when no rule has one."""
+    exception once); None when no rule has one (the caller's default: permanent)."""
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
@@ -98,7 +119,29 @@ def _judge(exc: BaseException, links: int, seen: set[int]) -> str:
             break
         links -= 1
         current = current.__cause__
-    return PERMANENT
+    return None
+
+
+def _group(exc: BaseExceptionGroup[BaseException], links: int, seen: set[int]) -> str | None:
+    """A group's verdict from its leaves (nested groups flattened, at most ``MAX_LEAVES``): one
+    leaf judged permanent by a rule (the author's :class:`Permanent`, a service's 4xx) makes the
+    group permanent, as a retry would meet the same answer; else one transient leaf (a
+    ConnectionError among the fan-out's calls) makes it transient; else no verdict."""
+    verdicts: set[str | None] = set()
+    stack: list[BaseException] = list(exc.exceptions)
+    looked = 0
+    while stack and looked < MAX_LEAVES:
+        leaf = stack.pop()
+        if isinstance(leaf, BaseExceptionGroup):
+            if id(leaf) not in seen:
+                seen.add(id(leaf))
+                stack.extend(leaf.exceptions)
+            continue
+        looked += 1
+        verdicts.add(_judge(leaf, links, set(seen)))
+    if PERMANENT in verdicts:
+        return PERMANENT
+    return TRANSIENT if TRANSIENT in verdicts else None
 
 
 def _verdict(exc: BaseException, links: int, seen: set[int]) -> str | None:
@@ -111,6 +154,8 @@ def _verdict(exc: BaseException, links: int, seen: set[int]) -> str | None:
         return PERMANENT
     if isinstance(exc, Transient):
         return TRANSIENT
+    if isinstance(exc, BaseExceptionGroup):
+        return _group(exc, links, seen)
     if isinstance(exc, urllib.error.HTTPError):  # before URLError and OSError: it is both
         return _status(exc.code) if isinstance(exc.code, int) else None
     if isinstance(exc, urllib.error.URLError):

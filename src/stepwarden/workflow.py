@@ -88,31 +88,42 @@ class JsonText(str):
     """A result already encoded by :func:`encode_result`: stored as it is, not encoded again."""
 
 
-def encode_result(result: Any) -> JsonText | None:
+def encode_result(result: Any, max_bytes: int | None = None) -> JsonText | None:
     """An operation's result as a reply stores it: JSON text, or None for None; InputError says
-    why a result cannot be stored (not JSON, NaN, a lone surrogate, nested too deeply). The agent
-    encodes each result once, as it gets it, so that such a result is that step's error, not a
-    failure of the whole batch of replies it would have gone in; the store keeps the text."""
+    why a result cannot be stored (not JSON, NaN, a lone surrogate, nested too deeply, over
+    ``max_bytes`` of UTF-8). The agent encodes each result once, as it gets it, so that such a
+    result is that step's error, not a failure of the whole batch of replies it would have gone
+    in; the store keeps the text.
+
+    Nothing is turned into text behind the author's back (no ``default=str``): a set, bytes or an
+    object would otherwise complete the step with ``"{1, 2}"`` or ``"<object at 0x...>"`` as its
+    result, and the next step would read that text as if it were the data. The size limit keeps
+    one result from being carried in every later step's payload and reply (the agent passes
+    ``AgentSettings.max_result_bytes``, 1 MiB by default, the same as the input limit of SUB4)."""
     if result is None or isinstance(result, JsonText):
         return result
     if json_depth(result) > MAX_JSON_DEPTH:
         raise InputError(f"nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     try:
-        text = json.dumps(result, default=str, allow_nan=False, ensure_ascii=False)
-        text.encode("utf-8")
+        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
         raise InputError("not valid Unicode (a lone surrogate)") from None
     except RecursionError:
         raise InputError("nested too deeply") from None
     except (TypeError, ValueError) as e:
-        raise InputError(f"not JSON ({e})"[:300]) from None
+        raise InputError(storable_text(f"not JSON ({e})")[:300]) from None
+    if max_bytes is not None and size > max_bytes:
+        raise PayloadTooLarge(f"{size} bytes of JSON, over the limit of {max_bytes} bytes")
     return JsonText(text)
 
 
 def storable_text(text: str) -> str:
     """Error text as the store can keep it: a lone surrogate (from an exception's message) is
-    written as its escape; the database refused the whole batch of replies it was in."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    written as its escape (``\\udc80``), and so is a NUL character (``\\x00``), which PostgreSQL
+    refuses in text: either one made the database refuse the whole batch of replies it was in,
+    on every try, dropping the other replies with it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 def parse_input(text: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Any:

@@ -268,3 +268,22 @@ def test_an_instance_killed_without_a_word_leaves_the_listing(store: Store, cloc
     clock.advance(sa.SILENT_AFTER / 2 + 1)  # A never beat again (SIGKILL)
     assert [i["worker"] for i in store.transact_sync(sa.list_agents)["instances"]] == [B]
     assert len(store.transact_sync(sa.list_agents, True)["instances"]) == 2
+
+
+def test_a_pull_takes_only_the_operations_the_instance_has(
+    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+) -> None:
+    """A rolling deploy: a worker without an operation leaves its requests queued, for the
+    workers that have it (the trial too: a trial on an operation never called says nothing)."""
+    register(store, A)
+    dispatch(store, make_workflow, 2)  # two requests for svc.do_s
+    older = store.transact_sync(sa.pull, A, {"svc": sa.Want(4, True, ops=("do_other",))}, RULES)
+    assert older.requests == []
+    newer = store.transact_sync(sa.pull, A, {"svc": sa.Want(1, True, ops=("do_other", "do_s"))}, RULES)
+    assert [m.operation for m in newer.requests] == ["do_s"]
+    for w in (A, A, A):
+        report(store, w, False)
+    clock.advance(COOL_OFF)
+    assert store.transact_sync(sa.pull, A, {"svc": sa.Want(4, True, ops=("x",))}, RULES).trials == set()
+    assert breaker(store)["trial_by"] is None
+    assert [m.operation for m in pull(store, A).requests] == ["do_s"]  # ops=None: any

@@ -377,6 +377,7 @@ def test_a_trial_a_later_pull_won_is_kept_while_its_report_is_in_flight(
     already cleared) must not give it back as unrun: its failure must reopen the breaker."""
     dispatch(store, make_workflow, 1, budget=600.0, tries=1)
     agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+    agent.operation(lambda req: None, name="do_s")  # a pull takes only operations the worker has
 
     async def body() -> None:
         role = make_role(store, agent, clock=clock)

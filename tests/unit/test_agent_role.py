@@ -203,23 +203,49 @@ def test_permanent_failure_sends_an_error_reply_at_once(rt_store: Store, make_wo
     assert (rep["outcome"], rep["error"]) == ("error", "card declined")
 
 
-def test_an_operation_this_worker_does_not_have_gets_an_error_reply(
+def test_a_request_for_an_operation_this_worker_lacks_is_left_to_a_worker_that_has_it(
     rt_store: Store, make_workflow: Factory
 ) -> None:
-    dispatch(rt_store, make_workflow)
-    agent = Agent("svc")
+    """A rolling deploy: an old worker's agent lacks the new operation. Its pulls leave such
+    requests queued; one taken anyway (by the take of a reply batch or a scheduler round, which
+    take any of the agent's requests) is handed back uncounted, without a word to the agent's
+    health or breaker, and the agent's slots are then filled by pulls only. A worker that has
+    the operation runs it."""
+    [task_id] = dispatch(rt_store, make_workflow)
+    old = Agent("svc")
 
-    @agent.operation
+    @old.operation
     async def other(req: Request) -> None: ...
 
+    new = Agent("svc")
+
+    @new.operation
+    async def do_s(req: Request) -> str:
+        return "done"
+
     async def body() -> None:
-        role = make_role(rt_store, agent)
-        await role.pull()
+        role = make_role(rt_store, old)
+        assert await role.pull() == 0
+        [msg] = await rt_store.claim_requests(ME, ["svc"], 1)  # as a take would
+        role.accept([msg], {})
         await finish(role)
+        assert role.reserve() == {}, "its slots are filled by pulls only, for now"
+        [rep] = replies(rt_store)
+        assert rep["outcome"] == "released" and f"no operation 'do_s' in worker {ME}" in rep["error"]
+        rt_store.transact_sync(t.apply_replies, "sched", 10, random.Random(0))
+        assert rt_store.transact_sync(t.claim_and_dispatch, "sched", 10) == 1
+        assert await role.pull() == 0
+        newer = AgentRole(rt_store, {"svc": new}, "agent-2:2:def")
+        assert await newer.pull() == 1
+        await finish(newer)
 
     run(body())
-    [rep] = replies(rt_store)
-    assert rep["outcome"] == "error" and "no operation 'do_s'" in rep["error"]
+    assert [(r["attempt"], r["outcome"]) for r in replies(rt_store)] == [(1, "released"), (2, "ok")]
+    failures = rt_store.transact_sync(lambda tx: tx.sql("SELECT failures_total FROM agent_instances"))
+    assert [r["failures_total"] for r in failures] == [0, 0]
+    rt_store.transact_sync(t.apply_replies, "sched", 10, random.Random(0))
+    tasks = rt_store.transact_sync(lambda tx: tx.sql("SELECT id, state, failure_count FROM tasks"))
+    assert [(r["id"], r["state"], r["failure_count"]) for r in tasks] == [(task_id, "processed", 0)]
 
 
 # -- complete-by (AGT4) ------------------------------------------------------------------------------

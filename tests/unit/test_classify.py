@@ -309,3 +309,77 @@ def test_a_refused_connection_in_a_plain_function_is_retried_inside_the_attempt(
     ]
     rt_store.transact_sync(t.apply_replies, "sched", 10, random.Random(0))
     assert rt_store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks"))[0]["state"] == "processed"
+
+
+# -- exception groups: a TaskGroup fan-out (AGT5) ----------------------------------------------------
+
+
+def _status_error(code: int) -> Exception:
+    import httpx
+
+    req = httpx.Request("GET", "http://svc/x")
+    return httpx.HTTPStatusError("status", request=req, response=httpx.Response(code, request=req))
+
+
+def _read_timeout() -> Exception:
+    import httpx
+
+    return httpx.ReadTimeout("read timed out", request=httpx.Request("GET", "http://svc/x"))
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        pytest.param(ExceptionGroup("g", [ConnectionResetError()]), "transient", id="group-of-reset"),
+        pytest.param(ExceptionGroup("g", [_read_timeout()]), "transient", id="group-of-httpx-timeout"),
+        pytest.param(BaseExceptionGroup("g", [TimeoutError()]), "transient", id="base-group-of-timeout"),
+        pytest.param(
+            ExceptionGroup("g", [ExceptionGroup("inner", [ConnectionRefusedError()])]),
+            "transient",
+            id="nested-group",
+        ),
+        pytest.param(
+            ExceptionGroup("g", [ValueError("a bug"), ConnectionResetError()]),
+            "transient",
+            id="a-bug-and-a-reset",
+        ),
+        pytest.param(
+            ExceptionGroup("g", [ConnectionResetError(), Permanent("declined")]),
+            "permanent",
+            id="a-reset-and-a-permanent",
+        ),
+        pytest.param(
+            ExceptionGroup("g", [_status_error(404), _read_timeout()]), "permanent", id="a-404-and-a-timeout"
+        ),
+        pytest.param(ExceptionGroup("g", [ValueError("a bug")]), "permanent", id="group-of-a-bug"),
+        pytest.param(
+            raised_from(ExceptionGroup("g", [ValueError("a bug")]), ConnectionResetError()),
+            "transient",
+            id="undecided-group-from-a-reset",
+        ),
+    ],
+)
+def test_an_exception_group_is_transient_if_a_leaf_is_and_none_is_permanent(
+    exc: BaseException, kind: str
+) -> None:
+    """A fan-out in which one call met a dropped connection is worth retrying; one in which a call
+    got a definite answer (Permanent, a 404) is not, whatever the others met."""
+    assert default_classify(exc) == kind
+
+
+def test_judge_turns_a_classify_that_raises_or_answers_nonsense_into_a_permanent_failure() -> None:
+    from stepwarden.classify import judge
+
+    def broken(exc: BaseException) -> str:
+        raise RuntimeError("classify bug")
+
+    assert judge(default_classify, ConnectionResetError()) == ("transient", None)
+    assert judge(broken, ConnectionResetError()) == (
+        "permanent",
+        "classify raised RuntimeError: classify bug",
+    )
+    assert judge(lambda e: "retry-later", ValueError()) == (
+        "permanent",
+        "classify returned 'retry-later', not 'transient' or 'permanent'",
+    )
+    assert judge(lambda e: None, ValueError())[0] == "permanent"

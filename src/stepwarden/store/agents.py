@@ -24,13 +24,14 @@ The functions here run inside one transaction each (``store.transact(fn, ...)``)
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .base import ApplyResult, RequestMsg, Row, Tx, read_only
-from .core import _claim_requests, _record_replies
+from .core import _claim_requests, _record_replies, _requests
 from .records import alert, event
 from .views import iso
 
@@ -78,6 +79,9 @@ class Want:
 
     room: int
     may_trial: bool = True
+    # The operations this instance has (None: any). A request for another one is left queued for
+    # an instance that has it: a worker of another version, in a rolling deploy.
+    ops: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -158,13 +162,13 @@ def pull(
     for agent, want in wants.items():
         b = out.breakers.get(agent)
         if b is None or b.state == "closed":
-            out.requests += _claim_requests(tx, me, [agent], want.room)
+            out.requests += _claim(tx, me, agent, want, want.room)
             continue
         if not want.may_trial or b.retry_in is None or b.retry_in > 0:
             continue
         if not tx.run("agent_breaker_trial", agent=agent, me=me, trial_ttl=rules.trial_ttl):
             continue  # another instance took the trial
-        got = _claim_requests(tx, me, [agent], 1)
+        got = _claim(tx, me, agent, want, 1)
         if not got:
             tx.run("agent_breaker_untrial", agent=agent, me=me)
             continue
@@ -178,6 +182,13 @@ def pull(
         for r in tx.sql(f"SELECT id, workflow FROM tasks WHERE id IN ({marks})", tuple(ids)):
             out.workflows[int(r["id"])] = str(r["workflow"])
     return out
+
+
+def _claim(tx: Tx, me: str, agent: str, want: Want, limit: int) -> list[RequestMsg]:
+    if want.ops is None:
+        return _claim_requests(tx, me, [agent], limit)
+    ops = json.dumps(sorted(want.ops))
+    return _requests(tx.all("claim_agent_requests", me=me, agent=agent, ops=ops, limit=limit))
 
 
 def return_trials(tx: Tx, me: str, agents: Sequence[str], why: str) -> list[str]:

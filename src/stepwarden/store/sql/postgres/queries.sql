@@ -51,6 +51,20 @@ FROM c WHERE requests.id = c.id
 RETURNING requests.id, task_id, step_idx, attempt, kind, agent, operation, payload, policy,
           idempotency_key, complete_by, complete_by - {now} AS remaining;
 
+-- name: claim_agent_requests
+-- claim_requests for an agent instance's pull: only the operations it has (`:ops`, a JSON array),
+-- so that a worker of another version (a rolling deploy) leaves the others' requests queued.
+WITH c AS MATERIALIZED (
+    SELECT id FROM requests
+    WHERE state = 'queued' AND agent = :agent AND complete_by > {now}
+      AND operation IN (SELECT jsonb_array_elements_text(:ops::jsonb))
+    ORDER BY priority DESC, id LIMIT :limit
+    FOR UPDATE SKIP LOCKED)
+UPDATE requests SET state = 'taken', taken_by = :me, taken_at = {now}
+FROM c WHERE requests.id = c.id
+RETURNING requests.id, task_id, step_idx, attempt, kind, agent, operation, payload, policy,
+          idempotency_key, complete_by, complete_by - {now} AS remaining;
+
 -- name: new_replies_with_tasks
 -- The batch's new replies (SKIP LOCKED: another scheduler's batch is left to it) and the
 -- transaction's own (`:own`, JSON: not in the table, id NULL, `n` their order), each with its

@@ -40,6 +40,18 @@ WHERE id IN (SELECT id FROM requests INDEXED BY requests_queued
 RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,
           complete_by, complete_by - {now} AS remaining;
 
+-- name: claim_agent_requests
+-- claim_requests for an agent instance's pull: only the operations it has (`:ops`, a JSON array),
+-- so that a worker of another version (a rolling deploy) leaves the others' requests queued.
+UPDATE requests SET state = 'taken', taken_by = :me, taken_at = {now}
+WHERE id IN (SELECT id FROM requests INDEXED BY requests_queued
+             WHERE state = 'queued' AND agent = :agent
+               AND complete_by > {now}
+               AND operation IN (SELECT value FROM json_each(:ops))
+             ORDER BY priority DESC, id LIMIT :limit)
+RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,
+          complete_by, complete_by - {now} AS remaining;
+
 -- name: new_replies_with_tasks
 -- The batch's new replies and the transaction's own (`:own`, JSON: not in the table, id NULL,
 -- `n` their order), each with its task (SQLite's single writer is the lock).
