@@ -6,10 +6,14 @@ Errors are one line on stderr; exit 2 for bad input (nothing written), 1 for any
 from __future__ import annotations
 
 import asyncio
+import errno
 import importlib
+import ipaddress
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 from dataclasses import replace
 from typing import Any
@@ -132,7 +136,13 @@ def init(ctx: click.Context) -> None:
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
-    help="Serve this worker's Prometheus metrics at http://127.0.0.1:PORT/metrics (0: a free port).",
+    help="Serve this worker's Prometheus metrics at http://HOST:PORT/metrics (0: a free port).",
+)
+@click.option(
+    "--metrics-host",
+    metavar="HOST",
+    default=None,
+    help="Address the metrics listen on, with --metrics-port (default 127.0.0.1: this machine only).",
 )
 @click.option(
     "--dead-after",
@@ -157,6 +167,7 @@ def worker(
     concurrency: int | None,
     name: str | None,
     metrics_port: int | None,
+    metrics_host: str | None,
     dead_after: float,
     retention: float | None,
     keep_finished: bool,
@@ -164,6 +175,9 @@ def worker(
     """Run scheduler, agent and supervisor roles until SIGTERM/SIGINT."""
     if keep_finished and retention is not None:
         raise InputError("--retention and --keep-finished contradict each other: give one")
+    if metrics_host is not None and metrics_port is None:
+        raise InputError("--metrics-host needs --metrics-port: the port to serve the metrics on")
+    host = _metrics_host(metrics_host)
     sup = SupervisorSettings(dead_after=dead_after)
     if keep_finished:
         sup = replace(sup, retention=None)
@@ -189,10 +203,16 @@ def worker(
             from .metrics import start_worker_metrics
         except ImportError:
             raise InputError("--metrics-port needs the extra: pip install 'stepwarden[dashboard]'") from None
+        shown = f"[{host}]" if ":" in host else host
         try:
-            served = start_worker_metrics(w, metrics_port)
+            served = start_worker_metrics(w, metrics_port, host)
         except OSError as e:
-            fail(f"cannot serve metrics on 127.0.0.1:{metrics_port} (--metrics-port): {e.strerror or e}")
+            why = f"cannot serve metrics on {shown}:{metrics_port} (--metrics-host, --metrics-port)"
+            if isinstance(e, socket.gaierror) and e.errno != socket.EAI_AGAIN:
+                raise InputError(f"{why}: {host!r} does not resolve ({e.strerror or e})") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise InputError(f"{why}: {e.strerror}; give an address of this machine") from None
+            fail(f"{why}: {e.strerror or e}")
         w.metrics = served.metrics
         click.echo(f"worker metrics on {served.url}", err=True)
     app.use_store(open_for(ctx, create=True))
@@ -207,6 +227,27 @@ def worker(
     click.echo(f"worker {w.identity} on {app.url}", err=True)
     asyncio.run(main())
     _exit_despite_stuck_threads()
+
+
+# One label of a host name (RFC 1123): letters, digits and inner hyphens, up to 63 characters.
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _metrics_host(value: str | None) -> str:
+    """``--metrics-host``: an IP address (an IPv6 one with or without brackets) or a host name,
+    checked before anything starts, so a mistyped one is exit 2 with one line and no store
+    created. Whether it is an address of this machine is found when binding."""
+    if value is None:
+        return "127.0.0.1"
+    host = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise InputError(f"--metrics-host {value[:80]!r} is not an IP address or a host name")
+    return host
 
 
 def _exit_despite_stuck_threads() -> None:

@@ -54,7 +54,7 @@ def read_snapshot(tx: Tx, tally: EventTally) -> tuple[StoreSnapshot, list[dict[s
         {k: r[k] for k in ("name", "holder", "term", "expires_at")}
         for r in tx.sql("SELECT name, holder, term, expires_at FROM leases ORDER BY name")
     ]
-    snap.workers = views.list_workers(tx)
+    snap.workers = views.list_workers(tx, include_silent=False)  # a killed worker is no live series
     for w in snap.workers:
         w["heartbeat_epoch"] = _epoch(w["heartbeat_at"])
     snap.agents = store_agents.list_agents(tx)

@@ -123,9 +123,24 @@ def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) 
         ids = [i for i in found if i not in held]
     if ids:
         text = json.dumps(ids)
-        for table in ("steps", "requests", "replies", "events", "messages", "tasks"):
+        for table in ("steps", "requests", "replies"):
+            tx.put("prune_" + table, ids=text)
+        _add_event_totals(tx, tx.all("prune_events", ids=text))
+        for table in ("messages", "tasks"):
             tx.put("prune_" + table, ids=text)
     return len(ids)
+
+
+def _add_event_totals(tx: Tx, deleted: list[Row]) -> int:
+    """Add the events just deleted (rows of ``kind``, ``n``) to ``event_totals``, in the deleting
+    transaction: the metrics' counters are ``event_totals`` plus the events stored, so a prune
+    never lowers them (Prometheus would read a lower total as a reset). Returns how many."""
+    kinds: dict[str, int] = {}
+    for r in deleted:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + int(r["n"])
+    for kind, n in sorted(kinds.items()):  # in key order: no deadlock between two such writers
+        tx.run("add_event_totals", kind=kind, n=n)
+    return sum(kinds.values())
 
 
 # The records pruned by age alone, in this order: agent instances go after their workers.
@@ -138,7 +153,13 @@ def prune_records(tx: Tx, me: str, lease: str, term: int, retention: float, limi
     alerts no one needs (acknowledged, or their task pruned). Without it these grow for as long as
     the store lives, however small the live work. Leader-only and term-fenced, as ``prune``."""
     fence(tx, me, lease, term)
-    out = {name: tx.run("prune_" + name, retention=retention, limit=limit) for name in AGED_RECORDS}
+    out: dict[str, int] = {}
+    for name in AGED_RECORDS:
+        if name == "taskless_events":  # counted as they go, as a task's events are (see prune)
+            deleted = tx.all("prune_taskless_events", retention=retention, limit=limit)
+            out[name] = _add_event_totals(tx, deleted)
+        else:
+            out[name] = tx.run("prune_" + name, retention=retention, limit=limit)
     alerts = [int(r["id"]) for r in tx.all("prunable_alerts", retention=retention, limit=limit)]
     if alerts:
         text = json.dumps(alerts)

@@ -274,11 +274,28 @@ def task_state(tx: Tx, task_id: int) -> str | None:
 
 
 @read_only
-def list_workers(tx: Tx, include_stopped: bool = False) -> list[dict[str, Any]]:
-    """Worker processes with their roles, agents, last heartbeat and breaker states (AGT3)."""
+def list_workers(tx: Tx, include_stopped: bool = False, include_silent: bool = True) -> list[dict[str, Any]]:
+    """Worker processes with their roles, agents, last heartbeat and breaker states (AGT3).
+
+    A worker killed without a word (SIGKILL, a lost machine) never records its stop: its row
+    stays, not stopped, until the leader prunes it (days later). Each worker has ``heartbeat_age``
+    (seconds, by the database's clock) and ``silent``: no heartbeat for ``SILENT_AFTER`` seconds,
+    as agent instances are judged (``agents.list_agents``). Listings for an operator keep the
+    silent ones, marked, since a worker that died is worth seeing; ``include_silent=False``
+    leaves them out, for what counts live workers (the metrics: a killed worker must not stay a
+    live ``worker`` series for days, nor each restart of a crash-looping one add another)."""
+    from .agents import SILENT_AFTER  # agents imports this module
+
+    now_row = tx.one("now")
+    now = float(now_row["now"]) if now_row is not None else 0.0
     sql = "SELECT id, roles, agents, started_at, heartbeat_at, stopped_at, breakers FROM workers"
+    where: list[str] = []
+    params: list[float] = []
     if not include_stopped:
-        sql += " WHERE stopped_at IS NULL"
+        where.append("stopped_at IS NULL")
+    if not include_silent:
+        where.append("(stopped_at IS NOT NULL OR heartbeat_at >= ?)")
+        params.append(now - SILENT_AFTER)
     return [
         {
             "id": r["id"],
@@ -288,6 +305,8 @@ def list_workers(tx: Tx, include_stopped: bool = False) -> list[dict[str, Any]]:
             "heartbeat_at": iso(r["heartbeat_at"]),
             "stopped_at": iso(r["stopped_at"]),
             "breakers": json.loads(r["breakers"]) if r["breakers"] else {},
+            "heartbeat_age": round(max(0.0, now - float(r["heartbeat_at"])), 3),
+            "silent": r["stopped_at"] is None and now - float(r["heartbeat_at"]) > SILENT_AFTER,
         }
-        for r in tx.sql(sql + " ORDER BY started_at")
+        for r in tx.sql(sql + where_clause(where) + " ORDER BY started_at", tuple(params))
     ]

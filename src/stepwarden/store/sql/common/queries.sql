@@ -265,10 +265,12 @@ DELETE FROM agent_instances WHERE worker IN (
     WHERE heartbeat_at < {now} - :retention AND worker NOT IN (SELECT id FROM workers)
     LIMIT :limit);
 
--- name: prune_taskless_events
--- Events with no task (leases, breakers, instances) by age; a task's events go with the task.
-DELETE FROM events WHERE id IN (
-    SELECT id FROM events WHERE task_id IS NULL AND at < {now} - :retention ORDER BY at LIMIT :limit);
+-- name: add_event_totals
+-- The events a prune deleted (prune_events, prune_taskless_events: each dialect's counts what it
+-- deletes), by kind, in the same transaction: the metrics' totals are event_totals plus the
+-- events stored, so a prune never lowers them (metrics/tally.py).
+INSERT INTO event_totals (kind, pruned) VALUES (:kind, :n)
+ON CONFLICT (kind) DO UPDATE SET pruned = event_totals.pruned + excluded.pruned;
 
 -- name: prune_lease_terms
 -- Terms that ended past the retention; the term in force (no end yet) is always kept.

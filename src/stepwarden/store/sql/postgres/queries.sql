@@ -149,7 +149,21 @@ WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:
   AND id <> ALL (ARRAY(SELECT id FROM mine));
 
 -- name: prune_events
-DELETE FROM events WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
+-- Counted by kind in the same statement (exactly the rows deleted): the prune adds them to
+-- event_totals in the same transaction, so the metrics' totals never go down.
+WITH gone AS (
+    DELETE FROM events
+    WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+    RETURNING kind)
+SELECT kind, COUNT(*) AS n FROM gone GROUP BY kind;
+
+-- name: prune_taskless_events
+-- Events with no task (leases, breakers, instances) by age, counted by kind as prune_events.
+WITH gone AS (
+    DELETE FROM events WHERE id IN (
+        SELECT id FROM events WHERE task_id IS NULL AND at < {now} - :retention ORDER BY at LIMIT :limit)
+    RETURNING kind)
+SELECT kind, COUNT(*) AS n FROM gone GROUP BY kind;
 
 -- name: prune_messages
 DELETE FROM messages WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));

@@ -93,7 +93,9 @@ DELETE FROM requests WHERE task_id IN (SELECT value FROM json_each(:ids));
 DELETE FROM replies WHERE task_id IN (SELECT value FROM json_each(:ids));
 
 -- name: prune_events
-DELETE FROM events WHERE task_id IN (SELECT value FROM json_each(:ids));
+-- One row per event deleted (SQLite cannot group what RETURNING gives): the prune adds them, by
+-- kind, to event_totals in the same transaction, so the metrics' totals never go down.
+DELETE FROM events WHERE task_id IN (SELECT value FROM json_each(:ids)) RETURNING kind, 1 AS n;
 
 -- name: prune_messages
 DELETE FROM messages WHERE task_id IN (SELECT value FROM json_each(:ids));
@@ -106,7 +108,8 @@ DELETE FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
 -- events_task and sorts every task-less event, young ones too, at each prune round.
 DELETE FROM events WHERE id IN (
     SELECT id FROM events INDEXED BY events_taskless
-    WHERE task_id IS NULL AND at < {now} - :retention ORDER BY at LIMIT :limit);
+    WHERE task_id IS NULL AND at < {now} - :retention ORDER BY at LIMIT :limit)
+RETURNING kind, 1 AS n;
 
 -- name: prune_alert_deliveries
 DELETE FROM alert_deliveries WHERE alert_id IN (SELECT value FROM json_each(:ids));
