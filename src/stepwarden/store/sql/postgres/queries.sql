@@ -215,6 +215,8 @@ FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elem
 -- retry, a retry whose back-off ran out) is no such sign. Under load this spares the schedulers
 -- a wake-up, and the server a NOTIFY, per submission. Never inside a caller's transaction
 -- (:may_skip false): what is waiting now may be claimed long before that commits.
+-- The read is tasks_claimable's predicate exactly (`waiting = 0` with it): without it the
+-- planner could not use the partial index and sorted every pending task, in every submission.
 WITH t AS (
     INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, idempotency_key,
                        reply_to, priority, run_at, created_at, updated_at)
@@ -241,7 +243,7 @@ m AS (
 -- `hint` is evaluated for the NOTIFY it may send; its value means nothing.
 SELECT id, (SELECT pg_notify('stepwarden_tasks', '') WHERE NOT (:may_skip::boolean AND EXISTS (
     SELECT 1 FROM (SELECT state, created_at, updated_at, run_at FROM tasks
-                   WHERE locked_by IS NULL AND state IN ('pending', 'compensating')
+                   WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND waiting = 0
                    ORDER BY priority DESC, id LIMIT 8) AS waiting
     WHERE state = 'pending' AND created_at = updated_at AND run_at = created_at
       AND created_at > {now} - 1.0))) AS hint
