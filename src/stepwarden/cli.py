@@ -269,30 +269,41 @@ def _exit_despite_stuck_threads() -> None:
         os._exit(0)
 
 
+# How much larger than the input limit the text as written may be: the limit applies to the input's
+# compact JSON, as ``App.submit`` measures it, and a file written by ``jq .`` or an editor carries
+# indentation, spaces and \u escapes that the compact form drops.
+RAW_INPUT_FACTOR = 8
+
+
 def _read_input(value: str, limit: int = DEFAULT_MAX_INPUT_BYTES) -> Any:
-    """Inline JSON, ``@FILE`` or ``-`` (stdin), reading at most the size limit plus one byte, so a
-    device or a pipe that never ends is refused instead of filling memory."""
+    """Inline JSON, ``@FILE`` or ``-`` (stdin). The size limit is the compact JSON's, checked at
+    submission; the text as written is read up to :data:`RAW_INPUT_FACTOR` times the limit, plus
+    one byte, so a device or a pipe that never ends is refused instead of filling memory."""
+    raw = limit * RAW_INPUT_FACTOR
     where = "standard input"
     if value == "-":
         if sys.stdin is None:  # started with standard input closed (<&-)
             raise InputError("--input -: standard input is closed")
-        data = sys.stdin.buffer.read(limit + 1)
+        data = sys.stdin.buffer.read(raw + 1)
     elif value.startswith("@"):
         where = f"input file {value[1:]!r}"
         try:
             with open(value[1:], "rb") as f:
-                data = f.read(limit + 1)
+                data = f.read(raw + 1)
         except OSError as e:
             raise InputError(f"cannot read {where}: {e.strerror}") from None
     else:
-        return parse_input(value, limit)
-    if len(data) > limit:
-        raise InputError(f"task input from {where} is over the limit of {limit} bytes")
+        return parse_input(value, raw)
+    if len(data) > raw:
+        raise InputError(
+            f"task input from {where} is over {raw} bytes as written, far over the limit of"
+            f" {limit} bytes (of its compact JSON)"
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{where} is not UTF-8 text") from None
-    return parse_input(text, limit)
+    return parse_input(text, raw)
 
 
 @cli.command()
@@ -391,10 +402,17 @@ cli.add_command(_dashboard)
 
 
 def main(argv: list[str] | None = None) -> None:
+    run(cli, argv, "stepwarden")
+
+
+def run(group: click.Group, argv: list[str] | None, prog_name: str) -> None:
+    """Run a command line of ours with its errors as one ``error:`` line and exit codes 2 (bad
+    input) or 1 (anything else), never click's ``Error:`` block or a traceback: ``stepwarden``
+    itself, and ``python -m stepwarden.dashboard``."""
     try:
         # Outside standalone mode click hands back the code of a ``ctx.exit(N)`` instead of
         # exiting with it (the demo's failed check exits 1 that way).
-        code = cli.main(args=argv, prog_name="stepwarden", standalone_mode=False)
+        code = group.main(args=argv, prog_name=prog_name, standalone_mode=False)
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
             sys.exit(code)
     except click.exceptions.Abort:  # Ctrl-C (click turns KeyboardInterrupt into Abort)

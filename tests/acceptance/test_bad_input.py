@@ -200,6 +200,27 @@ def test_input_file_one_byte_over_the_limit_is_refused(seeded: tuple[Db, int], t
     refused_and_unchanged(db, "submit", WORKFLOW, "--input", f"@{f}")
 
 
+def test_a_pretty_printed_file_is_judged_by_its_compact_size(db: Db, tmp_path: Path) -> None:
+    """1.6 MiB as written by ``jq .`` (indentation, a space after each colon), 0.9 MiB of compact
+    JSON: App.submit takes it, and the command line refused it at the raw size. The compact limit
+    still holds, and text far over it is refused unread."""
+    fine = {"order_id": "p-1", "sku": "S", "quantity": 1, "amount_cents": 1, "lines": ["x" * 8] * 60_000}
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps(fine, indent=4))
+    compact = len(json.dumps(fine, separators=(",", ":")).encode())
+    assert compact < MiB < pretty.stat().st_size
+    r = db.sw("submit", WORKFLOW, "--input", f"@{pretty}", timeout=60)
+    assert r.returncode == 0, str(r)
+    assert db.json("task", "show", r.stdout.strip(), "--json")["state"] == "pending"
+    over = dict(fine, lines=["x" * 8] * 120_000)  # 1.8 MiB compact
+    pretty.write_text(json.dumps(over, indent=1))
+    line = refused_and_unchanged(db, "submit", WORKFLOW, "--input", f"@{pretty}")
+    assert "over the limit of 1048576 bytes" in line, line
+    pretty.write_text(" " * (8 * MiB + 1) + "{}")
+    line = refused_and_unchanged(db, "submit", WORKFLOW, "--input", f"@{pretty}")
+    assert "as written, far over the limit" in line, line
+
+
 def test_stdin_over_1mib_is_refused(seeded: tuple[Db, int]) -> None:
     db, _ = seeded
     refused_and_unchanged(db, "submit", WORKFLOW, "--input", "-", stdin=json.dumps(order("x" * (2 * MiB))))

@@ -25,4 +25,6 @@ def cli(ctx: click.Context, db: str | None) -> None:
 cli.add_command(dashboard)
 
 if __name__ == "__main__":
-    cli(prog_name="python -m stepwarden.dashboard")
+    from ..cli import run
+
+    run(cli, None, "python -m stepwarden.dashboard")
