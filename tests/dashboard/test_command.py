@@ -89,6 +89,34 @@ def test_the_command_loads_without_the_extra_and_says_what_to_install(tmp_path: 
     assert "pip install 'stepwarden[dashboard]'" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "code", "text"),
+    [
+        (["--db", "sqlite:///{tmp}/missing.db", "dashboard"], 1, "error: no stepwarden store at"),
+        (["dashboard", "--port", "99999"], 2, "error: Invalid value for '--port'"),
+    ],
+)
+def test_python_m_stepwarden_dashboard_says_what_is_wrong_in_one_line(
+    tmp_path: Path, args: list[str], code: int, text: str
+) -> None:
+    """It printed click's "Error:" block and exited 0 for a store that does not exist, where
+    `stepwarden dashboard` prints one `error:` line and exits 1 (2 for bad input)."""
+    import subprocess
+    import sys
+
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    p = subprocess.run(
+        [sys.executable, "-m", "stepwarden.dashboard", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert p.returncode == code, p
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(text), p.stderr
+
+
 def _serve_and_get(app: Any, host_header: str, **kw: Any) -> Any:
     import warnings
 
