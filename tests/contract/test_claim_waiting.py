@@ -176,7 +176,7 @@ def test_an_upgrade_to_schema_6_marks_the_tasks_already_waiting(store_url: str, 
                 )
 
         old.transact_sync(seed)
-        assert old.migrate() == 1
+        assert old.migrate(target=6) == 1
         rows = old.transact_sync(lambda tx: tx.sql("SELECT priority, waiting FROM tasks ORDER BY priority"))
         assert [(r["priority"], r["waiting"]) for r in rows] == [(0, 0), (9, 1)]
         claimed = old.transact_sync(lambda tx: tx.all("claim_tasks", me=ME, limit=10))
