@@ -137,7 +137,7 @@ class LeaseKeeper:
         s = self.settings
         while not stop.is_set():
             if self._stubborn is not None and not self._stubborn.done():
-                await self._sleep_or_stop(stop, s.retry_every)
+                await self._wait(s.retry_every, stop=stop)
                 continue
             try:
                 sent = self.clock.monotonic()
@@ -155,12 +155,12 @@ class LeaseKeeper:
                 except Exception as e:
                     log.warning("lease %s: takeover failed: %s", self.name, e)
             if got is None:
-                await self._sleep_or_stop(stop, s.retry_every)
+                await self._wait(s.retry_every, stop=stop)
                 continue
             await self._lead(got[0], sent, stop)
             # Having just given the lease up (a stall, a lost renewal), let a healthier peer win it;
             # after work that keeps raising, wait longer each time (its errors are logged).
-            await self._sleep_or_stop(stop, self._pause())
+            await self._wait(self._pause(), stop=stop)
 
     def _pause(self) -> float:
         """Seconds before campaigning again: ``retry_every``, doubled for each term in a row whose
@@ -238,7 +238,7 @@ class LeaseKeeper:
             while not stop.is_set():
                 now = self.clock.monotonic()
                 wake = min(now + s.renew_every, trust_until)
-                await self._wait(work, stop, wake - now)
+                await self._wait(wake - now, work=work, stop=stop)
                 if work.done():
                     exc = None if work.cancelled() else work.exception()
                     reason = f"leader work raised {exc!r}" if exc else "leader work returned"
@@ -269,7 +269,7 @@ class LeaseKeeper:
             work.cancel()
             keeper_cancelled = False
             try:
-                await self._until_done(work, s.ttl)
+                await self._wait(s.ttl, work=work)  # for the cancelled work to end
             except asyncio.CancelledError:  # the keeper itself is being cancelled: resign first
                 keeper_cancelled = True
             self._ended(work, term, reason)
@@ -279,19 +279,12 @@ class LeaseKeeper:
             if keeper_cancelled:
                 raise asyncio.CancelledError
 
-    async def _until_done(self, work: asyncio.Task[None], bound: float) -> None:
-        """Wait (on our Clock) up to ``bound`` seconds for the cancelled work to end."""
-        timer = asyncio.create_task(self.clock.sleep(bound))
-        try:
-            await asyncio.wait({work, timer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            timer.cancel()
-
     def _ended(self, work: asyncio.Task[None], term: int, reason: str) -> None:
         """Log how the term's work ended; count the terms in a row whose work raised."""
         log.info("lease %s: %s stops leading term %d: %s", self.name, self.holder, term, reason)
         if not work.done():
             self._stubborn = work
+            work.add_done_callback(lambda t: t.cancelled() or t.exception())  # its end, retrieved
             log.error(
                 "lease %s: the leader work of term %d has not ended %gs after it was cancelled (it"
                 " swallows CancelledError?); it is left running, and this process campaigns again"
@@ -341,23 +334,20 @@ class LeaseKeeper:
         except Exception as e:
             log.warning("lease %s: resign failed (it will expire): %r", self.name, e)
 
-    async def _wait(self, work: asyncio.Task[None], stop: asyncio.Event, seconds: float) -> None:
+    async def _wait(
+        self, seconds: float, *, work: asyncio.Task[None] | None = None, stop: asyncio.Event | None = None
+    ) -> None:
+        """Wait ``seconds`` on our Clock, or less: until ``work`` ends or ``stop`` is set."""
         sleeper = asyncio.create_task(self.clock.sleep(max(0.0, seconds)))
-        stopper = asyncio.create_task(stop.wait())
+        stopper = None if stop is None else asyncio.create_task(stop.wait())
         try:
-            await asyncio.wait({work, sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {sleeper, *(t for t in (work, stopper) if t is not None)}, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             sleeper.cancel()
-            stopper.cancel()
-
-    async def _sleep_or_stop(self, stop: asyncio.Event, seconds: float) -> None:
-        sleeper = asyncio.create_task(self.clock.sleep(seconds))
-        stopper = asyncio.create_task(stop.wait())
-        try:
-            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            stopper.cancel()
+            if stopper is not None:
+                stopper.cancel()
 
 
 async def run_while_leader(

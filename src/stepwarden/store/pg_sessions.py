@@ -25,7 +25,8 @@ log = logging.getLogger("stepwarden.postgres")
 # on its lease must not block the successor's acquire). Set once per connection when it is ours
 # alone, else at the start of every transaction (SET LOCAL), so it never outlives it on a session
 # that a pooler hands to someone else.
-SESSION_LIMITS = (("idle_in_transaction_session_timeout", "5s"), ("lock_timeout", "10s"))
+LOCK_TIMEOUT = ("lock_timeout", "10s")
+SESSION_LIMITS = (("idle_in_transaction_session_timeout", "5s"), LOCK_TIMEOUT)
 # A caller's block may wait on the network (a web handler calling a payment service between its
 # INSERT and the commit): 5 s ended such blocks, with psycopg's bare "the connection is lost".
 # It holds no lock a role of ours waits for (its task rows are new; only a submission of the
@@ -33,7 +34,6 @@ SESSION_LIMITS = (("idle_in_transaction_session_timeout", "5s"), ("lock_timeout"
 # session gets a minute before the server ends it, not forever: a paused process's block still
 # lets go (the error then names this limit: ``PostgresStore.block_error``).
 CALLER_IDLE_LIMIT = 60
-CALLER_LIMITS = (("idle_in_transaction_session_timeout", f"{CALLER_IDLE_LIMIT}s"), ("lock_timeout", "10s"))
 # Every statement of ours reaches its rows through an index, but a store starts empty, and on an
 # empty table (never analysed: the planner assumes 10 pages) a sequential scan is the cheaper plan
 # for `= ANY (ARRAY(...))` of the ids of a batch. A prepared statement keeps its generic plan until
@@ -46,7 +46,7 @@ PLANNER_SETTINGS = (("enable_seqscan", "off"),)
 # opened for a caller's own transaction (``App.transaction()``) runs the caller's SQL too, planned
 # as usual; a caller's own connection (``tx_on``) gets nothing.
 OUR_SESSIONS = SESSION_LIMITS + PLANNER_SETTINGS
-CALLER_SESSIONS = CALLER_LIMITS
+CALLER_SESSIONS = (("idle_in_transaction_session_timeout", f"{CALLER_IDLE_LIMIT}s"), LOCK_TIMEOUT)
 
 
 # How a lent session is set back, in one round trip (every part runs inside a transaction

@@ -274,9 +274,16 @@ class SQLiteStore(Store):
         sqlite3's error), since sqlite3's text names neither: the write lock still held by another
         connection when the busy timeout ran out, and a store this user cannot write. Every other
         error goes on as it came."""
+        with self._explaining():
+            return self._transact_on(conn, fn, *args, **kwargs)
+
+    @contextmanager
+    def _explaining(self) -> Iterator[None]:
+        """Raise :meth:`_explained`'s :class:`StoreError` (chained) in place of the sqlite3 error
+        it explains, with how long the block waited; any other error goes on as it came."""
         started = time.monotonic()
         try:
-            return self._transact_on(conn, fn, *args, **kwargs)
+            yield
         except sqlite3.OperationalError as e:
             explained = self._explained(e, time.monotonic() - started)
             if explained is None:
@@ -356,14 +363,8 @@ class SQLiteStore(Store):
         A lock still taken at the deadline, or a store this user cannot write, is a
         :class:`StoreError` naming the store (chained from sqlite3's error): ``app.transaction()``
         begins its block here, outside :meth:`transact_on`."""
-        started = time.monotonic()
-        try:
+        with self._explaining():
             self._take_write_lock(conn)
-        except sqlite3.OperationalError as e:
-            explained = self._explained(e, time.monotonic() - started)
-            if explained is None:
-                raise
-            raise explained from e
 
     def _take_write_lock(self, conn: Any) -> None:
         conn.execute("PRAGMA busy_timeout = 0")
