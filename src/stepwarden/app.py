@@ -264,21 +264,19 @@ class App:
             tx = store.tx_on(conn)
             block = AppTransaction(self, conn, tx, lent=True)
             try:
-                yield block
-                block._check_end()
-            except BaseException as e:
-                if store.in_transaction(conn):
-                    store.rollback(conn)
-                elif block._opened and not block._reported:
-                    # Ended inside the block (a ROLLBACK on SQLite, after it nothing to undo): the
-                    # caller's own exception goes on, with a word on what that end did.
-                    e.add_note(f"stepwarden: {block._ended()}")
-                if (explained := store.block_error(e)) is not None:
-                    raise explained from e
-                raise
-            try:
+                try:
+                    yield block
+                    block._check_end()
+                except BaseException as e:
+                    if store.in_transaction(conn):
+                        store.rollback(conn)
+                    elif block._opened and not block._reported:
+                        # Ended inside the block (a ROLLBACK on SQLite, after it nothing to undo):
+                        # the caller's own exception goes on, with a word on what that end did.
+                        e.add_note(f"stepwarden: {block._ended()}")
+                    raise
                 store.commit(conn, tx)
-            except Exception as e:
+            except Exception as e:  # in the block or at its commit: said in the store's words
                 if (explained := store.block_error(e)) is not None:
                     raise explained from e
                 raise
