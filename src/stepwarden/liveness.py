@@ -23,6 +23,16 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+# Listings and metrics (not the supervisor, which uses ``dead_after``): a worker or agent instance
+# with no heartbeat for this long is shown as silent, and counts as no live series.
+SILENT_AFTER = 60.0
+
+
+def silent(stopped_at: float | None, heartbeat_at: float, now: float) -> bool:
+    """Not stopped, and no heartbeat for :data:`SILENT_AFTER` seconds by the database's clock ``now``:
+    killed without a word (SIGKILL, a lost machine), or hung."""
+    return stopped_at is None and now - float(heartbeat_at) > SILENT_AFTER
+
 
 @cache
 def host_key() -> str:

@@ -192,3 +192,28 @@ def test_counters_never_go_down_when_the_prune_deletes_events_and_the_dashboard_
         assert after == before
     finally:
         store.close()
+
+
+def test_on_postgres_a_long_transaction_holds_back_at_most_seen_max_rows_then_all_are_counted(
+    app: App, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a write transaction stays open, the reader remembers the rows committed after it, up
+    to SEEN_MAX; the rest wait for it to end. The bound was SEEN_MAX + BATCH - 1 (a whole batch
+    read once below it); and once the transaction ends, every row is counted, once."""
+    monkeypatch.setattr(tally, "SEEN_MAX", 3)
+    monkeypatch.setattr(tally, "BATCH", 2)
+    metrics = StoreMetrics(app.store)
+    app.store.transact_sync(metrics.refresh)
+    with app.transaction() as tx:
+        tx.submit("wf", {"long": 1})  # holds the snapshot's xmin until the block ends
+        for i in range(6):
+            app.submit("wf", {"after": i})
+        for _ in range(5):
+            app.store.transact_sync(metrics.refresh)
+            events = metrics.tally.events
+            assert isinstance(events, tally._XactTail)
+            assert len(events.seen) <= 3
+        assert metrics.tally.totals["received"] == 3
+    for _ in range(5):  # a bound, not a wait: each refresh reads what is final now
+        app.store.transact_sync(metrics.refresh)
+    assert metrics.tally.totals["received"] == 7 == stored_events(app.store)["received"]

@@ -154,12 +154,6 @@ def worker_list(tx: Tx) -> dict[str, Any]:
             (10,),
         )
     ]
-    beats = {
-        r["id"]: float(r["heartbeat_at"])
-        for r in tx.sql("SELECT id, heartbeat_at FROM workers WHERE stopped_at IS NULL")
-    }
-    for w in live:
-        w["heartbeat_age"] = t - beats[w["id"]] if w["id"] in beats else None
     agents = store_agents.list_agents(tx)
     return {
         "workers": live,
@@ -181,7 +175,7 @@ def overview(tx: Tx) -> dict[str, Any]:
     unapplied = int(tx.sql("SELECT COUNT(*) AS n FROM replies WHERE status = 'new'")[0]["n"])
     unacked = views.count_alerts(tx, include_acked=False)
     leases = views.list_leases(tx)
-    workers = views.list_workers(tx)
+    workers = views.list_workers(tx, include_silent=False)  # live ones, as the metrics count them
     # The breakers are shared by every instance of an agent: one entry per agent, with who opened it.
     open_breakers = [
         (b["opened_by"] or "-", b["agent"])

@@ -55,8 +55,6 @@ def read_snapshot(tx: Tx, tally: EventTally) -> tuple[StoreSnapshot, list[dict[s
         for r in tx.sql("SELECT name, holder, term, expires_at FROM leases ORDER BY name")
     ]
     snap.workers = views.list_workers(tx, include_silent=False)  # a killed worker is no live series
-    for w in snap.workers:
-        w["heartbeat_epoch"] = _epoch(w["heartbeat_at"])
     snap.agents = store_agents.list_agents(tx)
     snap.alerts = {
         r["kind"]: int(r["n"])
@@ -66,14 +64,6 @@ def read_snapshot(tx: Tx, tally: EventTally) -> tuple[StoreSnapshot, list[dict[s
         snap.totals = dict(tally.totals)
     snap.refresh_seconds = time.monotonic() - t0
     return snap, replies
-
-
-def _epoch(iso: str | None) -> float | None:
-    if iso is None:
-        return None
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
 class StoreMetrics(Collector):
@@ -216,8 +206,7 @@ def _store_families(s: StoreSnapshot) -> Iterator[Metric]:
     for w in s.workers:
         for role in w["roles"]:
             roles[role] += 1
-        if w.get("heartbeat_epoch") is not None:
-            age.add_metric([w["id"]], max(0.0, s.now - w["heartbeat_epoch"]))
+        age.add_metric([w["id"]], w["heartbeat_age"])
         for agent, state in sorted(w["breakers"].items()):
             value = BREAKER_VALUE[breaker_state(state)]
             breaker.add_metric([w["id"], agent], value)

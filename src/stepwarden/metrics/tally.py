@@ -84,9 +84,9 @@ class _Tail(Protocol):
 class _IdTail:
     """Reads rows of one append-only SQLite table by id, each once: ids appear in commit order."""
 
-    def __init__(self, columns: str, source: str) -> None:
+    def __init__(self, table: str, columns: str, source: str) -> None:
         self.select = f"SELECT {columns} FROM {source} WHERE x.id > ? ORDER BY x.id LIMIT ?"
-        self.table = source.split()[0]  # the table read (its alias is x), without the join
+        self.table = table  # the table read (``source`` names it as x, perhaps with a join)
         self.horizon = 0  # every row with id <= horizon has been read
 
     def read(self, tx: Tx) -> list[dict[str, Any]]:
@@ -113,7 +113,7 @@ class _XactTail:
     (see the module's docstring): the final rows in ``(xact_id, id)`` order behind a cursor, and
     the committed rows above it at once, remembered until the cursor passes them."""
 
-    def __init__(self, columns: str, source: str) -> None:
+    def __init__(self, table: str, columns: str, source: str) -> None:
         self.final = (
             f"SELECT x.xact_id, {columns} FROM {source} WHERE (x.xact_id, x.id) > (?, ?) AND x.xact_id < ? "
             "ORDER BY x.xact_id, x.id LIMIT ?"
@@ -121,6 +121,10 @@ class _XactTail:
         self.above = (
             f"SELECT x.xact_id, {columns} FROM {source} WHERE (x.xact_id, x.id) > (?, ?) "
             "ORDER BY x.xact_id, x.id LIMIT ?"
+        )
+        # What skip() records: the ids alone, of the table alone (no join, no columns to carry).
+        self.above_ids = (
+            f"SELECT xact_id, id FROM {table} WHERE (xact_id, id) > (?, ?) ORDER BY xact_id, id LIMIT ?"
         )
         self.cursor = (0, 0)  # (xact_id, id): every final row at or below it has been read
         self.seen: dict[int, int] = {}  # id -> xact_id of the rows above the cursor already read
@@ -142,7 +146,7 @@ class _XactTail:
             # The backlog is read: now the rows committed above the cursor, from past the last
             # one read (one below it that commits later is read when the cursor passes it).
             top = max(((x, i) for i, x in self.seen.items()), default=after)
-            for r in tx.sql(self.above, (*top, BATCH)):
+            for r in tx.sql(self.above, (*top, min(BATCH, SEEN_MAX - len(self.seen)))):
                 rid = int(r["id"])
                 if rid not in self.seen:
                     self.seen[rid] = int(r["xact_id"])
@@ -156,7 +160,7 @@ class _XactTail:
 
     def skip(self, tx: Tx) -> None:
         self.settle(tx)
-        for r in tx.sql(self.above, (*self.cursor, SEEN_MAX)):  # committed already: as good as read
+        for r in tx.sql(self.above_ids, (*self.cursor, SEEN_MAX)):  # committed already: as good as read
             self.seen[int(r["id"])] = int(r["xact_id"])
 
 
@@ -180,8 +184,8 @@ class EventTally:
 
     def __post_init__(self) -> None:
         tail = _XactTail if self.dialect == "postgres" else _IdTail
-        self.events: _Tail = tail(EVENT_COLUMNS, "events x")
-        self.replies: _Tail = tail(REPLY_COLUMNS, REPLY_JOIN)
+        self.events: _Tail = tail("events", EVENT_COLUMNS, "events x")
+        self.replies: _Tail = tail("replies", REPLY_COLUMNS, REPLY_JOIN)
 
     def _start(self, tx: Tx, now: float) -> None:
         """Totals up to now with one GROUP BY (plus what prunes deleted, in the same statement, so
@@ -229,10 +233,10 @@ class EventTally:
             ]
 
 
-def _first_id_at_or_after(tx: Tx, table: str, t: float, col: str = "at") -> int:
+def _first_id_at_or_after(tx: Tx, table: str, t: float) -> int:
     """The first id whose time is at or after ``t`` (ids rise with time), by binary search on the
     primary key: a few indexed lookups instead of a scan. One past the last id if none is."""
-    sql = f"SELECT id, {col} AS at FROM {table} WHERE id >= ? ORDER BY id LIMIT 1"  # table/col are ours
+    sql = f"SELECT id, at FROM {table} WHERE id >= ? ORDER BY id LIMIT 1"  # table is ours
     top = tx.sql(f"SELECT COALESCE(MAX(id), 0) AS m FROM {table}")[0]["m"]
     lo, hi = 1, int(top) + 1  # answer in [lo, hi]
     while lo < hi:

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..errors import NotFound
+from ..liveness import silent
 from .base import TASK_STATES, Row, Tx, read_only
 
 TASK_COLS = (
@@ -225,10 +226,14 @@ def list_leases(tx: Tx) -> list[dict[str, Any]]:
 def live_workers(tx: Tx, within: float) -> int:
     """Workers not stopped whose heartbeat is under ``within`` seconds old, by the database's
     clock (a supervisor presumes the others dead: see ``liveness``)."""
-    now = tx.one("now")
-    assert now is not None
     sql = "SELECT COUNT(*) AS n FROM workers WHERE stopped_at IS NULL AND heartbeat_at > ?"
-    return int(tx.sql(sql, (float(now["now"]) - within,))[0]["n"])
+    return int(tx.sql(sql, (_db_now(tx) - within,))[0]["n"])
+
+
+def _db_now(tx: Tx) -> float:
+    row = tx.one("now")
+    assert row is not None  # a SELECT of the clock always has its row
+    return float(row["now"])
 
 
 @read_only
@@ -279,23 +284,14 @@ def list_workers(tx: Tx, include_stopped: bool = False, include_silent: bool = T
 
     A worker killed without a word (SIGKILL, a lost machine) never records its stop: its row
     stays, not stopped, until the leader prunes it (days later). Each worker has ``heartbeat_age``
-    (seconds, by the database's clock) and ``silent``: no heartbeat for ``SILENT_AFTER`` seconds,
+    (seconds, by the database's clock) and ``silent`` (``liveness.silent``: no heartbeat for a minute),
     as agent instances are judged (``agents.list_agents``). Listings for an operator keep the
     silent ones, marked, since a worker that died is worth seeing; ``include_silent=False``
     leaves them out, for what counts live workers (the metrics: a killed worker must not stay a
     live ``worker`` series for days, nor each restart of a crash-looping one add another)."""
-    from .agents import SILENT_AFTER  # agents imports this module
-
-    now_row = tx.one("now")
-    now = float(now_row["now"]) if now_row is not None else 0.0
+    now = _db_now(tx)
     sql = "SELECT id, roles, agents, started_at, heartbeat_at, stopped_at, breakers FROM workers"
-    where: list[str] = []
-    params: list[float] = []
-    if not include_stopped:
-        where.append("stopped_at IS NULL")
-    if not include_silent:
-        where.append("(stopped_at IS NOT NULL OR heartbeat_at >= ?)")
-        params.append(now - SILENT_AFTER)
+    rows = tx.sql(sql + ("" if include_stopped else " WHERE stopped_at IS NULL") + " ORDER BY started_at")
     return [
         {
             "id": r["id"],
@@ -306,7 +302,8 @@ def list_workers(tx: Tx, include_stopped: bool = False, include_silent: bool = T
             "stopped_at": iso(r["stopped_at"]),
             "breakers": json.loads(r["breakers"]) if r["breakers"] else {},
             "heartbeat_age": round(max(0.0, now - float(r["heartbeat_at"])), 3),
-            "silent": r["stopped_at"] is None and now - float(r["heartbeat_at"]) > SILENT_AFTER,
+            "silent": silent(r["stopped_at"], r["heartbeat_at"], now),
         }
-        for r in tx.sql(sql + where_clause(where) + " ORDER BY started_at", tuple(params))
+        for r in rows
+        if include_silent or not silent(r["stopped_at"], r["heartbeat_at"], now)
     ]
