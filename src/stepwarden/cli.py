@@ -24,7 +24,7 @@ from click.core import ParameterSource
 from . import __version__
 from .alerts import SINK_THREAD_PREFIX
 from .app import App
-from .cli_params import FiniteRange, fail, open_for
+from .cli_params import FiniteRange, bracketed, fail, is_loopback, open_for
 from .cli_views import COMMANDS
 from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
 from .logs import safe_text
@@ -203,7 +203,7 @@ def worker(
             from .metrics import start_worker_metrics
         except ImportError:
             raise InputError("--metrics-port needs the extra: pip install 'stepwarden[dashboard]'") from None
-        shown = f"[{host}]" if ":" in host else host
+        shown = bracketed(host)
         try:
             served = start_worker_metrics(w, metrics_port, host)
         except OSError as e:
@@ -215,6 +215,8 @@ def worker(
             fail(f"{why}: {e.strerror or e}")
         w.metrics = served.metrics
         click.echo(f"worker metrics on {served.url}", err=True)
+        if not is_loopback(host):  # as the dashboard warns: these metrics ask for no token
+            click.echo(f"warning: metrics served on {shown}, beyond this machine, to anyone", err=True)
     app.use_store(open_for(ctx, create=True))
 
     async def main() -> None:

@@ -4,6 +4,7 @@ Kept apart so ``cli.py`` and ``cli_views.py`` hold only their commands."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 from typing import Any, NoReturn
@@ -28,6 +29,22 @@ def open_for(ctx: click.Context, *, create: bool = False) -> Store:
     store = open_store(url) if create else open_existing(url)
     ctx.call_on_close(store.close)
     return store
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, an IPv6 one perhaps in brackets) is this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bracketed(host: str) -> str:
+    """A host as it goes before ``:PORT`` in a URL or a message: an IPv6 address in brackets."""
+    host = host.strip("[]")
+    return f"[{host}]" if ":" in host else host
 
 
 def print_json(value: Any) -> None:

@@ -136,6 +136,16 @@ def assert_one_error_line(r: Result, code: int = 2) -> str:
     return line
 
 
+def refused_without_store(tmp_path: Path, *args: str, code: int = 2) -> str:
+    """Run ``stepwarden --db sqlite:///TMP/never.db ARGS``: it must exit ``code`` with one
+    ``error:`` line (returned) and leave no store file behind (bad input writes nothing)."""
+    missing = tmp_path / "never.db"
+    r = sw("--db", f"sqlite:///{missing}", *args, cwd=tmp_path)
+    line = assert_one_error_line(r, code=code)
+    assert not missing.exists(), f"a refused command created the store file\n{r}"
+    return line
+
+
 def wait_until(pred: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
     """Poll ``pred`` until it returns something truthy (returned); fail clearly at the deadline."""
     end = time.monotonic() + timeout

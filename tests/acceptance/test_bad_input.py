@@ -26,6 +26,7 @@ from .helpers import (
     clean_env,
     make_db,
     order,
+    refused_without_store,
     submit_in_process,
     sw,
 )
@@ -416,10 +417,7 @@ NO_STORE_IDS = ["-".join(x[:12] for x in a[:3]) for a in NO_STORE_NEEDED]
 
 @pytest.mark.parametrize("args", NO_STORE_NEEDED, ids=NO_STORE_IDS)
 def test_bad_input_creates_no_store_file(tmp_path: Path, args: tuple[str, ...]) -> None:
-    missing = tmp_path / "never.db"
-    r = sw("--db", f"sqlite:///{missing}", *args, cwd=tmp_path)
-    assert_one_error_line(r)
-    assert not missing.exists(), f"a refused command created the store file\n{r}"
+    refused_without_store(tmp_path, *args)
 
 
 @pytest.mark.parametrize("args", NO_STORE_NEEDED, ids=NO_STORE_IDS)
@@ -551,13 +549,9 @@ def test_an_app_module_that_exits_at_import_says_so_in_one_line(tmp_path: Path, 
     """A module that runs its script code at import (no ``if __name__ == "__main__"``) used to
     end the worker silently, with its exit code, even 0."""
     (tmp_path / "shopscript.py").write_text(f"import sys\nsys.exit({code})\n")
-    missing = tmp_path / "never.db"
-    line = assert_one_error_line(
-        sw("--db", f"sqlite:///{missing}", "worker", "--app", "shopscript:app", cwd=tmp_path)
-    )
+    line = refused_without_store(tmp_path, "worker", "--app", "shopscript:app")
     assert f"importing 'shopscript' for --app called sys.exit({code});" in line, line
     assert "__main__" in line, line
-    assert not missing.exists()
 
 
 def test_a_busy_metrics_port_is_one_line_naming_it_and_creates_no_store(tmp_path: Path) -> None:
@@ -567,20 +561,10 @@ def test_a_busy_metrics_port_is_one_line_naming_it_and_creates_no_store(tmp_path
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        missing = tmp_path / "never.db"
-        r = sw(
-            "--db",
-            f"sqlite:///{missing}",
-            "worker",
-            "--app",
-            DEMO_APP,
-            "--metrics-port",
-            str(port),
-            cwd=tmp_path,
+        line = refused_without_store(
+            tmp_path, "worker", "--app", DEMO_APP, "--metrics-port", str(port), code=1
         )
-    line = assert_one_error_line(r, code=1)
     assert f"127.0.0.1:{port}" in line and "--metrics-port" in line, line
-    assert not missing.exists(), "a refused worker created the store"
 
 
 def test_ctrl_c_during_a_command_exits_130_with_one_line(tmp_path: Path) -> None:

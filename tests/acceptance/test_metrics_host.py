@@ -12,44 +12,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .helpers import DEMO_APP, SW, assert_one_error_line, clean_env, sw, wait_until
+from .helpers import DEMO_APP, SW, clean_env, refused_without_store, wait_until
 
 
 @pytest.mark.parametrize("host", ["", "not a host", "-leading-hyphen", "a..b", "http://127.0.0.1/", "x\n"])
 def test_a_malformed_metrics_host_is_refused_before_anything_is_written(tmp_path: Path, host: str) -> None:
-    missing = tmp_path / "never.db"
-    r = sw(
-        "--db",
-        f"sqlite:///{missing}",
-        "worker",
-        "--app",
-        DEMO_APP,
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        host,
-        cwd=tmp_path,
+    line = refused_without_store(
+        tmp_path, "worker", "--app", DEMO_APP, "--metrics-port", "0", "--metrics-host", host
     )
-    line = assert_one_error_line(r, code=2)
     assert "--metrics-host" in line and "is not an IP address or a host name" in line, line
-    assert not missing.exists(), "a refused worker created the store"
 
 
 def test_a_metrics_host_without_a_port_is_refused(tmp_path: Path) -> None:
-    missing = tmp_path / "never.db"
-    r = sw(
-        "--db",
-        f"sqlite:///{missing}",
-        "worker",
-        "--app",
-        DEMO_APP,
-        "--metrics-host",
-        "127.0.0.1",
-        cwd=tmp_path,
-    )
-    line = assert_one_error_line(r, code=2)
+    line = refused_without_store(tmp_path, "worker", "--app", DEMO_APP, "--metrics-host", "127.0.0.1")
     assert "--metrics-host needs --metrics-port" in line, line
-    assert not missing.exists()
 
 
 def test_the_metrics_listen_on_the_host_given(tmp_path: Path) -> None:

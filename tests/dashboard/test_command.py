@@ -9,7 +9,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from stepwarden.dashboard.command import bind, is_loopback
+from stepwarden.cli_params import is_loopback
+from stepwarden.dashboard.command import bind
 from stepwarden.store import open_store
 
 from .command_harness import group, record_serving

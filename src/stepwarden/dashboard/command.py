@@ -6,7 +6,6 @@ this command can say what to install.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import sys
@@ -14,6 +13,7 @@ from urllib.parse import urlsplit
 
 import click
 
+from ..cli_params import bracketed, is_loopback
 from ..errors import InputError, StepwardenError
 from ..store import open_existing
 from .tokens import configured_token, read_token_file, weak_token_warning
@@ -21,15 +21,6 @@ from .tokens import configured_token, read_token_file, weak_token_warning
 log = logging.getLogger("stepwarden.dashboard")
 # Host names a dashboard listening on a loopback address answers to (DNS-rebinding defence).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_public_origin(value: str) -> str:
@@ -174,7 +165,7 @@ def dashboard(
             err=True,
         )
     bound = sock.getsockname()[1]
-    shown = f"[{host.strip('[]')}]" if ":" in host else host
+    shown = bracketed(host)
     # On a loopback address, the Host header must name a loopback host (DNS-rebinding defence):
     # the usual names, and the address it was told to listen on (127.0.0.2 is loopback too).
     hosts = (*LOOPBACK_HOSTS, host.strip("[]").lower()) if loopback else None

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..cli_params import bracketed
 from .common import BREAKER_VALUE, FINAL_STATES, LATENCY_BUCKETS, counter, labelled
 
 if TYPE_CHECKING:
@@ -210,5 +211,5 @@ def start_worker_metrics(worker: Worker, port: int, host: str = "127.0.0.1") -> 
     metrics = WorkerMetrics(worker)
     server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
     bound = server.server_address[1]
-    shown = f"[{host}]" if ":" in host else host
+    shown = bracketed(host)
     return MetricsServer(metrics, f"http://{shown}:{bound}/metrics", server)
