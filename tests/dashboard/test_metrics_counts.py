@@ -217,3 +217,39 @@ def test_on_postgres_a_long_transaction_holds_back_at_most_seen_max_rows_then_al
     for _ in range(5):  # a bound, not a wait: each refresh reads what is final now
         app.store.transact_sync(metrics.refresh)
     assert metrics.tally.totals["received"] == 7 == stored_events(app.store)["received"]
+
+
+def test_on_postgres_events_written_before_schema_7_are_counted_once_after_the_upgrade(pg_url: str) -> None:
+    """Events stored before migration 0007 have no writer transaction id (NULL). A reader started
+    after the upgrade counts them in its first total, and the events written after it as they
+    come, each once."""
+    empty = open_store(pg_url, migrate=False)
+    empty.transact_sync(lambda tx: (tx.sql("DROP SCHEMA public CASCADE"), tx.sql("CREATE SCHEMA public")))
+    empty.close()
+    old: Any = open_store(pg_url, migrate=False)
+    try:
+        assert old.migrate(target=6) == 6
+        old.transact_sync(
+            lambda tx: [
+                tx.sql("INSERT INTO events (task_id, kind, detail, at) VALUES (NULL, ?, NULL, 0)", (kind,))
+                for kind in ("received", "received", "processed")
+            ]
+        )
+        assert old.migrate() == 1
+        assert (
+            old.transact_sync(lambda tx: tx.sql("SELECT COUNT(*) AS n FROM events WHERE xact_id IS NULL"))[0][
+                "n"
+            ]
+            == 3
+        )
+        metrics = StoreMetrics(old)
+        old.transact_sync(metrics.refresh)
+        assert dict(metrics.tally.totals) == {"received": 2, "processed": 1}
+        old.transact_sync(
+            lambda tx: tx.sql("INSERT INTO events (task_id, kind, at) VALUES (NULL, 'received', 0)")
+        )
+        for _ in range(2):
+            old.transact_sync(metrics.refresh)
+        assert dict(metrics.tally.totals) == {"received": 3, "processed": 1} == stored_events(old)
+    finally:
+        old.close()
