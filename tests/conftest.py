@@ -17,7 +17,9 @@ import pytest
 
 from stepwarden.clock import FakeClock
 from stepwarden.policies import Backoff, Retry
-from stepwarden.workflow import Step, Workflow
+from stepwarden.store import Store
+from stepwarden.store import transitions as t
+from stepwarden.workflow import Step, Workflow, encode_input
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -156,3 +158,48 @@ def make_workflow(
 @pytest.fixture(name="make_workflow")
 def make_workflow_fixture() -> Callable[..., Workflow]:
     return make_workflow
+
+
+def dispatch_requests(
+    store: Store,
+    n: int = 1,
+    *,
+    budget: float = 5.0,
+    tries: int = 1,
+    agent: str = "svc",
+    backoff: Backoff | None = None,
+) -> list[int]:
+    """Submit ``n`` one-step tasks calling ``<agent>.do_s`` (input ``{"n": i}``) and dispatch
+    them: ``n`` queued requests. Each attempt has ``tries`` tries, ``backoff`` apart (default
+    10-20 ms, no jitter). Returns the task ids."""
+    retry = Retry(tries=tries, in_attempt=backoff or Backoff(initial=0.01, maximum=0.02, jitter=0.0))
+    wf = make_workflow("s", name=f"wf-{agent}", agent=agent, budget=budget, retry=retry, compensate=False)
+    ids = [
+        store.transact_sync(
+            t.submit,
+            wf,
+            encode_input({"n": i}),
+            correlation_id=None,
+            idempotency_key=None,
+            priority=0,
+            reply_to=None,
+        )[0]
+        for i in range(n)
+    ]
+    assert store.transact_sync(t.claim_and_dispatch, "sched", 100) == n
+    return ids
+
+
+@pytest.fixture(name="dispatch_requests")
+def dispatch_requests_fixture() -> Callable[..., list[int]]:
+    return dispatch_requests
+
+
+def rows(store: Store, sql: str) -> list[dict[str, Any]]:
+    """The rows of ``sql``, read in a transaction of its own."""
+    return store.transact_sync(lambda tx: tx.sql(sql))
+
+
+@pytest.fixture(name="rows")
+def rows_fixture() -> Callable[[Store, str], list[dict[str, Any]]]:
+    return rows

@@ -103,6 +103,13 @@ class AttemptState:
     reports: list[asyncio.Task[None]] = field(default_factory=list)
     called: bool = False
 
+    def reported(self, report: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
+        """Keep ``report`` (a health report's task, None if it needed none: see
+        :meth:`AgentHealth.report_soon`) for the request's end to wait for; returns it."""
+        if report is not None:
+            self.reports.append(report)
+        return report
+
 
 def is_async(handler: Handler) -> bool:
     """A coroutine function (``functools.partial`` of one included), or an object whose class
@@ -127,8 +134,8 @@ class Attempts:
         settings: AgentSettings,
         *,
         threads: int | None = None,
-        busy: Callable[[str], None] = lambda agent: None,
-        free: Callable[[str], None] = lambda agent: None,
+        busy: Callable[[str], None],
+        free: Callable[[str], None],
     ) -> None:
         self.me = me
         self.health = health
@@ -136,6 +143,10 @@ class Attempts:
         self.settings = settings
         self.busy, self.free = busy, free
         self.rng = random.Random()
+        # Whether each operation runs on the loop, decided once (the operations are fixed by now).
+        self.on_loop = {
+            name: {op: is_async(h) for op, h in a.operations.items()} for name, a in agents.items()
+        }
         # One pool per agent, as many threads as its slots (``threads`` overrides, for tests).
         self.pools = {
             name: ThreadPoolExecutor(
@@ -197,7 +208,7 @@ class Attempts:
             else:
                 began = self.clock.monotonic()
                 try:
-                    result = await self.call(name, handler, req, deadline)
+                    result = await self.call(name, handler, req, deadline, self.on_loop[name][msg.operation])
                 except Expired as e:
                     if not e.started:
                         return None
@@ -208,7 +219,7 @@ class Attempts:
                     state.called = True
                     last = "no answer by complete-by (cancelled)"
                     span.try_failed(n, last)
-                    state.reports.append(health.report_soon(name, False, last, first_of_trial))
+                    state.reported(health.report_soon(name, False, last, first_of_trial))
                     return None
                 except Failed as f:
                     state.called = True
@@ -216,12 +227,11 @@ class Attempts:
                     kind, trouble = judge(agent.classify, f.error)
                     if kind == PERMANENT:
                         # the service answered: it is up
-                        state.reports.append(health.report_soon(name, True, None, first_of_trial))
+                        state.reported(health.report_soon(name, True, None, first_of_trial))
                         return "error", None, describe(f.error, trouble)
                     last = describe(f.error)
                     span.try_failed(n, last)
-                    report = health.report_soon(name, False, last, first_of_trial)
-                    state.reports.append(report)
+                    report = state.reported(health.report_soon(name, False, last, first_of_trial))
                     # Its verdict decides what comes next (may the next try call? is this
                     # instance still healthy?): waited for, but never past complete-by.
                     if not await self._settled(report, deadline):
@@ -233,7 +243,7 @@ class Attempts:
                     need = max(MIN_TRY_LEFT, took)
                 else:
                     state.called = True
-                    state.reports.append(health.report_soon(name, True, None, first_of_trial))
+                    state.reported(health.report_soon(name, True, None, first_of_trial))
                     try:  # encoded once, here: a result the store cannot keep is this step's error
                         return "ok", encode_result(result, self.settings.max_result_bytes), None
                     except InputError as e:
@@ -243,23 +253,23 @@ class Attempts:
                 break  # no time for another try that could answer: say so now
             await self.clock.sleep(delay)
         # Transient failures used up this attempt's tries (or its time): say so before
-        # complete-by, so the step is retried now rather than after its deadline.
-        if self.clock.monotonic() >= deadline:
-            return None
+        # complete-by, so the step is retried now rather than after its deadline (past it, the
+        # role sends nothing: see AgentRole._execute).
         return "retry", None, f"transient: {last}"
 
-    async def _settled(self, report: asyncio.Task[None], deadline: float) -> bool:
-        """Wait for ``report`` until ``deadline``; False if the deadline came first."""
+    async def _settled(self, report: asyncio.Task[None] | None, deadline: float) -> bool:
+        """Wait for ``report`` (None: settled already) until ``deadline``; False if the deadline
+        came first."""
         left = deadline - self.clock.monotonic()
-        if left > 0 and not report.done():
+        if report is not None and left > 0 and not report.done():
             await asyncio.wait({report}, timeout=left)
-        return report.done() and self.clock.monotonic() < deadline
+        return (report is None or report.done()) and self.clock.monotonic() < deadline
 
-    async def call(self, agent: str, handler: Handler, req: Request, deadline: float) -> Any:
+    async def call(self, agent: str, handler: Handler, req: Request, deadline: float, on_loop: bool) -> Any:
         """The operation's result; :class:`Expired` at the deadline, :class:`Failed` with what
-        it raised, or the role's own cancellation."""
-        if is_async(handler):
-            return await self._on_loop(lambda: handler(req), deadline)
+        it raised, or the role's own cancellation. ``on_loop``: ``is_async(handler)``."""
+        if on_loop:
+            return await self._on_loop(_awaited(handler, req), deadline)
         loop = asyncio.get_running_loop()
         start = _Start()
         # In the caller's context, so the attempt's span (and other context) is current in the thread.
@@ -282,11 +292,7 @@ class Attempts:
         if inspect.isawaitable(result):
             # A plain callable that returned a coroutine (a plain decorator around an async def):
             # the operation has not run yet; it runs here, under the same deadline (AGT7).
-            if deadline - self.clock.monotonic() <= 0:
-                if inspect.iscoroutine(result):
-                    result.close()
-                raise Expired(False)
-            return await self._on_loop(lambda: result, deadline)
+            return await self._on_loop(result, deadline)
         return result
 
     def _in_thread(
@@ -325,16 +331,19 @@ class Attempts:
             if inspect.iscoroutine(result):
                 result.close()
 
-    async def _on_loop(self, start: Callable[[], Awaitable[Any]], deadline: float) -> Any:
-        """Run an awaitable operation on the loop until ``deadline`` (see the module docstring)."""
+    async def _on_loop(self, work: Awaitable[Any], deadline: float) -> Any:
+        """Run an awaitable operation on the loop until ``deadline`` (see the module docstring).
+        With no time left it is not started: a coroutine is closed, never to run."""
         task = asyncio.current_task()
         left = deadline - self.clock.monotonic()
         if left <= 0:
+            if inspect.iscoroutine(work):
+                work.close()
             raise Expired(False)
         timeout = asyncio.timeout(left)
         try:
             async with timeout:
-                result = await start()
+                result = await work
         except BaseException as e:
             if task is not None and task.cancelling():
                 # A stop (drain) cancelled the call: the role's, whatever the operation made of it.
@@ -355,6 +364,12 @@ class Attempts:
             # a reply after drain released the attempt.
             raise asyncio.CancelledError
         return result
+
+
+async def _awaited(handler: Handler, req: Request) -> Any:
+    """An async operation's call as one coroutine: the handler is called only once it is awaited,
+    so that what the call itself raises is the operation's failure, as what it awaits is."""
+    return await handler(req)
 
 
 def describe(e: BaseException, trouble: str | None = None) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,17 @@ if TYPE_CHECKING:
     from .agent import Agent, AgentSettings
 
 log = logging.getLogger("stepwarden.agent")
+
+
+async def guard(work: Awaitable[None], agent: str) -> None:
+    """Await ``work``, a piece of health bookkeeping: its failure is logged, not raised (the
+    store's troubles are handled where it is written, see :meth:`AgentHealth._send`)."""
+    try:
+        await work
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.warning("agent %s: health bookkeeping failed: %r", agent, e)
 
 
 @dataclass
@@ -92,6 +103,9 @@ class AgentHealth:
             stale_after=settings.instance_stale,
             trial_ttl=settings.trial_ttl,
         )
+        # The operations this worker has for each agent, as the JSON array the store's takes
+        # filter by (``sa.Want.ops``): the set of agents and operations is fixed by now.
+        self.ops = {n: sa.ops_json(a.operations) for n, a in agents.items()}
         self.breakers = {n: BreakerMirror() for n in agents}
         self.instances = {n: InstanceHealth() for n in agents}
         self.registered = False
@@ -158,11 +172,10 @@ class AgentHealth:
                 if inst.probing or now < inst.probe_at:
                     continue
                 probes.add(name)
-                wants[name] = sa.Want(1, may_trial=False, ops=self._ops(name))
+                wants[name] = sa.Want(1, ops=self.ops[name])
                 continue
-            wants[name] = sa.Want(
-                room, may_trial=b.state != "closed" and now >= b.retry_at, ops=self._ops(name)
-            )
+            trial = b.state != "closed" and now >= b.retry_at
+            wants[name] = sa.Want(room, ops=self.ops[name], may_trial=trial)
         if not wants:
             return [], set(), set(), {}
         try:
@@ -185,10 +198,6 @@ class AgentHealth:
             self.instances[name].probing = True
             log.info("agent %s: probing this unhealthy instance with one request", name)
         return got.requests, got.trials, probes & taken, got.workflows
-
-    def _ops(self, agent: str) -> tuple[str, ...]:
-        """The operations this worker has for ``agent``: a pull takes no request for another one."""
-        return tuple(sorted(self.agents[agent].operations))
 
     async def return_unknown_trials(self) -> None:
         """After a pull whose commit was not confirmed, and once the requests it may have taken
@@ -216,54 +225,73 @@ class AgentHealth:
     async def ended(self, agent: str, ok: bool, error: str | None = None, trial: bool = False) -> None:
         """One call to the service ended: ``ok`` if it answered (a permanent error is an answer)."""
         inst = self.instances[agent]
-        now = self.clock.monotonic()
-        if ok:
-            inst.last_ok = now
+        if ok and not trial and not self._changes(agent):
+            self._held_back(agent)
+        elif ok:
+            inst.last_ok = self.clock.monotonic()
             inst.unsent += 1
-            b = self.breakers[agent]
-            if trial or not inst.healthy or inst.failures or b.failures or b.local_failures:
-                inst.failures = 0
-                await self._send(agent, True, None, trial)
-            elif now - inst.written_at >= self.settings.success_every and not inst.writing:
-                self._write_later(agent)
-            return
-        inst.failures += 1
-        await self._send(agent, False, error, trial)
+            inst.failures = 0
+            await self._send(agent, True, None, trial)
+        else:
+            inst.failures += 1
+            await self._send(agent, False, error, trial)
+
+    def _changes(self, agent: str) -> bool:
+        """Whether a success of ``agent`` changes anything the store knows: the instance is
+        unhealthy, or failures are counted (its own, the breaker's, or those it could not report)."""
+        inst, b = self.instances[agent], self.breakers[agent]
+        return not inst.healthy or bool(inst.failures or b.failures or b.local_failures)
+
+    def _held_back(self, agent: str) -> None:
+        """A success that changes nothing: counted, and written with the next ones, in the
+        background, at most every ``success_every``."""
+        inst = self.instances[agent]
+        now = self.clock.monotonic()
+        inst.last_ok = now
+        inst.unsent += 1
+        if now - inst.written_at >= self.settings.success_every and not inst.writing:
+            self._write_later(agent)
 
     def report_soon(
         self, agent: str, ok: bool, error: str | None = None, trial: bool = False
-    ) -> asyncio.Task[None]:
-        """:meth:`ended`, in the background, after this agent's reports still in flight: off the
-        path of the reply, which must not wait for the store to count the call (a slow report,
-        up to ``report_timeout``, made an answer given in time arrive after complete-by). The
-        caller waits for the task where the verdict matters (before the next try: may it call,
-        is this instance still healthy?). A trial is marked reported at once, so that the end
-        of its request adds no second verdict (see :meth:`release_trial`)."""
+    ) -> asyncio.Task[None] | None:
+        """:meth:`ended`, off the path of the reply, which must not wait for the store to count
+        the call (a slow report, up to ``report_timeout``, made an answer given in time arrive
+        after complete-by). A plain success that changes nothing in the store (the common case:
+        no trial, a healthy instance, no failures counted, no earlier report of the agent still
+        in flight) is counted here and now, and None returned. Otherwise the report runs in a
+        task, after the agent's reports still in flight, and the task is returned: the caller
+        waits for it where the verdict matters (before the next try: may it call, is this
+        instance still healthy?). A trial is marked reported at once, so that the end of its
+        request adds no second verdict (see :meth:`release_trial`)."""
+        before = self._reports.get(agent)
+        if before is not None and before.done():
+            del self._reports[agent]
+            before = None
+        if ok and not trial and before is None and not self._changes(agent):
+            self._held_back(agent)
+            return None
         if trial:
             self.breakers[agent].trial = False
-        before = self._reports.get(agent)
 
         async def report() -> None:
-            if before is not None and not before.done():  # bounded: a stuck one holds up none for long
+            if before is not None:  # bounded: a stuck one holds up none for long
                 await asyncio.wait({before}, timeout=self.settings.report_timeout)
-            try:
-                await self.ended(agent, ok, error, trial)
-            except Exception as e:  # the store's troubles are handled in _send; anything else here
-                log.warning("agent %s: health bookkeeping failed: %r", agent, e)
+            await guard(self.ended(agent, ok, error, trial), agent)
 
-        t = asyncio.create_task(report(), name=f"health-report-{agent}")
+        t = self._spawn(report(), f"health-report-{agent}")
         self._reports[agent] = t
-        self._background.add(t)
-        t.add_done_callback(self._background.discard)
         return t
 
     async def give_back_trial(self, agent: str, why: str) -> None:
         """The trial request ended without calling the service (its operation is not in this
         worker, or its call never started before complete-by): the trial says nothing about the
         service, so it is given back unrun, open to any instance at once, not counted failed."""
-        if self.breakers[agent].trial:
-            self.breakers[agent].trial = False
+        b = self.breakers[agent]
+        if b.trial:
+            b.trial = False
             if await self.store.transact(sa.return_trials, self.me, [agent], why):
+                b.retry_at = self.clock.monotonic()  # as in the store: this instance's next pull may try
                 log.info("agent %s: gave back the breaker trial unrun: %s", agent, why)
 
     async def release_trial(self, agent: str, why: str) -> None:
@@ -278,18 +306,22 @@ class AgentHealth:
             inst.probe_at = self.clock.monotonic() + self.agents[agent].breaker_cool_off
 
     def _write_later(self, agent: str) -> None:
-        inst = self.instances[agent]
-        inst.writing = True
+        self.instances[agent].writing = True
+        self._spawn(self._write(agent), f"health-{agent}")
 
-        async def write() -> None:
-            try:
-                await self._send(agent, True, None, False)
-            finally:
-                inst.writing = False
+    async def _write(self, agent: str) -> None:
+        """Write the successes held back (``writing`` is set while it runs)."""
+        try:
+            await self._send(agent, True, None, False)
+        finally:
+            self.instances[agent].writing = False
 
-        t = asyncio.create_task(write(), name=f"health-{agent}")
+    def _spawn(self, work: Coroutine[None, None, None], name: str) -> asyncio.Task[None]:
+        """Run ``work`` in the background; :meth:`stop` waits for what is still running."""
+        t = asyncio.create_task(work, name=name)
         self._background.add(t)
         t.add_done_callback(self._background.discard)
+        return t
 
     async def _send(self, agent: str, ok: bool, error: str | None, trial: bool) -> None:
         inst, b = self.instances[agent], self.breakers[agent]

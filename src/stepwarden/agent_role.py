@@ -16,18 +16,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import tracing
 from .agent_attempt import Attempts, AttemptState, Outcome
 from .agent_definition import Agent
-from .agent_health import AgentHealth
+from .agent_health import AgentHealth, guard
 from .agent_settings import CANCELLED_WAIT, REPLIES_WAIT, STOP_WRITE_WAIT, AgentSettings
 from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
+from .errors import StoreError
 from .logs import log_raised
 from .store import ApplyResult, RequestMsg, Store
-from .tracing import NO_ATTEMPT, AttemptSpan, NoAttempt
+from .store.agents import Want
+from .tracing import AttemptSpan, NoAttempt
 
 # The logger the agent role always had (agent_health.py logs under it too): log configurations and
 # tests select the role's records by this name.
@@ -40,18 +42,43 @@ SWEEP_WAIT = 1.0
 UNANSWERED_MARGIN = 5.0
 UNANSWERED_KEPT = 1024  # past this many, the expired ones are forgotten at once
 SEND_TRIES = 5  # tries of each reply before it is given up (its attempt then expires)
-# After a request for an operation this worker lacks (a rolling deploy), its agent's slots are
-# refilled only by pulls, which take only the operations this worker has, for this long: the
-# takes of reply batches and scheduler rounds take any of the agent's requests.
-FOREIGN_HOLD = 60.0
+# A request's end waits for its call's health reports (see AgentRole.execute) as long as a
+# report's own write may take (report_timeout), and this much more for the bookkeeping around
+# it. A report held up behind an earlier stuck one can take longer: it is not waited for to the
+# end, and finishes in the background (AgentHealth.stop waits for it).
+REPORT_WAIT_SLACK = 1.0
+
+ReplyItem = tuple[int, str, Any, str | None]  # (request id, outcome, result, error) of a reply
 
 
-class Reservation(dict[str, int]):
-    """Slots per agent handed out by :meth:`AgentRole.reserve`, with the local monotonic moment
-    they were (``at``): just before the transaction that fills them is sent, so that the calls it
-    starts count their deadlines from then (see :meth:`AgentRole.pull`)."""
+def _store_down(e: BaseException) -> bool:
+    """Whether a reply transaction failed for want of the store (a lost connection, a server or
+    a file it cannot reach, a lock it cannot get: the drivers' OperationalError or
+    InterfaceError, an OSError, a StoreError), along its ``raise ... from`` causes, rather than
+    for what the batch held: splitting the batch would then only fail the same way, in more
+    transactions. Not along ``__context__``: a refusal met on the retry a store makes after a
+    lost connection (inside its ``except``) is still a refusal."""
+    current: BaseException | None = e
+    for _ in range(5):
+        if current is None:
+            break
+        if isinstance(current, OSError | StoreError) or any(
+            c.__name__ in ("OperationalError", "InterfaceError") for c in type(current).__mro__
+        ):
+            return True
+        current = current.__cause__
+    return False
 
-    at: float = 0.0
+
+class Reservation(dict[str, Want]):
+    """Slots per agent handed out by :meth:`AgentRole.reserve` (each a :class:`Want`: how many,
+    and for which operations), with the local monotonic moment they were (``at``): just before
+    the transaction that fills them is sent, so that the calls it starts count their deadlines
+    from then (see :meth:`AgentRole.pull`)."""
+
+    def __init__(self, at: float) -> None:
+        super().__init__()
+        self.at = at
 
 
 class AgentRole:
@@ -98,7 +125,7 @@ class AgentRole:
         self.completed = 0
         self.batches = 0  # reply transactions committed: completed / batches is replies per batch
         self._notes: set[asyncio.Task[None]] = set()
-        self._outbox: list[tuple[tuple[int, str, Any, str | None], asyncio.Future[None]]] = []
+        self._outbox: list[tuple[ReplyItem, asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
         # Calls started since the last reply batch was taken and not yet answered (nor ended):
@@ -123,9 +150,6 @@ class AgentRole:
         # never sent, cancelled), until just past their complete-by: they ran, so the sweep must
         # not release them as never started; they are the supervisor's, and count as failed.
         self._unanswered: dict[int, float] = {}
-        # Agents for which a request for an operation not in this worker came, and until when
-        # only pulls fill their slots (see FOREIGN_HOLD).
-        self._foreign: dict[str, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
@@ -194,16 +218,6 @@ class AgentRole:
         workflow: str | None = None,
     ) -> None:
         agent = self.agents[msg.agent]
-        if msg.operation not in agent.operations:
-            if self._foreign.get(agent.name, float("-inf")) <= self.clock.monotonic():
-                log.warning(
-                    "agent %s: a request for operation %r, which this worker does not have: handed "
-                    "back, and only its operations pulled for %gs",
-                    agent.name,
-                    msg.operation,
-                    FOREIGN_HOLD,
-                )
-            self._foreign[agent.name] = self.clock.monotonic() + FOREIGN_HOLD
         self.inflight[agent.name] += 1
         self._held[msg.id] = agent.name
         span = self.tracer.attempt(msg, workflow)
@@ -224,35 +238,33 @@ class AgentRole:
         self.inflight[agent] -= 1
         self.wake.set()  # a slot is free: pull now, not at the next idle poll
 
-    def reserve(self, freeing: Mapping[str, int] | None = None) -> dict[str, int]:
-        """Free slots per agent that a transaction of this worker may fill directly: only agents
+    def reserve(self, freeing: Mapping[str, int] | None = None) -> Reservation:
+        """Free slots per agent that a transaction of this worker may fill directly, with the
+        operations it has (it takes no request for another one, as a pull does not): only agents
         whose shared breaker is closed and for which this instance is healthy (anything else goes
         through :meth:`pull`, which knows about trials and probes). ``freeing``: slots that the
         same transaction's replies give back. Held (counted in flight) until :meth:`accept`."""
-        out = Reservation()
-        out.at = self.clock.monotonic()  # before the transaction that fills them is sent
+        out = Reservation(self.clock.monotonic())  # before the transaction that fills them is sent
         if not self.health.registered or self._stopping or self._sweeping:
             return out
         for name, a in self.agents.items():
             b = self.breakers[name]
             if b.state != "closed" or b.trial or not self.health.healthy(name):
                 continue
-            if self._foreign.get(name, float("-inf")) > out.at:
-                continue
             room = a.concurrency - self.inflight[name] + (freeing or {}).get(name, 0)
             if room > 0:
-                out[name] = room
+                out[name] = Want(room, ops=self.health.ops[name])
                 self.inflight[name] += room
         if out:
             self._reserving += 1
             self._no_reservations.clear()
         return out
 
-    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int], failed: bool = False) -> None:
+    def accept(self, msgs: list[RequestMsg], reserved: Mapping[str, Want], failed: bool = False) -> None:
         """Start ``msgs`` and give back the reservation. ``failed``: the transaction raised, so
         whether it took requests for this reservation is unknown (see ``_takes_unknown``)."""
-        for name, room in reserved.items():
-            self.inflight[name] -= room
+        for name, want in reserved.items():
+            self.inflight[name] -= want.room
         if failed and reserved:
             self._takes_unknown = True
         if reserved:
@@ -277,15 +289,13 @@ class AgentRole:
         self,
         agent: Agent,
         msg: RequestMsg,
-        trial: bool = False,
-        probe: bool = False,
-        span: AttemptSpan | NoAttempt = NO_ATTEMPT,
-        deadline: float | None = None,
+        trial: bool,
+        probe: bool,
+        span: AttemptSpan | NoAttempt,
+        deadline: float,
     ) -> None:
         """Run one request's attempt and send its reply. ``deadline``: the local monotonic moment
-        of its complete-by (default: ``msg.remaining`` from now)."""
-        if deadline is None:
-            deadline = self.clock.monotonic() + msg.remaining
+        of its complete-by."""
         state = AttemptState()
         try:
             with span:
@@ -301,15 +311,15 @@ class AgentRole:
             if pending and not (task is not None and task.cancelling()):
                 # The reply did not wait for the call's health report; the request's end does, so
                 # that the breaker and this instance's health are known when it is over.
-                await asyncio.wait(pending, timeout=self.settings.report_timeout + 1)
+                await asyncio.wait(pending, timeout=self.settings.report_timeout + REPORT_WAIT_SLACK)
             if probe:
                 self.health.probe_done(agent.name)
             if trial and state.called:  # a trial that ended without a verdict counts as failed
-                await self._guard(self.health.release_trial(agent.name, "the trial call gave no answer"))
+                why = "the trial call gave no answer"
+                await guard(self.health.release_trial(agent.name, why), agent.name)
             elif trial:  # it never reached the service: it says nothing about it
-                await self._guard(
-                    self.health.give_back_trial(agent.name, "its request ended without calling the service")
-                )
+                why = "its request ended without calling the service"
+                await guard(self.health.give_back_trial(agent.name, why), agent.name)
 
     def _release(self, request_id: int) -> None:
         name = self._held.pop(request_id, None)
@@ -351,14 +361,6 @@ class AgentRole:
         except Exception as e:  # never let one request kill the role
             log.exception("request %s: unexpected failure: %r", msg.id, e)
 
-    async def _guard(self, coro: Awaitable[None]) -> None:
-        try:
-            await coro
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("agent %s: health bookkeeping failed: %r", self.me, e)
-
     async def _reply(self, msg: RequestMsg, outcome: str, result: Any, error: str | None) -> None:
         """Queue the reply and wait until it is committed. Replies that finish while a batch is
         being written go together in the next transaction (group commit: one fsync for many)."""
@@ -391,18 +393,7 @@ class AgentRole:
             await self._linger()
             batch, self._outbox = self._outbox, []
             self._young.clear()  # still running now: not waited for by the next batch
-            left = [item for item, _ in batch]
-            for n in range(1, SEND_TRIES + 1):
-                if len(left) > 1 and n > 1:
-                    # The batch failed: one by one now, so that a reply the database refuses on
-                    # every try (text it cannot store, say) cannot take the others down with it.
-                    left = [item for item in left if not await self._send_batch([item], n)]
-                elif await self._send_batch(left, n):
-                    left = []
-                if not left:
-                    break
-                if n < SEND_TRIES:
-                    await self.clock.sleep(0.2 * n)
+            left = await self._send_tries([item for item, _ in batch])
             if left:  # the attempts expire and are rescued
                 log.error(
                     "agent %s: %d repl(ies) could not be sent after %d tries, given up: requests %s",
@@ -415,8 +406,44 @@ class AgentRole:
                 if not fut.done():
                     fut.set_result(None)
 
-    async def _send_batch(self, items: list[tuple[int, str, Any, str | None]], n: int) -> bool:
-        """Send ``items`` in one transaction (try ``n``); False if it failed."""
+    async def _send_tries(self, items: list[ReplyItem]) -> list[ReplyItem]:
+        """Send ``items``, in up to ``SEND_TRIES`` tries; returns those given up. A batch that
+        failed is sent whole once more (a lost connection, a store restarting: one more
+        transaction, not one per reply). Failing again, and not for want of the store, it is
+        split in halves, and a failing half again, so that a reply the database refuses on every
+        try (text it cannot store, say) cannot take the others down with it: about log2(N)
+        transactions to single it out among N, not N."""
+        left = items
+        for n in range(1, SEND_TRIES + 1):
+            error = await self._send_batch(left, n)
+            if error is None:
+                return []
+            if n > 1 and len(left) > 1 and not _store_down(error):
+                left = await self._split(left, n)
+                if not left:
+                    return []
+            if n < SEND_TRIES:
+                await self.clock.sleep(0.2 * n)
+        return left
+
+    async def _split(self, items: list[ReplyItem], n: int) -> list[ReplyItem]:
+        """Send ``items`` in halves (try ``n``), each failing half split again, down to single
+        replies; returns those that failed. A half that fails for want of the store is kept
+        whole, for the next try."""
+        failed: list[ReplyItem] = []
+        half = len(items) // 2
+        for part in (items[:half], items[half:]):
+            error = await self._send_batch(part, n)
+            if error is None:
+                continue
+            if len(part) > 1 and not _store_down(error):
+                failed += await self._split(part, n)
+            else:
+                failed += part
+        return failed
+
+    async def _send_batch(self, items: list[ReplyItem], n: int) -> Exception | None:
+        """Send ``items`` in one transaction (try ``n``); the error if it failed."""
         try:
             if self.settings.apply_replies:
                 # One transaction records the replies, applies them (the next steps are
@@ -438,7 +465,7 @@ class AgentRole:
                 applied = await self.store.send_replies(self.me, items, apply=False)
         except Exception as e:
             log.warning("%d repl(ies) failed to send (try %d): %r", len(items), n, e)
-            return False
+            return e
         # Committed: these slots are free now, not once each call's task next runs. A refill
         # taken with them is already counted; the next batch's reservation must not count them
         # twice, or it would take nothing.
@@ -448,7 +475,7 @@ class AgentRole:
             self._committed(len(items), applied)
         except Exception as e:
             log.exception("agent %s: after a reply batch committed: %r", self.me, e)
-        return True
+        return None
 
     def _committed(self, replies: int, applied: ApplyResult | None) -> None:
         self.completed += replies

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import InputError
 from .policies import check_count, check_seconds, is_number, show
-from .workflow import DEFAULT_MAX_INPUT_BYTES
+from .workflow import DEFAULT_MAX_INPUT_BYTES, MAX_INPUT_LIMIT
 
 # What a graceful stop waits for once its grace is over, each step bounded: the cancelled calls to
 # end, the replies already made to commit, and each of its own writes (the release of the
@@ -25,8 +25,6 @@ STOP_WRITE_WAIT = 5.0
 # failure of the service. The attempt replies `retry` at once instead (or, for a first try, ends
 # silent: see docs/concepts.md, "A step's attempt, end to end").
 MIN_TRY_LEFT = 0.01
-# The largest result a store keeps, as the biggest input an App accepts (App.max_input_bytes).
-MAX_RESULT_LIMIT = 10**9
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ class AgentSettings:
         count = check_count("AgentSettings.unhealthy_after", self.unhealthy_after)
         object.__setattr__(self, "unhealthy_after", count)
         limit = check_count(
-            "AgentSettings.max_result_bytes", self.max_result_bytes, high=MAX_RESULT_LIMIT, unit=" of bytes"
+            "AgentSettings.max_result_bytes", self.max_result_bytes, high=MAX_INPUT_LIMIT, unit=" of bytes"
         )
         object.__setattr__(self, "max_result_bytes", limit)
         if not is_number(self.reply_linger) or not 0 <= self.reply_linger <= 1:

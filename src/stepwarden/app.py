@@ -24,6 +24,7 @@ from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transition
 from .worker import Worker, WorkerSettings, make_identity
 from .workflow import (
     DEFAULT_MAX_INPUT_BYTES,
+    MAX_INPUT_LIMIT,
     Step,
     Workflow,
     check_ident,
@@ -33,9 +34,6 @@ from .workflow import (
 )
 
 MAX_PRIORITY = 2**31 - 1
-# The largest max_input_bytes: about the largest text a store keeps in one value (SQLite's
-# default SQLITE_MAX_LENGTH is 10**9 bytes, a PostgreSQL field holds at most 1 GiB).
-MAX_INPUT_LIMIT = 10**9
 
 
 class App:

@@ -89,7 +89,7 @@ def default_classify(exc: BaseException) -> str:
     ``TaskGroup`` fan-out) is permanent if any of its exceptions is judged permanent by a rule
     (:class:`Permanent`, a 404), else transient if any is transient, else permanent.
     """
-    return _judge(exc, MAX_CAUSES, set()) or PERMANENT
+    return _along_causes(exc, MAX_CAUSES, set()) or PERMANENT
 
 
 def judge(classify: Callable[[BaseException], object], exc: BaseException) -> tuple[str, str | None]:
@@ -106,7 +106,7 @@ def judge(classify: Callable[[BaseException], object], exc: BaseException) -> tu
     return PERMANENT, f"classify returned {kind!r}, not 'transient' or 'permanent'"
 
 
-def _judge(exc: BaseException, links: int, seen: set[int]) -> str | None:
+def _along_causes(exc: BaseException, links: int, seen: set[int]) -> str | None:
     """The first verdict along ``exc`` and its ``__cause__`` chain (at most ``links`` links, each
     exception once); None when no rule has one (the caller's default: permanent)."""
     current: BaseException | None = exc
@@ -138,7 +138,9 @@ def _group(exc: BaseExceptionGroup[BaseException], links: int, seen: set[int]) -
                 stack.extend(leaf.exceptions)
             continue
         looked += 1
-        verdicts.add(_judge(leaf, links, set(seen)))
+        # One `seen` for all the leaves: an exception two leaves share (a common cause) is
+        # judged once, and its verdict is in `verdicts` already.
+        verdicts.add(_along_causes(leaf, links, seen))
     if PERMANENT in verdicts:
         return PERMANENT
     return TRANSIENT if TRANSIENT in verdicts else None
@@ -161,7 +163,11 @@ def _verdict(exc: BaseException, links: int, seen: set[int]) -> str | None:
     if isinstance(exc, urllib.error.URLError):
         reason = exc.reason  # an exception (socket.timeout is TimeoutError) or a message
         # The reason counts as one link, as a cause does, so nested URLErrors stay bounded too.
-        if isinstance(reason, BaseException) and links > 0 and _judge(reason, links - 1, seen) == TRANSIENT:
+        if (
+            isinstance(reason, BaseException)
+            and links > 0
+            and _along_causes(reason, links - 1, seen) == TRANSIENT
+        ):
             return TRANSIENT
         return None
     if isinstance(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,16 +18,18 @@ from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
 from .logs import log_raised
 from .policies import check_count, check_seconds
 from .store import ApplyResult, RequestMsg, Store
+from .store.core import Want
 
 
 class LocalAgents(Protocol):
     """This worker's own agents, when it runs them: a round may hand them requests directly."""
 
-    def reserve(self) -> dict[str, int]:
-        """Slots to fill, per agent, held until :meth:`accept` (so no other pull takes them too)."""
+    def reserve(self) -> Mapping[str, Want]:
+        """Slots to fill, per agent (how many, for which operations), held until :meth:`accept`
+        (so no other pull takes them too)."""
         ...
 
-    def accept(self, msgs: list[RequestMsg], reserved: dict[str, int], failed: bool = False) -> None:
+    def accept(self, msgs: list[RequestMsg], reserved: Mapping[str, Want], failed: bool = False) -> None:
         """Run ``msgs`` (taken in the round's transaction) and give back the unused reservations.
         ``failed``: the transaction raised, and may have taken requests all the same."""
         ...

@@ -16,6 +16,10 @@ from .policies import ESCALATIONS, MAX_INT, Escalation, Retry, is_number, show, 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
+# The largest size limit a task input (App.max_input_bytes) or an operation's result
+# (AgentSettings.max_result_bytes) may be given: about the largest text a store keeps in one value
+# (SQLite's default SQLITE_MAX_LENGTH is 10**9 bytes, a PostgreSQL field holds at most 1 GiB).
+MAX_INPUT_LIMIT = 10**9
 # How deeply a task input or an operation's result may nest. The store's readers decode it inside
 # their own call stacks: an input Python could still parse at ~990 levels made every scheduler
 # round fail with RecursionError, holding up every other task with it.
@@ -53,17 +57,31 @@ def check_key(kind: str, value: object) -> str:
 def encode_input(value: Any, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> str:
     """Serialise a task input to JSON text, refusing what is not JSON or is over the size limit."""
     try:
-        text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+        text, size = _compact(value)
+    except UnicodeEncodeError:
+        raise InputError("task input is not valid Unicode (a lone surrogate or undecodable bytes)") from None
     except (TypeError, ValueError) as e:
         raise InputError(f"task input is not JSON-serialisable: {e}") from None
     except RecursionError:
         raise InputError("task input is nested too deeply") from None
-    size = _utf8_size(text)
-    if size > max_bytes:
-        raise PayloadTooLarge(f"task input is {size} bytes, over the limit of {max_bytes} bytes")
+    _check_size(size, max_bytes, "task input is {} bytes")
     if json_depth(value) > MAX_JSON_DEPTH:
         raise InputError(f"task input is nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     return text
+
+
+def _compact(value: Any) -> tuple[str, int]:
+    """The one JSON encoding of what the store keeps, task inputs and results alike: compact (no
+    spaces after separators), no NaN, Unicode as it is. Returns the text and its size in UTF-8
+    (a lone surrogate raises UnicodeEncodeError); what ``json.dumps`` raises is the caller's."""
+    text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    return text, len(text.encode("utf-8"))
+
+
+def _check_size(size: int, max_bytes: int | None, said: str) -> None:
+    """PayloadTooLarge if ``size`` (UTF-8 bytes) is over ``max_bytes``; ``said`` names the size."""
+    if max_bytes is not None and size > max_bytes:
+        raise PayloadTooLarge(f"{said.format(size)}, over the limit of {max_bytes} bytes")
 
 
 def json_depth(value: Any) -> int:
@@ -105,16 +123,14 @@ def encode_result(result: Any, max_bytes: int | None = None) -> JsonText | None:
     if json_depth(result) > MAX_JSON_DEPTH:
         raise InputError(f"nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     try:
-        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
-        size = len(text.encode("utf-8"))
+        text, size = _compact(result)
     except UnicodeEncodeError:
         raise InputError("not valid Unicode (a lone surrogate)") from None
     except RecursionError:
         raise InputError("nested too deeply") from None
     except (TypeError, ValueError) as e:
         raise InputError(storable_text(f"not JSON ({e})")[:300]) from None
-    if max_bytes is not None and size > max_bytes:
-        raise PayloadTooLarge(f"{size} bytes of JSON, over the limit of {max_bytes} bytes")
+    _check_size(size, max_bytes, "{} bytes of JSON")
     return JsonText(text)
 
 

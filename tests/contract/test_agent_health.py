@@ -15,11 +15,11 @@ from typing import Any
 from stepwarden.clock import FakeClock
 from stepwarden.store import Store
 from stepwarden.store import agents as sa
-from stepwarden.store import transitions as t
-from stepwarden.workflow import Workflow, encode_input
 
 A, B, C = "agent-a:1:aaa", "agent-b:2:bbb", "agent-c:3:ccc"
 THRESHOLD, COOL_OFF = 3, 10.0
+OPS = sa.ops_json(["do_s"])  # the operation of dispatch_requests' steps
+Dispatch = Callable[..., list[int]]  # the dispatch_requests fixture (tests/conftest.py)
 RULES = sa.HealthRules(unhealthy_after=3, probe_after=COOL_OFF, stale_after=30.0, trial_ttl=20.0)
 
 
@@ -34,22 +34,7 @@ def report(store: Store, me: str, ok: bool, *, trial: bool = False, error: str =
 
 
 def pull(store: Store, me: str, room: int = 4, may_trial: bool = True) -> sa.PullResult:
-    return store.transact_sync(sa.pull, me, {"svc": sa.Want(room, may_trial)}, RULES)
-
-
-def dispatch(store: Store, make_workflow: Callable[..., Workflow], n: int) -> None:
-    wf = make_workflow("s", budget=600.0, compensate=False)
-    for i in range(n):
-        store.transact_sync(
-            t.submit,
-            wf,
-            encode_input({"i": i}),
-            correlation_id=None,
-            idempotency_key=None,
-            priority=0,
-            reply_to=None,
-        )
-    assert store.transact_sync(t.claim_and_dispatch, "sched", 100) == n
+    return store.transact_sync(sa.pull, me, {"svc": sa.Want(room, OPS, may_trial)}, RULES)
 
 
 def rows(store: Store, sql: str) -> list[dict[str, Any]]:
@@ -70,10 +55,10 @@ def kinds(store: Store) -> list[str]:
 
 
 def test_failures_across_instances_open_the_breaker_once_and_a_trial_closes_it(
-    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
     register(store, A, B, C)
-    dispatch(store, make_workflow, 4)
+    dispatch_requests(store, 4, budget=600.0)
     # consecutive failures from three instances: the third reaches the threshold
     verdicts = [report(store, w, False) for w in (A, B, C)]
     assert [v.opened for v in verdicts] == [False, False, True]
@@ -159,11 +144,11 @@ def test_racing_reporters_open_the_breaker_exactly_once(store: Store) -> None:
 
 
 def test_racing_instances_claim_one_trial(
-    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
     workers = [f"agent-{i}:{i}:trial" for i in range(6)]
     register(store, *workers)
-    dispatch(store, make_workflow, 6)
+    dispatch_requests(store, 6, budget=600.0)
     for w in workers[:THRESHOLD]:
         report(store, w, False)
     clock.advance(COOL_OFF)
@@ -187,10 +172,10 @@ def test_racing_instances_claim_one_trial(
 
 
 def test_a_trial_whose_holder_vanished_is_claimed_again_after_its_lease(
-    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
     register(store, A, B)
-    dispatch(store, make_workflow, 3)
+    dispatch_requests(store, 3, budget=600.0)
     for w in (A, B, A):
         report(store, w, False)
     clock.advance(COOL_OFF)
@@ -202,14 +187,14 @@ def test_a_trial_whose_holder_vanished_is_claimed_again_after_its_lease(
 
 
 def test_a_trial_with_no_request_to_try_is_given_back(
-    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
     register(store, A, B)
     for w in (A, B, A):
         report(store, w, False)
     clock.advance(COOL_OFF)
     assert pull(store, A).trials == set()  # nothing queued: no trial held
-    dispatch(store, make_workflow, 1)
+    dispatch_requests(store, 1, budget=600.0)
     assert pull(store, B).trials == {"svc"}
 
 
@@ -271,19 +256,22 @@ def test_an_instance_killed_without_a_word_leaves_the_listing(store: Store, cloc
 
 
 def test_a_pull_takes_only_the_operations_the_instance_has(
-    store: Store, clock: FakeClock, make_workflow: Callable[..., Workflow]
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
     """A rolling deploy: a worker without an operation leaves its requests queued, for the
     workers that have it (the trial too: a trial on an operation never called says nothing)."""
     register(store, A)
-    dispatch(store, make_workflow, 2)  # two requests for svc.do_s
-    older = store.transact_sync(sa.pull, A, {"svc": sa.Want(4, True, ops=("do_other",))}, RULES)
+    dispatch_requests(store, 2, budget=600.0)  # two requests for svc.do_s
+    old_ops, new_ops = sa.ops_json(["do_other"]), sa.ops_json(["do_other", "do_s"])
+    older = store.transact_sync(sa.pull, A, {"svc": sa.Want(4, old_ops, True)}, RULES)
     assert older.requests == []
-    newer = store.transact_sync(sa.pull, A, {"svc": sa.Want(1, True, ops=("do_other", "do_s"))}, RULES)
+    newer = store.transact_sync(sa.pull, A, {"svc": sa.Want(1, new_ops, True)}, RULES)
     assert [m.operation for m in newer.requests] == ["do_s"]
     for w in (A, A, A):
         report(store, w, False)
     clock.advance(COOL_OFF)
-    assert store.transact_sync(sa.pull, A, {"svc": sa.Want(4, True, ops=("x",))}, RULES).trials == set()
+    assert (
+        store.transact_sync(sa.pull, A, {"svc": sa.Want(4, sa.ops_json(["x"]), True)}, RULES).trials == set()
+    )
     assert breaker(store)["trial_by"] is None
-    assert [m.operation for m in pull(store, A).requests] == ["do_s"]  # ops=None: any
+    assert [m.operation for m in pull(store, A).requests] == ["do_s"]

@@ -16,39 +16,20 @@ import pytest
 
 from stepwarden.agent import Agent, AgentRole, AgentSettings, Request
 from stepwarden.errors import Permanent
-from stepwarden.policies import Backoff, Retry
 from stepwarden.store import Store
 from stepwarden.store import transitions as t
-from stepwarden.workflow import Workflow, encode_input
+
+Dispatch = Callable[..., list[int]]  # the dispatch_requests fixture (tests/conftest.py)
+Rows = Callable[[Store, str], list[dict[str, Any]]]  # the rows fixture (tests/conftest.py)
 
 ME = "agent-1:1:abc"
 
 
-def dispatch(store: Store, make_workflow: Callable[..., Workflow], n: int) -> None:
-    retry = Retry(tries=1, in_attempt=Backoff(initial=0.01, maximum=0.02, jitter=0.0))
-    wf = make_workflow("s", budget=30.0, retry=retry, compensate=False)
-    for i in range(n):
-        store.transact_sync(
-            t.submit,
-            wf,
-            encode_input({"n": i}),
-            correlation_id=None,
-            idempotency_key=None,
-            priority=0,
-            reply_to=None,
-        )
-    assert store.transact_sync(t.claim_and_dispatch, "sched", 100) == n
-
-
-def rows(store: Store, sql: str) -> list[dict[str, Any]]:
-    return store.transact_sync(lambda tx: tx.sql(sql))
-
-
 @pytest.mark.parametrize("apply", [False, True], ids=["recorded", "applied"])
 def test_a_nul_byte_in_an_error_is_stored_escaped_and_the_batch_goes_through(
-    store: Store, make_workflow: Callable[..., Workflow], apply: bool
+    store: Store, dispatch_requests: Dispatch, rows: Rows, apply: bool
 ) -> None:
-    dispatch(store, make_workflow, 3)
+    dispatch_requests(store, 3, budget=30.0)
     agent = Agent("svc", concurrency=3)
 
     @agent.operation

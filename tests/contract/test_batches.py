@@ -11,7 +11,7 @@ import random
 from typing import Any
 
 import pytest
-from test_store import ME, Factory, alerts, event_kinds, q, run, states, steps, submit, take
+from test_store import ME, Factory, alerts, event_kinds, q, room, run, states, steps, submit, take
 
 from stepwarden.clock import FakeClock
 from stepwarden.store import Store, open_store
@@ -24,7 +24,7 @@ def test_a_round_of_many_tasks_dispatches_each_its_own_request(
 ) -> None:
     wf = make_workflow()
     ids = [submit(store, wf, {"order": n}) for n in range(7)]
-    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 4}))
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": room(4)}))
     assert claimed == 7 and len(taken) == 4
     reqs = q(store, "SELECT * FROM requests ORDER BY id")
     # One request per task, in claim order (ids follow it), each with its own task's input.
@@ -62,7 +62,7 @@ def test_a_reply_batch_of_many_tasks_moves_each_one_alone(
         (msgs[last].id, "ok", {"r": 5}, None),  # its only step: the task ends
         # ids[4] gets no reply in this batch
     ]
-    applied, taken = run(store.send_replies_and_take(ME, replies, {"svc": 10}))
+    applied, taken = run(store.send_replies_and_take(ME, replies, {"svc": room(10)}))
     assert applied is not None
     assert (applied.accepted, applied.stale) == (5, 1)
     assert applied.finished == [(last, "processed")]

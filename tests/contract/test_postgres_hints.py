@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from test_store import ME, Factory, run, submit
+from test_store import ME, Factory, room, run, submit
 
 from stepwarden.clock import FakeClock
 from stepwarden.store import Store
@@ -65,7 +65,7 @@ def test_no_hint_when_the_same_commit_takes_every_request_it_dispatched(
     wf = make_workflow()
     submit(store, wf)
     assert hints(listener, pg_url) == 0
-    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 1}))
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": room(1)}))
     assert claimed == 1 and len(taken) == 1
     assert hints(listener, pg_url) == 0
 
@@ -76,7 +76,7 @@ def test_a_hint_when_requests_are_left_for_other_workers(
     wf = make_workflow()
     submit(store, wf, {"n": 1})
     submit(store, wf, {"n": 2})
-    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 1}))  # room for one of two
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": room(1)}))  # room for one of two
     assert claimed == 2 and len(taken) == 1
     assert hints(listener, pg_url) == 1
     _, claimed, taken = run(store.schedule_and_take(ME, 50, {}))  # nothing left to claim or take
@@ -103,7 +103,7 @@ def test_no_hint_for_requests_left_that_have_expired(
     assert hints(listener, pg_url) == 1
     clock.advance(11.0)  # past that request's complete-by (10 s)
     second = submit(store, wf, {"n": 2})
-    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 1}))
+    _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": room(1)}))
     assert claimed == 1 and [m.task_id for m in taken] == [second]
     assert hints(listener, pg_url) == 0
 

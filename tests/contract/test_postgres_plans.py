@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from test_store import ME, Factory, run, submit
+from test_store import ME, Factory, room, run, submit
 
 from stepwarden.clock import FakeClock
 from stepwarden.store import open_store
@@ -77,10 +77,10 @@ def test_the_hot_path_plans_made_on_an_empty_store_use_indexes_once_it_is_large(
     def round_trip() -> None:
         """Submit, claim and dispatch, take, reply and apply: every statement of a step's life."""
         ids = [submit(store, wf, {"n": n}) for n in range(3)]
-        _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": 3}))
+        _, claimed, taken = run(store.schedule_and_take(ME, 50, {"svc": room(3)}))
         assert claimed == 3 and len(taken) == 3
         replies = [(m.id, "ok", None, None) for m in taken]
-        applied, _ = run(store.send_replies_and_take(ME, replies, {"svc": 3}))
+        applied, _ = run(store.send_replies_and_take(ME, replies, {"svc": room(3)}))
         assert applied is not None and applied.accepted == 3
         assert sorted(m.task_id for m in taken) == ids
 
@@ -149,3 +149,29 @@ def test_a_submission_reads_the_first_waiting_tasks_through_the_claimable_index(
     plan = one_connection_store.transact_sync(explain)
     assert "tasks_claimable" in plan, plan
     assert "Sort" not in plan, plan
+
+
+def test_a_take_for_the_operations_a_worker_has_walks_the_queued_index(
+    one_connection_store: PostgresStore, pg_url: str
+) -> None:
+    """Pulls and the takes of reply batches and scheduler rounds filter by the worker's
+    operations (``claim_agent_requests``): the filter must not cost the index walk, whatever
+    the size of the table of requests (most of them long answered)."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO requests (task_id, step_idx, attempt, kind, agent, operation, payload, policy,"
+            " idempotency_key, priority, complete_by, state, dispatched_by, dispatched_at)"
+            " SELECT g, 0, 1, 'do', CASE WHEN g % 10 = 0 THEN 'svc' ELSE 'other' END, 'op' || (g % 7),"
+            " '{}', '{}', 'k:' || g, 0, 1e12, CASE WHEN g % 50 = 0 THEN 'queued' ELSE 'replied' END,"
+            " 'x', 0 FROM generate_series(1, 50000) g"
+        )
+        conn.execute("ANALYZE requests")
+    params = {"me": ME, "agent": "svc", "limit": 10, "ops": '["op1", "op2"]'}
+
+    def explain(tx: Any) -> str:
+        rows = tx.conn.execute("EXPLAIN " + one_connection_store.queries["claim_agent_requests"], params)
+        return "\n".join(str(r["QUERY PLAN"]) for r in rows.fetchall())
+
+    plan = one_connection_store.transact_sync(explain)
+    assert "requests_queued" in plan, plan
+    assert "Seq Scan on requests" not in plan, plan

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from test_store import ME, Factory, q, run, states, submit
+from test_store import ME, Factory, q, room, run, states, submit
 
 from stepwarden.store import Store
 from stepwarden.store.postgres import PostgresStore
@@ -57,11 +57,11 @@ def test_a_reply_batch_records_applies_and_takes_in_two_round_trips(
 ) -> None:
     wf = make_workflow()
     ids = [submit(store, wf, {"n": n}) for n in range(3)]
-    _, _, taken = run(store.schedule_and_take(ME, 50, {"svc": 3}))
+    _, _, taken = run(store.schedule_and_take(ME, 50, {"svc": room(3)}))
     assert len(taken) == 3
     with traced(store, tmp_path / "trace") as sent:
         applied, next_ = run(
-            store.send_replies_and_take(ME, [(m.id, "ok", None, None) for m in taken], {"svc": 3})
+            store.send_replies_and_take(ME, [(m.id, "ok", None, None) for m in taken], {"svc": room(3)})
         )
     assert applied is not None and applied.accepted == 3
     assert sorted(m.task_id for m in next_) == ids and {m.step_idx for m in next_} == {1}
@@ -101,7 +101,7 @@ def test_the_steps_statement_reads_exactly_the_tasks_the_first_locked(
     comes first) must neither change which tasks' steps come nor be locked by this batch."""
     wf = make_workflow()
     a, b, c = (submit(store, wf, {"n": n}) for n in range(3))
-    _, _, taken = run(store.schedule_and_take(ME, 50, {"svc": 3}))
+    _, _, taken = run(store.schedule_and_take(ME, 50, {"svc": room(3)}))
     by_task = {m.task_id: m for m in taken}
     run(store.send_replies(ME, [(by_task[t].id, "ok", None, None) for t in (a, b)], apply=False))
 

@@ -24,6 +24,7 @@ from stepwarden.errors import InputError, LostOwnership, NotFound
 from stepwarden.policies import Backoff, Retry
 from stepwarden.store import ApplyResult, RequestMsg, SQLiteStore, Store, SweepResult, open_store, views
 from stepwarden.store import transitions as t
+from stepwarden.store.agents import Want, ops_json
 from stepwarden.supervisor import Supervisor, SupervisorSettings
 from stepwarden.workflow import Workflow, encode_input
 
@@ -59,6 +60,12 @@ def claim(store: Store, limit: int = 10, me: str = ME) -> int:
 
 def apply(store: Store, limit: int = 50, me: str = ME) -> ApplyResult:
     return store.transact_sync(t.apply_replies, me, limit, random.Random(0))
+
+
+def room(n: int, ops: tuple[str, ...] = ("do_a", "do_b", "do_c", "undo_a", "undo_b", "undo_c")) -> Want:
+    """A take of up to ``n`` requests for a worker's own slots, for ``ops`` (by default every
+    operation of ``make_workflow()``'s steps, and of their undos)."""
+    return Want(n, ops=ops_json(ops))
 
 
 def take(store: Store, limit: int = 10, agent: str = "svc") -> list[RequestMsg]:
@@ -1254,7 +1261,7 @@ def test_a_scheduler_round_takes_the_requests_it_dispatches_up_to_the_room_given
 ) -> None:
     wf = make_workflow()
     ids = [submit(store, wf) for _ in range(3)]
-    applied, claimed, taken = run(store.schedule_and_take(ME, 10, {"svc": 2}))
+    applied, claimed, taken = run(store.schedule_and_take(ME, 10, {"svc": room(2)}))
     assert claimed == 3 and applied.accepted == 0
     assert [(m.task_id, m.attempt, m.agent) for m in taken] == [(ids[0], 1, "svc"), (ids[1], 1, "svc")]
     rows = q(store, "SELECT task_id, state, taken_by FROM requests ORDER BY task_id")
@@ -1269,7 +1276,7 @@ def test_a_reply_batch_applies_and_takes_the_next_steps_in_one_transaction(
     task_id = submit(store, wf)
     claim(store)
     (msg,) = run(store.claim_requests(ME, ["svc"], 5))
-    applied, taken = run(store.send_replies_and_take(ME, [(msg.id, "ok", {"a": 1}, None)], {"svc": 1}))
+    applied, taken = run(store.send_replies_and_take(ME, [(msg.id, "ok", {"a": 1}, None)], {"svc": room(1)}))
     assert applied is not None and applied.accepted == 1
     # Step a completed and step b was dispatched and taken, all in that one commit.
     assert [(m.task_id, m.step_idx, m.attempt) for m in taken] == [(task_id, 1, 1)]

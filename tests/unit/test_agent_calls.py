@@ -16,46 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from test_agent_role import ME, WrappedStore, finish, make_role, replies, request_states, until
+from test_agent_role import ME, Dispatch, WrappedStore, finish, make_role, replies, request_states, until
 
 from stepwarden.agent import Agent, AgentRole, AgentSettings, Request
 from stepwarden.errors import Permanent, Transient
-from stepwarden.policies import Backoff, Retry
+from stepwarden.policies import Backoff
 from stepwarden.store import Store
 from stepwarden.store import agents as sa
-from stepwarden.store import transitions as t
-from stepwarden.workflow import Workflow, encode_input
+from stepwarden.workflow import Workflow
 
 Factory = Callable[..., Workflow]
-
-
-def dispatch(
-    store: Store,
-    make_workflow: Factory,
-    n: int = 1,
-    *,
-    budget: float = 5.0,
-    tries: int = 1,
-    agent: str = "svc",
-    backoff: Backoff | None = None,
-) -> list[int]:
-    """Submit ``n`` one-step tasks calling ``<agent>.do_s`` and dispatch them: ``n`` queued requests."""
-    retry = Retry(tries=tries, in_attempt=backoff or Backoff(initial=0.01, maximum=0.02, jitter=0.0))
-    wf = make_workflow("s", name=f"wf-{agent}", agent=agent, budget=budget, retry=retry, compensate=False)
-    ids = [
-        store.transact_sync(
-            t.submit,
-            wf,
-            encode_input({"n": i}),
-            correlation_id=None,
-            idempotency_key=None,
-            priority=0,
-            reply_to=None,
-        )[0]
-        for i in range(n)
-    ]
-    assert store.transact_sync(t.claim_and_dispatch, "sched", 100) == n
-    return ids
 
 
 def run_requests(store: Store, agent: Agent, pulled: int = 1, timeout: float = 3.0, **kw: Any) -> AgentRole:
@@ -89,10 +59,10 @@ def failures_total(store: Store) -> int:
 
 
 def test_a_plain_decorator_around_an_async_operation_runs_it_and_replies_its_result(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """The wrapper returns the coroutine from a thread; it is awaited, not stored as its text."""
-    dispatch(rt_store, make_workflow)
+    dispatch_requests(rt_store)
     agent = Agent("svc")
     ran: list[int] = []
 
@@ -111,13 +81,13 @@ def test_a_plain_decorator_around_an_async_operation_runs_it_and_replies_its_res
 
     run_requests(rt_store, agent)
     assert len(ran) == 1
-    assert [(r["outcome"], r["result"]) for r in replies(rt_store)] == [("ok", '{"charged": true}')]
+    assert [(r["outcome"], r["result"]) for r in replies(rt_store)] == [("ok", '{"charged":true}')]
 
 
 def test_an_object_with_an_async_call_method_runs_on_the_event_loop(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(rt_store, make_workflow)
+    dispatch_requests(rt_store)
     agent = Agent("svc")
     threads: list[str] = []
 
@@ -137,7 +107,7 @@ def test_an_object_with_an_async_call_method_runs_on_the_event_loop(
 
 
 def test_a_hung_plain_handler_keeps_its_slot_until_its_thread_is_free(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """Past complete-by the thread still runs the hung call: the agent takes nothing more for
     it, and pulls again once the thread is free."""
@@ -153,10 +123,10 @@ def test_a_hung_plain_handler_keeps_its_slot_until_its_thread_is_free(
 
     async def body() -> None:
         role = make_role(rt_store, agent)
-        dispatch(rt_store, make_workflow, n=2, budget=0.2)
+        dispatch_requests(rt_store, n=2, budget=0.2)
         assert await role.pull() == 2
         await finish(role, timeout=3.0)  # both silent at complete-by; their threads run on
-        dispatch(rt_store, make_workflow, n=2, budget=5.0)
+        dispatch_requests(rt_store, n=2, budget=5.0)
         assert await role.pull() == 0, "no thread is free for them"
         assert role.inflight == {"svc": 2} and role.load() == {"svc": (2, 2)}
         gate.set()
@@ -170,7 +140,7 @@ def test_a_hung_plain_handler_keeps_its_slot_until_its_thread_is_free(
 
 
 def test_a_plain_call_still_waiting_for_a_thread_at_complete_by_never_starts(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """One thread, two calls: the second waits behind the hung first. At complete-by it is
     dropped, so no handler starts after its request's complete-by, and a call that never
@@ -187,11 +157,11 @@ def test_a_plain_call_still_waiting_for_a_thread_at_complete_by_never_starts(
 
     async def body() -> None:
         role = make_role(rt_store, agent, threads=1)
-        dispatch(rt_store, make_workflow, n=2, budget=0.3)
+        dispatch_requests(rt_store, n=2, budget=0.3)
         assert await role.pull() == 2
         await finish(role, timeout=3.0)
         gate.set()
-        pool = getattr(role, "pool", None) or role.attempts.pools["svc"]
+        pool = role.attempts.pools["svc"]
         # one thread: this runs after every job queued before it has run (or been dropped)
         await asyncio.wrap_future(pool.submit(lambda: None))
         await until(lambda: role.inflight == {"svc": 0}, timeout=3.0)
@@ -204,7 +174,7 @@ def test_a_plain_call_still_waiting_for_a_thread_at_complete_by_never_starts(
 
 
 def test_one_agents_hung_service_does_not_starve_another_agents_plain_calls(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     hung, other = Agent("hung", concurrency=2, breaker_threshold=100), Agent("other", concurrency=1)
     gate = threading.Event()
@@ -222,10 +192,10 @@ def test_one_agents_hung_service_does_not_starve_another_agents_plain_calls(
     async def body() -> None:
         role = AgentRole(rt_store, {"hung": hung, "other": other}, ME)
         for _ in range(2):  # the hung service's calls expire; then more of them come
-            dispatch(rt_store, make_workflow, n=2, budget=0.2, agent="hung")
+            dispatch_requests(rt_store, n=2, budget=0.2, agent="hung")
             await role.pull()
             await finish(role, timeout=3.0)
-        dispatch(rt_store, make_workflow, n=1, budget=1.0, agent="other")
+        dispatch_requests(rt_store, n=1, budget=1.0, agent="other")
         assert await role.pull() == 1
         await finish(role, timeout=3.0)
         gate.set()
@@ -239,9 +209,9 @@ def test_one_agents_hung_service_does_not_starve_another_agents_plain_calls(
 
 @pytest.mark.parametrize("after_cancel", ["returns", "raises-permanent"])
 def test_an_operation_that_swallows_the_cancel_at_complete_by_sends_nothing(
-    rt_store: Store, make_workflow: Factory, after_cancel: str
+    rt_store: Store, dispatch_requests: Dispatch, after_cancel: str
 ) -> None:
-    dispatch(rt_store, make_workflow, budget=0.3)
+    dispatch_requests(rt_store, budget=0.3)
     agent = Agent("svc", breaker_threshold=100)
     cancelled: list[float] = []
 
@@ -276,11 +246,11 @@ class SlowReports(WrappedStore):
 
 
 def test_a_slow_health_report_does_not_hold_back_an_answer_given_in_time(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """A success after a failure is written to the store at once (it resets the counts), but the
     reply does not wait for it: answered in time, it is received in time."""
-    dispatch(rt_store, make_workflow, budget=0.9, tries=2)
+    dispatch_requests(rt_store, budget=0.9, tries=2)
     agent = Agent("svc", breaker_threshold=100)
     calls: list[int] = []
 
@@ -311,10 +281,12 @@ class SlowPulls(WrappedStore):
         return out
 
 
-def test_the_deadline_counts_from_before_the_pull_was_sent(rt_store: Store, make_workflow: Factory) -> None:
+def test_the_deadline_counts_from_before_the_pull_was_sent(
+    rt_store: Store, dispatch_requests: Dispatch
+) -> None:
     """A slow round trip shortens the call's time (as a lease's trust, LEAD2): the call is
     cancelled by complete-by on the database's clock, not a round trip after it."""
-    dispatch(rt_store, make_workflow, budget=0.6)
+    dispatch_requests(rt_store, budget=0.6)
     agent = Agent("svc", breaker_threshold=100)
     late: list[float] = []
 
@@ -332,9 +304,9 @@ def test_the_deadline_counts_from_before_the_pull_was_sent(rt_store: Store, make
 
 
 def test_a_request_taken_with_no_time_left_is_not_called_and_counts_no_failure(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(rt_store, make_workflow, budget=0.3)
+    dispatch_requests(rt_store, budget=0.3)
     agent = Agent("svc", breaker_threshold=100)
     calls: list[int] = []
 
@@ -354,13 +326,13 @@ def test_a_request_taken_with_no_time_left_is_not_called_and_counts_no_failure(
 
 
 def test_a_retry_with_too_little_time_left_is_not_started_and_the_attempt_replies_retry(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """The service takes 0.3 s to fail; after the back-off only 0.25 s would be left. The second
     try would hang to complete-by and end silent (a breaker failure, a wait for the supervisor):
     the attempt replies ``retry`` at once instead."""
     fixed = Backoff(initial=0.45, maximum=0.45, jitter=0.0)
-    dispatch(rt_store, make_workflow, budget=1.0, tries=3, backoff=fixed)
+    dispatch_requests(rt_store, budget=1.0, tries=3, backoff=fixed)
     agent = Agent("svc", breaker_threshold=100)
     calls: list[int] = []
 
@@ -381,9 +353,9 @@ def test_a_retry_with_too_little_time_left_is_not_started_and_the_attempt_replie
 
 
 def test_a_result_that_is_not_json_is_the_steps_error_not_its_text(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(rt_store, make_workflow)
+    dispatch_requests(rt_store)
     agent = Agent("svc")
 
     @agent.operation
@@ -398,9 +370,9 @@ def test_a_result_that_is_not_json_is_the_steps_error_not_its_text(
     )
 
 
-def test_a_result_over_the_limit_is_the_steps_error(rt_store: Store, make_workflow: Factory) -> None:
+def test_a_result_over_the_limit_is_the_steps_error(rt_store: Store, dispatch_requests: Dispatch) -> None:
     """Default 1 MiB, as the input limit (SUB4); ``AgentSettings.max_result_bytes`` sets it."""
-    dispatch(rt_store, make_workflow, n=2)
+    dispatch_requests(rt_store, n=2)
     agent = Agent("svc")
 
     @agent.operation
@@ -411,7 +383,7 @@ def test_a_result_over_the_limit_is_the_steps_error(rt_store: Store, make_workfl
     rows = replies(rt_store)
     assert [r["outcome"] for r in rows] == ["error", "ok"]
     assert "over the limit of 1048576 bytes" in rows[0]["error"]
-    dispatch(rt_store, make_workflow, n=1)
+    dispatch_requests(rt_store, n=1)
     run_requests(rt_store, agent, settings=AgentSettings(max_result_bytes=1000))
     assert replies(rt_store)[-1]["error"].endswith("bytes of JSON, over the limit of 1000 bytes")
 
@@ -431,11 +403,11 @@ class Custom(BaseException):
     ids=["system-exit", "custom", "own-cancel"],
 )
 def test_a_base_exception_from_an_operation_is_a_permanent_error_reply(
-    rt_store: Store, make_workflow: Factory, plain: bool, raised: BaseException, error: str
+    rt_store: Store, dispatch_requests: Dispatch, plain: bool, raised: BaseException, error: str
 ) -> None:
     """Not the end of the worker, nor a request silent until complete-by: an error reply, and
     the call counted as the service's answer."""
-    dispatch(rt_store, make_workflow, tries=3)
+    dispatch_requests(rt_store, tries=3)
     agent = Agent("svc")
     calls: list[int] = []
 
@@ -456,8 +428,8 @@ def test_a_base_exception_from_an_operation_is_a_permanent_error_reply(
 # -- the author's classification (AGT5) ---------------------------------------------------------------------
 
 
-def test_an_author_can_class_a_timeout_error_permanent(rt_store: Store, make_workflow: Factory) -> None:
-    dispatch(rt_store, make_workflow, tries=4)
+def test_an_author_can_class_a_timeout_error_permanent(rt_store: Store, dispatch_requests: Dispatch) -> None:
+    dispatch_requests(rt_store, tries=4)
 
     def classify(exc: BaseException) -> str:
         return "permanent" if isinstance(exc, TimeoutError) else "transient"
@@ -490,9 +462,9 @@ def broken_classify(exc: BaseException) -> str:
     ids=["raises", "bad-value"],
 )
 def test_a_classify_that_fails_makes_the_failure_permanent_at_once(
-    rt_store: Store, make_workflow: Factory, classify: Callable[[BaseException], str], says: str
+    rt_store: Store, dispatch_requests: Dispatch, classify: Callable[[BaseException], str], says: str
 ) -> None:
-    dispatch(rt_store, make_workflow, tries=4)
+    dispatch_requests(rt_store, tries=4)
     agent = Agent("svc", classify=classify)
 
     @agent.operation
@@ -521,9 +493,9 @@ class RefusesPoison(WrappedStore):
 
 
 def test_a_reply_the_store_refuses_does_not_drop_the_others_of_its_batch(
-    rt_store: Store, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch
+    rt_store: Store, dispatch_requests: Dispatch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    dispatch(rt_store, make_workflow, n=3)
+    dispatch_requests(rt_store, n=3)
     agent = Agent("svc", concurrency=3)
 
     @agent.operation
@@ -534,8 +506,81 @@ def test_a_reply_the_store_refuses_does_not_drop_the_others_of_its_batch(
 
     spy = RefusesPoison(rt_store)
     # fewer tries: the refused reply is given up sooner (a try waits 0.2 s x its number first)
-    monkeypatch.setattr("stepwarden.agent_role.SEND_TRIES", 3, raising=False)
+    monkeypatch.setattr("stepwarden.agent_role.SEND_TRIES", 3)
     run_requests(spy, agent, pulled=3, timeout=10.0, settings=AgentSettings(reply_linger=1.0))  # type: ignore[arg-type]
     assert spy.sent[0] == 3  # one batch first
     assert [(r["outcome"], r["result"]) for r in replies(rt_store)] == [("ok", '"fine"'), ("ok", '"fine"')]
     assert request_states(rt_store) == ["replied", "taken", "replied"]
+
+
+class FailsOnce(WrappedStore):
+    """The store, losing the connection in the first reply transaction (before it commits)."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.sent: list[int] = []
+
+    async def send_replies(self, me: str, items: Any, apply: bool = True) -> Any:
+        self.sent.append(len(items))
+        if len(self.sent) == 1:
+            raise ConnectionError("connection lost")
+        return await self.store.send_replies(me, items, apply=apply)
+
+
+def test_a_reply_batch_that_fails_once_is_sent_whole_again(
+    rt_store: Store, dispatch_requests: Dispatch
+) -> None:
+    """One lost connection costs one more transaction, not one per reply of the batch."""
+    dispatch_requests(rt_store, n=20)
+    agent = Agent("svc", concurrency=20)
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        return "fine"
+
+    spy = FailsOnce(rt_store)
+    run_requests(spy, agent, pulled=20, timeout=10.0, settings=AgentSettings(reply_linger=1.0))  # type: ignore[arg-type]
+    assert spy.sent == [20, 20]
+    assert request_states(rt_store) == ["replied"] * 20
+
+
+class RefusesPoisonApplied(WrappedStore):
+    """As RefusesPoison, for a worker that applies its replies (``send_replies_and_take``)."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.sent: list[int] = []
+
+    async def send_replies_and_take(self, me: str, items: Any, take: Any, apply: bool = True) -> Any:
+        self.sent.append(len(items))
+        if any("poison" in (error or "") for *_, error in items):
+            raise ValueError("the database refuses this text")
+        return await self.store.send_replies_and_take(me, items, take, apply)
+
+
+def test_a_batch_refused_twice_is_split_in_halves_down_to_the_reply_refused(
+    rt_store: Store, dispatch_requests: Dispatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sent whole twice, then in halves, a failing half split again: the one reply the
+    database refuses is singled out in about 2 log2(N) transactions, not N, and the others are
+    applied."""
+    ids = dispatch_requests(rt_store, n=16)
+    agent = Agent("svc", concurrency=16)
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        if req.input["n"] == 5:
+            raise Permanent("poison")
+        return "fine"
+
+    spy = RefusesPoisonApplied(rt_store)
+    monkeypatch.setattr("stepwarden.agent_role.SEND_TRIES", 3)
+    settings = AgentSettings(reply_linger=1.0, apply_replies=True)
+    run_requests(spy, agent, pulled=16, timeout=10.0, settings=settings)  # type: ignore[arg-type]
+    # two whole tries, both halves of each level (8, 4, 2, 1), then the refused one's last try
+    assert spy.sent[:2] == [16, 16] and sorted(spy.sent[2:]) == [1, 1, 1, 2, 2, 4, 4, 8, 8], spy.sent
+    assert request_states(rt_store) == ["replied"] * 5 + ["taken"] + ["replied"] * 10
+    tasks = rt_store.transact_sync(lambda tx: tx.sql("SELECT id, state FROM tasks ORDER BY id"))
+    assert [(r["id"], r["state"]) for r in tasks] == [
+        (i, "processing" if n == 5 else "processed") for n, i in enumerate(ids)
+    ]

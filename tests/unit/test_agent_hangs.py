@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from test_agent_role import ME, dispatch, finish, kinds, replies, request_states, until
+from test_agent_role import ME, Dispatch, finish, kinds, replies, request_states, until
 
 from stepwarden.agent import Agent, AgentRole, Request
 from stepwarden.errors import Transient
@@ -45,9 +45,9 @@ def hanging(agent: Agent, calls: list[str]) -> None:
 
 
 def test_hangs_to_complete_by_open_the_breaker_and_later_requests_fail_fast(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(rt_store, make_workflow, n=2, budget=0.2, tries=1)
+    dispatch_requests(rt_store, n=2, budget=0.2, tries=1)
     agent = Agent("svc", breaker_threshold=2, breaker_cool_off=60.0)
     calls: list[str] = []
     hanging(agent, calls)
@@ -63,7 +63,7 @@ def test_hangs_to_complete_by_open_the_breaker_and_later_requests_fail_fast(
         await until(lambda: "breaker_opened" in kinds(rt_store), timeout=3.0)
         # the breaker is shared through the store: the next requests are not pulled, so no call
         # hangs on the service again for a whole budget
-        dispatch(rt_store, make_workflow, n=2, budget=0.2, tries=1)
+        dispatch_requests(rt_store, n=2, budget=0.2, tries=1)
         assert await role.pull() == 0
         assert len(calls) == 2
 
@@ -72,11 +72,11 @@ def test_hangs_to_complete_by_open_the_breaker_and_later_requests_fail_fast(
 
 
 def test_one_hang_counts_as_one_failure_of_the_instance_and_the_breaker(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """Below the threshold the breaker stays closed, with the hang counted: the next failure in a
     row opens it; and operators see the instance's failure in the store."""
-    dispatch(rt_store, make_workflow, n=1, budget=0.2, tries=1)
+    dispatch_requests(rt_store, n=1, budget=0.2, tries=1)
     agent = Agent("svc", breaker_threshold=3, breaker_cool_off=60.0)
     calls: list[str] = []
     hanging(agent, calls)
@@ -94,7 +94,7 @@ def test_one_hang_counts_as_one_failure_of_the_instance_and_the_breaker(
 
 
 def test_a_trial_call_that_hangs_reopens_the_breaker_once_and_sends_nothing(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """After the cool-off one instance makes the half-open trial; the service hangs on it too. At
     complete-by the trial is cancelled, nothing is sent, and the breaker opens again, counted once
@@ -112,13 +112,13 @@ def test_a_trial_call_that_hangs_reopens_the_breaker_once_and_sends_nothing(
 
     async def body() -> None:
         role = AgentRole(rt_store, {"svc": agent}, ME)
-        dispatch(rt_store, make_workflow, n=1, budget=5.0, tries=1)
+        dispatch_requests(rt_store, n=1, budget=5.0, tries=1)
         assert await role.pull() == 1
         await finish(role)
         await until(lambda: breaker_row(rt_store)["opens"] == 1, timeout=3.0)
         # the cool-off over first: a request dispatched before it would have run out of budget
         await until(lambda: time.monotonic() >= role.breakers["svc"].retry_at, timeout=3.0)
-        dispatch(rt_store, make_workflow, n=1, budget=0.3, tries=1)
+        dispatch_requests(rt_store, n=1, budget=0.3, tries=1)
         assert await role.pull() == 1  # this instance wins the half-open trial
         await finish(role, timeout=3.0)
         assert len(calls) == 2

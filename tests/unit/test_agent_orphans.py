@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_agent_role import ME, Factory, LostCommits, dispatch, make_role, until
+from test_agent_role import ME, Dispatch, Factory, LostCommits, make_role, until
 
 from stepwarden.agent import Agent, AgentRole, AgentSettings, Request
 from stepwarden.clock import FakeClock, SystemClock
@@ -20,6 +20,7 @@ from stepwarden.errors import Transient
 from stepwarden.scheduler import SchedulerRole
 from stepwarden.store import Store, open_store
 from stepwarden.store import transitions as t
+from stepwarden.store.agents import Want
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -79,10 +80,10 @@ def _rows(store: Store, sql: str) -> list[dict[str, Any]]:
 
 
 def test_requests_a_lost_commit_took_are_released_at_once_with_no_failure_counted(
-    both_stores: Store, make_workflow: Factory
+    both_stores: Store, dispatch_requests: Dispatch
 ) -> None:
     rt_store = both_stores
-    ids = dispatch(rt_store, make_workflow, 4, budget=60.0)  # complete-by far beyond the test
+    ids = dispatch_requests(rt_store, 4, budget=60.0, tries=4)  # complete-by far beyond the test
     agent, ran = _recording_agent(2)
 
     store = LostCommits(rt_store, "send_replies_and_take", fail=1, committed=True)
@@ -115,12 +116,12 @@ def test_requests_a_lost_commit_took_are_released_at_once_with_no_failure_counte
 
 
 def test_the_sweep_leaves_running_calls_and_expired_attempts_alone(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """Of what this worker holds in the store, only the live attempts it does not run are released:
     not a call it is running, not an attempt past complete-by (the supervisor rescues that one,
     and counts it)."""
-    running_id, other = dispatch(rt_store, make_workflow, 2, budget=60.0)
+    running_id, other = dispatch_requests(rt_store, 2, budget=60.0, tries=4)
     agent = Agent("svc", concurrency=1)
     gate = asyncio.Event()
 
@@ -161,14 +162,18 @@ def test_the_sweep_leaves_running_calls_and_expired_attempts_alone(
     asyncio.run(body())
 
 
+def rooms(reserved: Mapping[str, Want]) -> dict[str, int]:
+    return {name: want.room for name, want in reserved.items()}
+
+
 class _Local:
     def __init__(self) -> None:
         self.accepted: list[bool] = []
 
-    def reserve(self) -> dict[str, int]:
-        return {"svc": 2}
+    def reserve(self) -> dict[str, Want]:
+        return {"svc": Want(2, ops='["do_s"]')}
 
-    def accept(self, msgs: list[Any], reserved: dict[str, int], failed: bool = False) -> None:
+    def accept(self, msgs: list[Any], reserved: Mapping[str, Want], failed: bool = False) -> None:
         self.accepted.append(failed)
 
 
@@ -188,11 +193,11 @@ class _InstantBackoff(SystemClock):
 
 
 def test_a_call_that_ran_but_whose_reply_never_got_through_is_not_released(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """It ran (its effect may be done): released as never started, its failure would go
     uncounted. It stays taken, for the supervisor to rescue at complete-by and count."""
-    (task,) = dispatch(rt_store, make_workflow, 1, budget=60.0)
+    (task,) = dispatch_requests(rt_store, 1, budget=60.0, tries=4)
     agent = Agent("svc", concurrency=1)
     ran: list[int] = []
 
@@ -218,11 +223,11 @@ def test_a_call_that_ran_but_whose_reply_never_got_through_is_not_released(
 
 
 def test_the_sweep_waits_for_a_take_in_flight_and_holds_new_ones_back(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """A reservation out is a transaction that may still bring requests to run: the sweep waits
     for it, and no new one is handed out meanwhile."""
-    dispatch(rt_store, make_workflow, 1, budget=60.0)
+    dispatch_requests(rt_store, 1, budget=60.0, tries=4)
     agent = Agent("svc", concurrency=2)
 
     @agent.operation
@@ -234,7 +239,7 @@ def test_the_sweep_waits_for_a_take_in_flight_and_holds_new_ones_back(
         await role.pull()
         await until(lambda: not role.tasks, timeout=5)
         reserved = role.reserve()
-        assert reserved == {"svc": 2}
+        assert rooms(reserved) == {"svc": 2} and reserved["svc"].ops == '["do_s"]'
         role._takes_unknown = True
         sweep = asyncio.create_task(role._release_unknown_takes())
         await until(lambda: role._sweeping)
@@ -244,14 +249,14 @@ def test_the_sweep_waits_for_a_take_in_flight_and_holds_new_ones_back(
         role.accept([], reserved, failed=True)
         await asyncio.wait_for(sweep, 5)
         assert not role._takes_unknown and not role._sweeping
-        assert role.reserve() == {"svc": 2}
+        assert rooms(role.reserve()) == {"svc": 2}
 
     asyncio.run(body())
 
 
-def test_a_pull_that_failed_marks_its_take_unknown(rt_store: Store, make_workflow: Factory) -> None:
+def test_a_pull_that_failed_marks_its_take_unknown(rt_store: Store, dispatch_requests: Dispatch) -> None:
     """The agent's own pull, lost after its commit: what it took is released by the sweep."""
-    (task,) = dispatch(rt_store, make_workflow, 1, budget=60.0)
+    (task,) = dispatch_requests(rt_store, 1, budget=60.0, tries=4)
     agent = Agent("svc", concurrency=1)
 
     @agent.operation
@@ -284,12 +289,12 @@ def _breaker(store: Store) -> dict[str, Any]:
 
 
 def test_a_trial_won_by_a_pull_whose_commit_was_lost_is_given_back_at_once(
-    store: Store, clock: FakeClock, make_workflow: Factory
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
     """After the cool-off, a pull wins the half-open trial and takes one request for it; its
     commit goes through, the answer is lost. The sweep hands the request back unrun, and the
     trial with it: another instance tries the service at once, not after ``trial_ttl``."""
-    dispatch(store, make_workflow, 1, budget=600.0, tries=1)
+    dispatch_requests(store, 1, budget=600.0, tries=1)
     agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
     calls: list[str] = []
 
@@ -311,7 +316,7 @@ def test_a_trial_won_by_a_pull_whose_commit_was_lost_is_given_back_at_once(
         assert _breaker(store)["state"] == "open"
         await other.health.register({"svc": 8})
         assert await other.pull() == 0  # it reads the shared breaker: open, cool-off running
-        (trial_task,) = dispatch(store, make_workflow, 1, budget=600.0, tries=1)
+        (trial_task,) = dispatch_requests(store, 1, budget=600.0, tries=1)
         clock.advance(10.0)
         role.store = role.health.store = lossy  # type: ignore[assignment]
         with pytest.raises(ConnectionError):
@@ -370,12 +375,12 @@ def _open_past_cool_off(store: Store) -> None:
 
 
 def test_a_trial_a_later_pull_won_is_kept_while_its_report_is_in_flight(
-    store: Store, clock: FakeClock, make_workflow: Factory
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
     """An unknown trial (a lost pull's) followed by a pull that wins the trial for real: that
     trial is known, and a sweep made while its report is being written (the mirror's ``trial``
     already cleared) must not give it back as unrun: its failure must reopen the breaker."""
-    dispatch(store, make_workflow, 1, budget=600.0, tries=1)
+    dispatch_requests(store, 1, budget=600.0, tries=1)
     agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
     agent.operation(lambda req: None, name="do_s")  # a pull takes only operations the worker has
 
@@ -385,7 +390,7 @@ def test_a_trial_a_later_pull_won_is_kept_while_its_report_is_in_flight(
         _open_past_cool_off(store)
         role.breakers["svc"].state = "open"  # as its last pull read it
         role.breakers["svc"].retry_at = clock.monotonic()
-        dispatch(store, make_workflow, 1, budget=600.0, tries=1)
+        dispatch_requests(store, 1, budget=600.0, tries=1)
         role.health.trials_unknown = {"svc"}  # a lost pull's, before this one
         got, trials, _, _ = await role.health.pull({"svc": 8})
         assert len(got) == 1 and trials == {"svc"}

@@ -18,37 +18,18 @@ import httpx
 import pytest
 
 from stepwarden.agent import Agent, AgentRole, AgentSettings, Request, default_classify
-from stepwarden.clock import FakeClock
+from stepwarden.agent_health import AgentHealth
+from stepwarden.clock import SYSTEM_CLOCK, FakeClock
 from stepwarden.errors import Permanent, Transient
-from stepwarden.policies import Backoff, BreakerState, Retry
+from stepwarden.policies import BreakerState
 from stepwarden.store import Store
+from stepwarden.store import agents as sa
 from stepwarden.store import transitions as t
-from stepwarden.workflow import Workflow, encode_input
+from stepwarden.workflow import Workflow
 
 ME = "agent-1:1:abc"
 Factory = Callable[..., Workflow]
-
-
-def dispatch(
-    store: Store, make_workflow: Factory, n: int = 1, *, budget: float = 5.0, tries: int = 4
-) -> list[int]:
-    """Submit ``n`` one-step tasks (operation ``svc.do_s``) and dispatch them: ``n`` queued requests."""
-    retry = Retry(tries=tries, in_attempt=Backoff(initial=0.01, maximum=0.02, jitter=0.0))
-    wf = make_workflow("s", budget=budget, retry=retry, compensate=False)
-    ids = [
-        store.transact_sync(
-            t.submit,
-            wf,
-            encode_input({"n": i}),
-            correlation_id=None,
-            idempotency_key=None,
-            priority=0,
-            reply_to=None,
-        )[0]
-        for i in range(n)
-    ]
-    assert store.transact_sync(t.claim_and_dispatch, "sched", 100) == n
-    return ids
+Dispatch = Callable[..., list[int]]  # the dispatch_requests fixture (tests/conftest.py)
 
 
 def replies(store: Store) -> list[dict[str, Any]]:
@@ -122,9 +103,9 @@ def test_default_classification(exc: BaseException, kind: str) -> None:
 
 
 def test_transient_failures_are_retried_in_the_attempt_then_one_ok_reply(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    [task_id] = dispatch(rt_store, make_workflow, tries=4)
+    [task_id] = dispatch_requests(rt_store, tries=4)
     agent = Agent("svc")
     seen: list[Request] = []
 
@@ -151,7 +132,7 @@ def test_transient_failures_are_retried_in_the_attempt_then_one_ok_reply(
         task_id,
         1,
         "ok",
-        '{"charged": 3}',
+        '{"charged":3}',
         ME,
     )
     assert request_states(rt_store) == ["replied"]
@@ -160,8 +141,8 @@ def test_transient_failures_are_retried_in_the_attempt_then_one_ok_reply(
     assert rt_store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks"))[0]["state"] == "processed"
 
 
-def test_transient_tries_used_up_send_a_retry_reply(rt_store: Store, make_workflow: Factory) -> None:
-    dispatch(rt_store, make_workflow, tries=3)
+def test_transient_tries_used_up_send_a_retry_reply(rt_store: Store, dispatch_requests: Dispatch) -> None:
+    dispatch_requests(rt_store, tries=3)
     agent = Agent("svc", breaker_threshold=100)
     calls: list[int] = []
 
@@ -182,8 +163,8 @@ def test_transient_tries_used_up_send_a_retry_reply(rt_store: Store, make_workfl
     assert rep["error"] == "transient: ConnectionError: reset #3"
 
 
-def test_permanent_failure_sends_an_error_reply_at_once(rt_store: Store, make_workflow: Factory) -> None:
-    dispatch(rt_store, make_workflow, tries=5)
+def test_permanent_failure_sends_an_error_reply_at_once(rt_store: Store, dispatch_requests: Dispatch) -> None:
+    dispatch_requests(rt_store, tries=5)
     agent = Agent("svc")
     calls: list[int] = []
 
@@ -204,14 +185,13 @@ def test_permanent_failure_sends_an_error_reply_at_once(rt_store: Store, make_wo
 
 
 def test_a_request_for_an_operation_this_worker_lacks_is_left_to_a_worker_that_has_it(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    """A rolling deploy: an old worker's agent lacks the new operation. Its pulls leave such
-    requests queued; one taken anyway (by the take of a reply batch or a scheduler round, which
-    take any of the agent's requests) is handed back uncounted, without a word to the agent's
-    health or breaker, and the agent's slots are then filled by pulls only. A worker that has
-    the operation runs it."""
-    [task_id] = dispatch(rt_store, make_workflow)
+    """A rolling deploy: an old worker's agent lacks the new operation. Its pulls and the takes
+    of its reservations leave such requests queued; one taken anyway (by a worker of an older
+    version, whose takes did not look at operations) is handed back uncounted, without a word to
+    the agent's health or breaker. A worker that has the operation runs it."""
+    [task_id] = dispatch_requests(rt_store, tries=4)
     old = Agent("svc")
 
     @old.operation
@@ -226,10 +206,9 @@ def test_a_request_for_an_operation_this_worker_lacks_is_left_to_a_worker_that_h
     async def body() -> None:
         role = make_role(rt_store, old)
         assert await role.pull() == 0
-        [msg] = await rt_store.claim_requests(ME, ["svc"], 1)  # as a take would
+        [msg] = await rt_store.claim_requests(ME, ["svc"], 1)  # as an older worker's take would
         role.accept([msg], {})
         await finish(role)
-        assert role.reserve() == {}, "its slots are filled by pulls only, for now"
         [rep] = replies(rt_store)
         assert rep["outcome"] == "released" and f"no operation 'do_s' in worker {ME}" in rep["error"]
         rt_store.transact_sync(t.apply_replies, "sched", 10, random.Random(0))
@@ -248,13 +227,44 @@ def test_a_request_for_an_operation_this_worker_lacks_is_left_to_a_worker_that_h
     assert [(r["id"], r["state"], r["failure_count"]) for r in tasks] == [(task_id, "processed", 0)]
 
 
+def test_the_take_of_a_reservation_leaves_the_operations_this_worker_lacks(
+    rt_store: Store, dispatch_requests: Dispatch
+) -> None:
+    """A reply batch or a scheduler round takes requests for the worker's own slots, as a pull
+    does: only for the operations it has. A take of any of the agent's requests gave an old
+    worker the new operation's requests, to hand back, again and again."""
+    dispatch_requests(rt_store, 2)  # svc.do_s
+    old = Agent("svc", concurrency=4)
+
+    @old.operation
+    async def other(req: Request) -> None: ...
+
+    new = Agent("svc", concurrency=4)
+
+    @new.operation
+    async def do_s(req: Request) -> None: ...
+
+    async def body() -> None:
+        for agent, expected in ((old, 0), (new, 2)):
+            role = make_role(rt_store, agent)
+            await role._register()
+            reserved = role.reserve()
+            assert reserved["svc"].room == 4
+            _, taken = await rt_store.send_replies_and_take(ME, [], reserved, apply=False)
+            role.accept([], reserved)
+            assert len(taken) == expected, agent.operations
+        assert request_states(rt_store) == ["taken", "taken"]
+
+    run(body())
+
+
 # -- complete-by (AGT4) ------------------------------------------------------------------------------
 
 
 def test_an_async_handler_running_at_complete_by_is_cancelled_and_sends_nothing(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(rt_store, make_workflow, budget=0.3)
+    dispatch_requests(rt_store, budget=0.3, tries=4)
     agent = Agent("svc")
     marks: dict[str, float] = {}
 
@@ -287,9 +297,9 @@ def test_an_async_handler_running_at_complete_by_is_cancelled_and_sends_nothing(
 
 
 def test_a_plain_function_past_complete_by_has_its_late_result_discarded(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(rt_store, make_workflow, budget=0.3)
+    dispatch_requests(rt_store, budget=0.3, tries=4)
     agent = Agent("svc")
     release, returned = threading.Event(), threading.Event()
 
@@ -312,8 +322,8 @@ def test_a_plain_function_past_complete_by_has_its_late_result_discarded(
     assert replies(rt_store) == []
 
 
-def test_plain_function_handlers_run_in_threads(rt_store: Store, make_workflow: Factory) -> None:
-    dispatch(rt_store, make_workflow, n=2)
+def test_plain_function_handlers_run_in_threads(rt_store: Store, dispatch_requests: Dispatch) -> None:
+    dispatch_requests(rt_store, n=2, tries=4)
     agent = Agent("svc")
     both = threading.Barrier(2, timeout=2)  # passes only if the two calls run at the same time
     threads: list[str] = []
@@ -339,9 +349,9 @@ def test_plain_function_handlers_run_in_threads(rt_store: Store, make_workflow: 
 
 
 def test_the_breaker_opens_after_repeated_failures_and_the_role_stops_pulling(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(rt_store, make_workflow, tries=5)
+    dispatch_requests(rt_store, tries=5)
     agent = Agent("svc", breaker_threshold=2, breaker_cool_off=60.0)
     calls: list[int] = []
 
@@ -364,7 +374,7 @@ def test_the_breaker_opens_after_repeated_failures_and_the_role_stops_pulling(
         # operators can see it
         await until(lambda: "breaker_opened" in kinds(rt_store), timeout=2.0)
         # the breaker is shared through the store: no instance of the agent pulls its requests
-        dispatch(rt_store, make_workflow, n=2)
+        dispatch_requests(rt_store, n=2, tries=4)
         assert await role.pull() == 0
         other = AgentRole(rt_store, {"svc": agent}, "agent-2:2:def")
         assert await other.pull() == 0
@@ -376,9 +386,9 @@ def test_the_breaker_opens_after_repeated_failures_and_the_role_stops_pulling(
 
 
 def test_after_the_cool_off_a_trial_request_reaches_the_service_and_closes_the_breaker(
-    store: Store, clock: FakeClock, make_workflow: Factory
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(store, make_workflow, tries=1, budget=60.0)
+    dispatch_requests(store, tries=1, budget=60.0)
     agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
     calls: list[int] = []
 
@@ -394,7 +404,7 @@ def test_after_the_cool_off_a_trial_request_reaches_the_service_and_closes_the_b
         await role.pull()
         await finish(role)
         assert role.breakers["svc"].state == "open"
-        dispatch(store, make_workflow, tries=1, budget=60.0)
+        dispatch_requests(store, tries=1, budget=60.0)
         assert await role.pull() == 0
         clock.advance(10.0)
         assert await role.pull() == 1  # the half-open trial
@@ -408,9 +418,9 @@ def test_after_the_cool_off_a_trial_request_reaches_the_service_and_closes_the_b
 
 
 def test_after_the_cool_off_only_one_trial_request_is_taken(
-    store: Store, clock: FakeClock, make_workflow: Factory
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
-    dispatch(store, make_workflow, tries=1, budget=60.0)
+    dispatch_requests(store, tries=1, budget=60.0)
     agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
     calls: list[int] = []
 
@@ -428,7 +438,7 @@ def test_after_the_cool_off_only_one_trial_request_is_taken(
         role = make_role(store, agent, clock=clock)
         await role.pull()
         await finish(role)
-        dispatch(store, make_workflow, n=3, tries=1, budget=60.0)
+        dispatch_requests(store, n=3, tries=1, budget=60.0)
         clock.advance(10.0)
         taken = [await role.pull(), await role.pull()]  # what run() does after a successful pull
         await until(lambda: len(calls) == 2)
@@ -441,8 +451,10 @@ def test_after_the_cool_off_only_one_trial_request_is_taken(
     assert request_states(store).count("queued") == 2
 
 
-def test_capacity_limits_how_many_requests_an_instance_takes(rt_store: Store, make_workflow: Factory) -> None:
-    dispatch(rt_store, make_workflow, n=5)
+def test_capacity_limits_how_many_requests_an_instance_takes(
+    rt_store: Store, dispatch_requests: Dispatch
+) -> None:
+    dispatch_requests(rt_store, n=5, tries=4)
     agent = Agent("svc", concurrency=2)
     running: list[int] = []
     peak: list[int] = [0]
@@ -475,7 +487,7 @@ def test_capacity_limits_how_many_requests_an_instance_takes(rt_store: Store, ma
     assert len(replies(rt_store)) == 5
 
 
-def test_the_role_loop_serves_requests_until_stopped(rt_store: Store, make_workflow: Factory) -> None:
+def test_the_role_loop_serves_requests_until_stopped(rt_store: Store, dispatch_requests: Dispatch) -> None:
     agent = Agent("svc", concurrency=4)
 
     @agent.operation
@@ -486,7 +498,7 @@ def test_the_role_loop_serves_requests_until_stopped(rt_store: Store, make_workf
         stop = asyncio.Event()
         role = make_role(rt_store, agent, settings=AgentSettings(poll_interval=0.01, idle_poll_max=0.02))
         loop_task = asyncio.create_task(role.run(stop))
-        await asyncio.to_thread(dispatch, rt_store, make_workflow, 6)
+        await asyncio.to_thread(dispatch_requests, rt_store, 6, tries=4)
         end = time.monotonic() + 3
         while len(replies(rt_store)) < 6:
             assert time.monotonic() < end, "the role did not serve all requests"
@@ -547,12 +559,12 @@ class LostCommits(WrappedStore):
 
 
 def test_a_reply_batch_refills_the_slots_it_frees_and_a_lost_one_gives_its_reservation_back(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """A worker that is also a scheduler: its reply transaction takes the next queued requests
     for the slots the replies free (no pull of its own). When that transaction is lost, the slots
     it reserved are given back, the batch is sent again, and nothing is taken twice or left behind."""
-    ids = dispatch(rt_store, make_workflow, 4)
+    ids = dispatch_requests(rt_store, 4, tries=4)
     agent = Agent("svc", concurrency=2)
     ran: list[int] = []
 
@@ -592,18 +604,18 @@ class CountingTakes(WrappedStore):
                 "SELECT count(*) AS n FROM requests WHERE state = 'taken' AND taken_by = ?", (me,)
             )
         )[0]["n"]
-        self.batches.append((len(replies), sum(take.values()), int(held)))
+        self.batches.append((len(replies), sum(w.room for w in take.values()), int(held)))
         return out
 
 
 def test_a_committed_reply_batch_frees_its_slots_before_the_calls_resume(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """Operations that return at once reply within the loop iteration that started them, so the
     next batch is formed before the previous batch's calls have run their last lines. Its slots
     were given back at its commit: the next batch refills all of them, from one pull to the last
     request, and the instance never holds more requests than its capacity (AGT6)."""
-    ids = dispatch(rt_store, make_workflow, 24)
+    ids = dispatch_requests(rt_store, 24, tries=4)
     agent = Agent("svc", concurrency=4)
     ran: list[int] = []
 
@@ -630,11 +642,11 @@ def test_a_committed_reply_batch_frees_its_slots_before_the_calls_resume(
 
 
 def test_a_stopping_agent_takes_nothing_more_and_waits_for_what_it_started(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """Drain: the reply batches of the calls still running commit, but take no new requests, and
     when the role returns nothing of it runs and nothing stays taken by it."""
-    dispatch(rt_store, make_workflow, 12)
+    dispatch_requests(rt_store, 12, tries=4)
     agent = Agent("svc", concurrency=2)
     started: list[int] = []
 
@@ -659,11 +671,11 @@ def test_a_stopping_agent_takes_nothing_more_and_waits_for_what_it_started(
 
 
 def test_a_call_that_swallows_the_stop_does_not_reply_after_it_was_released(
-    rt_store: Store, make_workflow: Factory
+    rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
     """An operation that catches the cancellation of a stop and returns anyway: the call still
     ends as cancelled, so the attempt is released (handed back uncounted) and no ok reply follows."""
-    dispatch(rt_store, make_workflow, 1)
+    dispatch_requests(rt_store, 1, tries=4)
     agent = Agent("svc", concurrency=1)
     entered = asyncio.Event()
 
@@ -690,11 +702,11 @@ def test_a_call_that_swallows_the_stop_does_not_reply_after_it_was_released(
 
 
 def test_bookkeeping_that_fails_after_a_commit_does_not_send_the_batch_again(
-    rt_store: Store, make_workflow: Factory, caplog: pytest.LogCaptureFixture
+    rt_store: Store, dispatch_requests: Dispatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The replies are committed: an error in what follows (a metrics callback) is logged, the
     batch is not retried (it would be recorded again, as stale), and the calls are released."""
-    dispatch(rt_store, make_workflow, 2)
+    dispatch_requests(rt_store, 2, tries=4)
     agent = Agent("svc", concurrency=2)
 
     @agent.operation
@@ -732,12 +744,15 @@ class SilentStore(WrappedStore):
 
 
 def test_a_stop_with_the_database_not_answering_ends_within_its_bound(
-    rt_store: Store, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    rt_store: Store,
+    dispatch_requests: Dispatch,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """DEP4 with the database gone quiet: the release of the unfinished attempt is tried once and
     given up after its bound, the role returns, and the attempt is left to expire at complete-by."""
     monkeypatch.setattr("stepwarden.agent_role.STOP_WRITE_WAIT", 0.2)
-    dispatch(rt_store, make_workflow, 1)
+    dispatch_requests(rt_store, 1, tries=4)
     agent = Agent("svc", concurrency=1)
     entered = asyncio.Event()
 
@@ -763,3 +778,108 @@ def test_a_stop_with_the_database_not_answering_ends_within_its_bound(
     assert silent.release_tries == 1
     assert "could not release them (they will expire)" in caplog.text
     assert request_states(rt_store) == ["taken"]
+
+
+# -- health reports ---------------------------------------------------------------------------------
+
+
+class SlowFailures(WrappedStore):
+    """The store, writing a failed call's report only after a while; records the reports' order
+    of commit (``ok`` of each)."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.written: list[bool] = []
+
+    async def transact(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        if fn is not sa.report:
+            return await self.store.transact(fn, *args, **kw)
+        report: sa.Report = args[1]
+        if not report.ok:
+            await asyncio.sleep(0.05)
+        out = await self.store.transact(fn, *args, **kw)
+        self.written.append(report.ok)
+        return out
+
+
+def test_a_plain_success_is_counted_without_a_task_and_written_later(rt_store: Store) -> None:
+    """The common case, on the path of every reply: nothing in the store depends on it, so it
+    is only counted (no task to create and wait for), and written with the next ones."""
+    agent = Agent("svc")
+    spy = SlowFailures(rt_store)
+
+    async def body() -> None:
+        health = AgentHealth(spy, ME, {"svc": agent}, SYSTEM_CLOCK, AgentSettings(success_every=60.0))  # type: ignore[arg-type]
+        await health.register({"svc": 1})
+        health.instances["svc"].written_at = time.monotonic()  # written just now
+        assert health.report_soon("svc", True) is None
+        assert health.report_soon("svc", True) is None
+        assert health.instances["svc"].unsent == 2 and not health._background
+        failed = health.report_soon("svc", False, "down")
+        assert failed is not None  # a failure is written at once, in the background
+        await failed
+        assert spy.written == [False]
+
+    run(body())
+
+
+def test_a_success_is_not_written_before_an_earlier_failure(rt_store: Store) -> None:
+    """A success written first would reset the breaker's count of failures in a row, and the
+    failure written after it would count as the first of a new streak: one agent's reports are
+    written in the order its calls ended."""
+    agent = Agent("svc")
+    spy = SlowFailures(rt_store)
+
+    async def body() -> None:
+        health = AgentHealth(spy, ME, {"svc": agent}, SYSTEM_CLOCK, AgentSettings(success_every=0.0))  # type: ignore[arg-type]
+        await health.register({"svc": 1})
+        failed = health.report_soon("svc", False, "down")
+        ok = health.report_soon("svc", True)
+        assert failed is not None and ok is not None  # the success waits for the failure's report
+        await asyncio.wait_for(asyncio.gather(failed, ok), 5)
+        await health.stop()
+        assert spy.written == [False, True]
+        assert health.instances["svc"].failures == 0 and health.instances["svc"].unsent == 0
+
+    run(body())
+
+
+def test_a_trial_that_ends_without_calling_the_service_is_given_back(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trial's request was taken with too little time left to try (see MIN_TRY_LEFT): it
+    says nothing about the service, so the trial is given back unrun, not counted failed, and
+    the next request may be the trial at once, without another cool-off."""
+    dispatch_requests(store, tries=1, budget=60.0)
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Transient("down")
+        return "up"
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock)
+        await role.pull()
+        await finish(role)
+        assert role.breakers["svc"].state == "open"
+        dispatch_requests(store, tries=1, budget=10.5)  # 0.5 s left after the cool-off
+        clock.advance(10.0)
+        monkeypatch.setattr("stepwarden.agent_attempt.MIN_TRY_LEFT", 1.0)  # too little to try
+        assert await role.pull() == 1  # the trial
+        await finish(role)
+        assert len(calls) == 1, "no time to try: the service was not called"
+        [b] = store.transact_sync(sa.list_agents)["breakers"]
+        assert (b["state"], b["trial_by"], b["failures"]) == ("open", None, 1)  # given back, unrun
+        monkeypatch.undo()
+        dispatch_requests(store, tries=1, budget=60.0)
+        assert await role.pull() == 1  # the next trial, with no cool-off
+        await finish(role)
+        assert len(calls) == 2
+        assert cast(BreakerState, role.breakers["svc"].state) == "closed"
+
+    run(body())
+    assert [r["outcome"] for r in replies(store)] == ["retry", "ok"]

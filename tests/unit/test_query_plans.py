@@ -10,7 +10,15 @@ import pytest
 
 from stepwarden.store import SQLiteStore
 
-PARAMS = {"me": "w:1:a", "limit": 10, "agent": "inventory", "own": "[]", "retention": 3600.0, "ids": "[1]"}
+PARAMS = {
+    "me": "w:1:a",
+    "limit": 10,
+    "agent": "inventory",
+    "own": "[]",
+    "retention": 3600.0,
+    "ids": "[1]",
+    "ops": '["do_a"]',
+}
 
 
 @pytest.fixture
@@ -29,6 +37,7 @@ def plan(store: SQLiteStore, query: str) -> str:
     ("query", "index"),
     [
         ("claim_requests", "requests_queued"),
+        ("claim_agent_requests", "requests_queued"),  # pulls, and the takes of reservations
         ("expired_steps", "steps_inflight"),
         ("new_replies_with_tasks", "replies_new"),
         ("steps_of_new_replies", "replies_new"),

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import pytest
-from test_agent_role import CountingTakes, Factory, dispatch, make_role, run, until
+from test_agent_role import CountingTakes, Dispatch, make_role, run, until
 
 from stepwarden.agent import Agent, AgentSettings, Request
 from stepwarden.errors import InputError
@@ -49,12 +49,12 @@ def _gated_agent(concurrency: int, gated: int, gate: asyncio.Event) -> tuple[Age
 
 @pytest.mark.parametrize("linger", [1.0, 0.0])
 def test_calls_that_answer_a_moment_later_share_the_batch(
-    rt_store: Store, make_workflow: Factory, linger: float
+    rt_store: Store, dispatch_requests: Dispatch, linger: float
 ) -> None:
     """Two calls answer at once, one a few loop turns later and one a few more. With a linger,
     the first batch waits for both, not just the next, and carries all four replies; without one
     (0), the first two go alone."""
-    ids = dispatch(rt_store, make_workflow, 4)
+    ids = dispatch_requests(rt_store, 4, tries=4)
     agent, ran = _staggered_agent({ids[2]: 20, ids[3]: 40})
     spy = CountingTakes(rt_store)
     took: list[float] = []
@@ -79,11 +79,13 @@ def test_calls_that_answer_a_moment_later_share_the_batch(
         assert sizes[0] == 2 and len(sizes) > 1, spy.batches
 
 
-def test_a_call_slower_than_the_linger_is_not_waited_for(rt_store: Store, make_workflow: Factory) -> None:
+def test_a_call_slower_than_the_linger_is_not_waited_for(
+    rt_store: Store, dispatch_requests: Dispatch
+) -> None:
     """One call answers at once, the other only after the first batch has committed: the batch
     goes out once the linger has passed, with the one reply, and the slow call's reply follows
     in a batch of its own."""
-    ids = dispatch(rt_store, make_workflow, 2)
+    ids = dispatch_requests(rt_store, 2, tries=4)
     first_committed = asyncio.Event()
     agent, ran = _gated_agent(2, ids[1], first_committed)
 
@@ -106,11 +108,11 @@ def test_a_call_slower_than_the_linger_is_not_waited_for(rt_store: Store, make_w
     assert [sent for sent, *_ in spy.batches] == [1, 1]
 
 
-def test_a_slow_call_delays_one_batch_not_every_batch(rt_store: Store, make_workflow: Factory) -> None:
+def test_a_slow_call_delays_one_batch_not_every_batch(rt_store: Store, dispatch_requests: Dispatch) -> None:
     """One slot holds a call that runs for the whole test while the other three serve 30 quick
     ones, about ten batches: the first batch lingers for it, the later ones do not (they wait
     only for calls started since the batch before), so the 30 take far less than ten lingers."""
-    ids = dispatch(rt_store, make_workflow, 31)
+    ids = dispatch_requests(rt_store, 31, tries=4)
     release = asyncio.Event()
     agent, ran = _gated_agent(4, ids[0], release)
 
@@ -140,10 +142,10 @@ def test_a_linger_out_of_range_is_refused(linger: float) -> None:
         AgentSettings(reply_linger=linger)
 
 
-def test_the_linger_ends_when_the_agent_stops(rt_store: Store, make_workflow: Factory) -> None:
+def test_the_linger_ends_when_the_agent_stops(rt_store: Store, dispatch_requests: Dispatch) -> None:
     """A stopping agent sends the replies it has at once, without lingering for a call that may
     not answer before the grace period ends."""
-    ids = dispatch(rt_store, make_workflow, 2)
+    ids = dispatch_requests(rt_store, 2, tries=4)
     release = asyncio.Event()
     agent, ran = _gated_agent(2, ids[1], release)
 

@@ -24,14 +24,15 @@ The functions here run inside one transaction each (``store.transact(fn, ...)``)
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .base import ApplyResult, RequestMsg, Row, Tx, read_only
-from .core import _claim_requests, _record_replies, _requests
+from .core import Want as Want
+from .core import _record_replies, _requests
+from .core import ops_json as ops_json
 from .records import alert, event
 from .views import iso
 
@@ -70,18 +71,6 @@ class InstanceSpec:
     capacity: int
     threshold: int
     cool_off: float
-
-
-@dataclass(frozen=True)
-class Want:
-    """A pull's wish for one agent: up to ``room`` requests; ``may_trial``: this instance may run
-    the half-open trial if the breaker's cool-off is over."""
-
-    room: int
-    may_trial: bool = True
-    # The operations this instance has (None: any). A request for another one is left queued for
-    # an instance that has it: a worker of another version, in a rolling deploy.
-    ops: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -185,10 +174,7 @@ def pull(
 
 
 def _claim(tx: Tx, me: str, agent: str, want: Want, limit: int) -> list[RequestMsg]:
-    if want.ops is None:
-        return _claim_requests(tx, me, [agent], limit)
-    ops = json.dumps(sorted(want.ops))
-    return _requests(tx.all("claim_agent_requests", me=me, agent=agent, ops=ops, limit=limit))
+    return _requests(tx.all("claim_agent_requests", me=me, agent=agent, ops=want.ops, limit=limit))
 
 
 def return_trials(tx: Tx, me: str, agents: Sequence[str], why: str) -> list[str]:

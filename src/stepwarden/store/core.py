@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .. import liveness
@@ -176,12 +177,13 @@ class Store:
         self,
         me: str,
         replies: Sequence[tuple[int, str, Any, str | None]],
-        take: Mapping[str, int],
+        take: Mapping[str, Want],
         apply: bool = True,
     ) -> tuple[ApplyResult | None, list[RequestMsg]]:
-        """:meth:`send_replies`, then, in the same transaction, take up to ``take[agent]`` queued
-        requests for this worker's own agents: the slots these replies free are refilled (often
-        with the very steps the replies just dispatched) without a transaction of their own."""
+        """:meth:`send_replies`, then, in the same transaction, take up to ``take[agent].room``
+        queued requests for this worker's own agents, for its operations: the slots these
+        replies free are refilled (often with the very steps the replies just dispatched)
+        without a transaction of their own."""
 
         def send_all(tx: Tx) -> tuple[ApplyResult | None, Callable[[], list[RequestMsg]]]:
             return _record_replies(tx, me, replies, apply, self.rng), _take(tx, me, take)
@@ -190,10 +192,11 @@ class Store:
         return applied, taken()
 
     async def schedule_and_take(
-        self, me: str, limit: int, take: Mapping[str, int]
+        self, me: str, limit: int, take: Mapping[str, Want]
     ) -> tuple[ApplyResult, int, list[RequestMsg]]:
         """A scheduler round whose worker also runs agents: the requests it dispatches are taken
-        for those agents (up to ``take[agent]``) in the same transaction, no second round trip."""
+        for those agents (up to ``take[agent].room``, for their operations) in the same
+        transaction, no second round trip."""
 
         def round_(tx: Tx) -> tuple[ApplyResult, int, Callable[[], list[RequestMsg]]]:
             applied, claimed = t.schedule(tx, me, limit, self.rng)
@@ -282,14 +285,33 @@ def _requests(rows: list[Row]) -> list[RequestMsg]:
     ]
 
 
-def _take(tx: Tx, me: str, take: Mapping[str, int]) -> Callable[[], list[RequestMsg]]:
-    """Take up to ``take[agent]`` queued requests for this worker's own slots, after everything
-    else the transaction does (the requests it dispatches included); the rows come with the
-    commit. Other workers get the new-requests hint only if some are left for them."""
+@dataclass(frozen=True)
+class Want:
+    """What a worker takes for one of its agents, in a pull or a reservation's take: up to
+    ``room`` requests, only for the operations it has (``ops``, a JSON array: see
+    :func:`ops_json`); a request for another one is left queued for an instance that has it (a
+    worker of another version, in a rolling deploy). ``may_trial`` (pulls only): this instance
+    may run the half-open trial if the breaker's cool-off is over."""
+
+    room: int
+    ops: str
+    may_trial: bool = False
+
+
+def ops_json(operations: Iterable[str]) -> str:
+    """An agent's operations as :attr:`Want.ops`: built once per agent, not for every take."""
+    return json.dumps(sorted(operations))
+
+
+def _take(tx: Tx, me: str, take: Mapping[str, Want]) -> Callable[[], list[RequestMsg]]:
+    """Take up to ``take[agent].room`` queued requests (of its operations) for this worker's own
+    slots, after everything else the transaction does (the requests it dispatches included);
+    the rows come with the commit. Other workers get the new-requests hint only if some are
+    left for them."""
     reads = [
-        tx.at_commit("claim_requests", me=me, agent=agent, limit=room)
-        for agent, room in take.items()
-        if room > 0
+        tx.at_commit("claim_agent_requests", me=me, agent=agent, ops=want.ops, limit=want.room)
+        for agent, want in take.items()
+        if want.room > 0
     ]
     if reads and tx.dispatched:
         tx.notify_if_queued(sorted(set(tx.dispatched)))

@@ -52,8 +52,9 @@ RETURNING requests.id, task_id, step_idx, attempt, kind, agent, operation, paylo
           idempotency_key, complete_by, complete_by - {now} AS remaining;
 
 -- name: claim_agent_requests
--- claim_requests for an agent instance's pull: only the operations it has (`:ops`, a JSON array),
--- so that a worker of another version (a rolling deploy) leaves the others' requests queued.
+-- claim_requests for an agent instance's pull, or the take of its reservation in a reply batch or
+-- a scheduler round: only the operations it has (`:ops`, a JSON array), so that a worker of
+-- another version (a rolling deploy) leaves the others' requests queued.
 WITH c AS MATERIALIZED (
     SELECT id FROM requests
     WHERE state = 'queued' AND agent = :agent AND complete_by > {now}

@@ -41,8 +41,9 @@ RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, polic
           complete_by, complete_by - {now} AS remaining;
 
 -- name: claim_agent_requests
--- claim_requests for an agent instance's pull: only the operations it has (`:ops`, a JSON array),
--- so that a worker of another version (a rolling deploy) leaves the others' requests queued.
+-- claim_requests for an agent instance's pull, or the take of its reservation in a reply batch or
+-- a scheduler round: only the operations it has (`:ops`, a JSON array), so that a worker of
+-- another version (a rolling deploy) leaves the others' requests queued.
 UPDATE requests SET state = 'taken', taken_by = :me, taken_at = {now}
 WHERE id IN (SELECT id FROM requests INDEXED BY requests_queued
              WHERE state = 'queued' AND agent = :agent
