@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .durations import short as short_duration
 from .logs import safe_text
 from .store.views import iso
 
@@ -246,18 +247,28 @@ def workers_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         console.print("no workers")
         return
-    t = _table("id", "roles", "agents", "heartbeat", "breakers", "stopped")
+    t = _table("id", "state", "roles", "agents", "heartbeat", "breakers", "stopped")
     for w in rows:
         breakers = " ".join(f"{a}:{s}" for a, s in w["breakers"].items()) or "-"
         t.add_row(
             w["id"],
+            worker_state(w),
             ",".join(w["roles"]),
             ",".join(w["agents"]) or "-",
-            _short(w["heartbeat_at"]),
+            f"{_short(w['heartbeat_at'])} ({short_duration(w['heartbeat_age'])} ago)",
             breakers,
             _short(w["stopped_at"]),
         )
     console.print(t)
+
+
+def worker_state(w: dict[str, Any]) -> str:
+    """``stopped``, ``silent`` or ``live``: a worker killed without a word (SIGKILL, a lost
+    machine) never records its stop, so its row alone would pass for live until it is pruned
+    days later; ``silent`` (``liveness.silent``: no heartbeat for a minute) says it is not."""
+    if w["stopped_at"]:
+        return "stopped"
+    return "silent" if w["silent"] else "live"
 
 
 @_renders_safely

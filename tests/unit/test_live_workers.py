@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from stepwarden.clock import FakeClock
 from stepwarden.store import Store, views
 
@@ -56,3 +58,38 @@ def test_a_worker_killed_without_a_word_leaves_the_metrics_but_stays_listed_as_s
     assert not listed[live]["silent"] and listed[live]["heartbeat_age"] == 0
     only_live = store.transact_sync(views.list_workers, False, False)
     assert [w["id"] for w in only_live] == [live]
+
+
+def test_the_cli_table_and_the_dashboard_mark_a_silent_worker(
+    store: Store, clock: FakeClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator reading ``stepwarden workers`` or the dashboard's workers page sees which worker
+    died without a word: its row is not stopped, so without the mark it would pass for live."""
+    import warnings
+
+    from stepwarden.cli_render import workers_table
+    from stepwarden.dashboard.web import create_app
+    from stepwarden.store.agents import SILENT_AFTER
+
+    with warnings.catch_warnings():  # starlette's note about httpx, as in the dashboard tests
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    killed, live, gone = "killed:1:aaaaaa", "live:2:bbbbbb", "gone:3:cccccc"
+    asyncio.run(store.worker_beat(killed, ["agent"], ["svc"]))
+    asyncio.run(store.worker_beat(gone, ["scheduler"], []))
+    asyncio.run(store.worker_beat(gone, ["scheduler"], [], stopped=True))
+    clock.advance(SILENT_AFTER + 30)
+    asyncio.run(store.worker_beat(live, ["agent"], ["svc"]))
+
+    workers_table(store.transact_sync(views.list_workers, True))
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines[killed][1] == "silent" and "(1.5m" in lines[killed], lines[killed]
+    assert lines[live][1] == "live" and "(0.0s" in lines[live], lines[live]
+    assert lines[gone][1] == "stopped", lines[gone]
+
+    with TestClient(create_app(store, "t")) as c:
+        html = c.get("/workers").text
+    assert f'data-worker="{killed}" data-silent="1"' in html
+    assert f'data-worker="{live}" data-silent="0"' in html
+    assert html.count(">silent</span>") == 1 and ">silent</span>=" not in html

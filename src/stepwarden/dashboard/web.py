@@ -30,6 +30,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..clock import SYSTEM_CLOCK, Clock
+from ..durations import short as short_duration
 from ..errors import InputError, NotFound
 from ..metrics import CONTENT_TYPE, StoreMetrics
 from ..store import TASK_STATES, Store
@@ -107,26 +108,13 @@ def _when(value: str | float | None) -> str:
     return str(value).replace("T", " ").replace("+00:00", "").rstrip("Z")
 
 
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    v = float(value)
-    sign = "-" if v < 0 else ""
-    v = abs(v)
-    if v < 60:
-        return f"{sign}{v:.1f}s"
-    if v < 3600:
-        return f"{sign}{v / 60:.1f}m"
-    return f"{sign}{v / 3600:.1f}h"
-
-
 def _until(iso: str | None, now: float) -> str:
     """How long until an ISO time (negative: how long ago)."""
     if iso is None:
         return ""
     t = datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
     left = t - now
-    return f"in {_seconds(left)}" if left >= 0 else f"{_seconds(-left)} ago"
+    return f"in {short_duration(left)}" if left >= 0 else f"{short_duration(-left)} ago"
 
 
 def _pretty(value: Any) -> str:
@@ -141,7 +129,7 @@ def make_env() -> Environment:
         lstrip_blocks=True,
     )
     env.filters["when"] = _when
-    env.filters["seconds"] = _seconds
+    env.filters["seconds"] = short_duration
     env.filters["pretty"] = _pretty
     env.globals["until"] = _until
     env.globals["TASK_STATES"] = TASK_STATES
