@@ -140,6 +140,7 @@ class Attempts:
         self.me = me
         self.health = health
         self.clock = clock
+        self.store_id = ""  # the store's identity, set by the role before its first pull
         self.settings = settings
         self.busy, self.free = busy, free
         self.rng = random.Random()
@@ -191,6 +192,7 @@ class Attempts:
             undo=msg.payload.get("undo"),
             complete_by=msg.complete_by,
             deadline=deadline,
+            store_id=self.store_id,
         )
         tries, backoff = msg.policy.tries, msg.policy.in_attempt
         health, name = self.health, agent.name

@@ -35,10 +35,22 @@ class Request:
     undo: Any  # for an undo: the result of the step being undone (None if it never completed)
     complete_by: float  # absolute, on the database clock
     deadline: float  # the same moment on this process's monotonic clock
+    store_id: str = ""  # the store's own random id (``Store.identity``); empty in a hand-made Request
 
     @property
     def payload(self) -> dict[str, Any]:
         return {"input": self.input, "results": self.results}
+
+    @property
+    def global_idempotency_key(self) -> str:
+        """``STORE_ID:TASK_ID:STEP_NAME``: the idempotency key with the store's id in front.
+
+        ``idempotency_key`` is unique within one store only: every store numbers its tasks from
+        1, so a store made again, or a second store (staging beside prod, a move to PostgreSQL)
+        calling the same service, sends ``1:charge`` again, and an idempotent service would
+        answer the new task with the old task's result, applying nothing. Send this one to a
+        service that more than one store calls (see docs/guarantees.md)."""
+        return f"{self.store_id}:{self.idempotency_key}" if self.store_id else self.idempotency_key
 
 
 @dataclass

@@ -115,7 +115,7 @@ class AgentRole:
         # its own health (AGT3, AGT6; see agent_health.py).
         self.health = AgentHealth(store, me, agents, clock, self.settings)
         self.breakers = self.health.breakers
-        self.tracer = tracing.tracer(me)  # spans per attempt when the `otel` extra is installed
+        self.tracer = tracing.tracer(me, store)  # spans per attempt when the `otel` extra is installed
         # Plain calls run in a pool per agent, ``threads`` (default: the agent's concurrency)
         # threads each; a thread still busy after complete-by keeps its slot counted.
         self.attempts = Attempts(
@@ -195,6 +195,8 @@ class AgentRole:
         trial this instance won) and for which this instance is healthy (AGT6)."""
         if not self.health.registered:
             await self.health.register({n: a.concurrency for n, a in self.agents.items()})
+        if not self.attempts.store_id:  # before any call: its requests carry it (global keys, traces)
+            self.attempts.store_id = await self.store.identity()
         rooms = {n: a.concurrency - self.inflight[n] for n, a in self.agents.items()}
         # The deadline of each call counts from here, before the transaction is sent, as a lease's
         # trust does (LEAD2): the time the database says is left was measured later than this, so

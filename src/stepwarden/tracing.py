@@ -17,9 +17,11 @@ What is recorded:
   with the final state).
 
 How attempts are linked: every span of a task has the same trace id, derived from the task id
-(:func:`task_trace_id`), and as parent a remote span context derived from it too -- so the attempts
-of one task, made by different processes across retries and failovers, are one trace without any
-context having to travel through the store. A retry made by the same process also carries a span
+and the store's own id (:func:`task_trace_id`; task ids start at 1 in every store, so the task id
+alone would put one store's task 1 in the same trace as another's, in a tracing backend that
+several deployments send to), and as parent a remote span context derived from them too -- so the
+attempts of one task, made by different processes across retries and failovers, are one trace
+without any context having to travel through the store. A retry made by the same process also carries a span
 link to the previous attempt's span.
 """
 
@@ -35,25 +37,26 @@ except ImportError:  # the `otel` extra is not installed: every hook below is a 
     _trace = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from .store import ApplyResult, RequestMsg
+    from .store import ApplyResult, RequestMsg, Store
 
 ENABLED = _trace is not None
 TRACER_NAME = "stepwarden"
 _REMEMBER = 10_000  # previous attempts' span contexts kept per process, for links
 
 
-def _digest(task_id: int) -> bytes:
-    return hashlib.blake2b(f"stepwarden:task:{task_id}".encode(), digest_size=24).digest()
+def _digest(task_id: int, store_id: str) -> bytes:
+    return hashlib.blake2b(f"stepwarden:{store_id}:task:{task_id}".encode(), digest_size=24).digest()
 
 
-def task_trace_id(task_id: int) -> int:
-    """The trace id of every span of task ``task_id``: the same in every process (128 bits)."""
-    return int.from_bytes(_digest(task_id)[:16], "big") or 1
+def task_trace_id(task_id: int, store_id: str) -> int:
+    """The trace id of every span of task ``task_id`` of the store ``store_id``
+    (``Store.identity``): the same in every process (128 bits)."""
+    return int.from_bytes(_digest(task_id, store_id)[:16], "big") or 1
 
 
-def task_span_id(task_id: int) -> int:
+def task_span_id(task_id: int, store_id: str) -> int:
     """The span id of the task's (remote, never emitted) root context: the attempts' parent."""
-    return int.from_bytes(_digest(task_id)[16:], "big") or 1
+    return int.from_bytes(_digest(task_id, store_id)[16:], "big") or 1
 
 
 class NoAttempt:
@@ -105,7 +108,9 @@ class AttemptSpan:
         assert _trace is not None
         msg = self.msg
         step = msg.idempotency_key.split(":", 1)[1]
-        parent = _trace.set_span_in_context(_trace.NonRecordingSpan(_task_context(msg.task_id)))
+        parent = _trace.set_span_in_context(
+            _trace.NonRecordingSpan(_task_context(msg.task_id, self.tracer.store_id))
+        )
         key = (msg.task_id, msg.step_idx, msg.kind)
         before = self.tracer.last.get(key)
         links = [_trace.Link(before, {"stepwarden.link": "previous_attempt"})] if before is not None else []
@@ -163,13 +168,22 @@ class Tracer:
     Until an SDK tracer provider is configured (the API's global is still its proxy or no-op
     provider) it makes no span at all and asks for no workflow names: nearly free."""
 
-    def __init__(self, me: str) -> None:
+    def __init__(self, me: str, store: Store) -> None:
         assert _trace is not None
         from . import __version__
 
         self.me = me
+        self.store = store
         self.otel = _trace.get_tracer(TRACER_NAME, __version__)
         self.last: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
+
+    @property
+    def store_id(self) -> str:
+        """The store's identity: known before any span is made (the agent role reads it before
+        its first pull, a worker when it registers its workflows), so never read here."""
+        known = self.store.known_identity
+        assert known is not None, "the store's identity is read before the first span"
+        return known
 
     def remember(self, key: tuple[int, int, str], ctx: Any) -> None:
         self.last[key] = ctx
@@ -193,7 +207,8 @@ class Tracer:
         if not result.finished or not self.wants_workflows:
             return
         for task_id, state in result.finished:
-            parent = _trace.set_span_in_context(_trace.NonRecordingSpan(_task_context(task_id)))
+            root = _task_context(task_id, self.store_id)
+            parent = _trace.set_span_in_context(_trace.NonRecordingSpan(root))
             span = self.otel.start_span(
                 "stepwarden.task",
                 context=parent,
@@ -209,16 +224,16 @@ class Tracer:
             span.end()
 
 
-def _task_context(task_id: int) -> Any:
+def _task_context(task_id: int, store_id: str) -> Any:
     assert _trace is not None
     return _trace.SpanContext(
-        trace_id=task_trace_id(task_id),
-        span_id=task_span_id(task_id),
+        trace_id=task_trace_id(task_id, store_id),
+        span_id=task_span_id(task_id, store_id),
         is_remote=True,
         trace_flags=_trace.TraceFlags(_trace.TraceFlags.SAMPLED),
     )
 
 
-def tracer(me: str) -> Tracer | NoTracer:
+def tracer(me: str, store: Store) -> Tracer | NoTracer:
     """The tracer for a worker process: real when ``opentelemetry-api`` is importable."""
-    return Tracer(me) if ENABLED else NoTracer()
+    return Tracer(me, store) if ENABLED else NoTracer()

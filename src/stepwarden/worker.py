@@ -142,7 +142,7 @@ class Worker:
         self.app = app
         self.settings = s = settings or WorkerSettings()
         self.identity = make_identity(s.name)
-        self._spans = tracing.tracer(self.identity)  # task spans for the replies a round applies
+        self._spans = tracing.tracer(self.identity, app.store)  # task spans for the replies a round applies
         self.agents = self._agents()
         self.wake = asyncio.Event()
         self.scheduler: SchedulerRole | None = None

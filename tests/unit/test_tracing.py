@@ -75,7 +75,8 @@ def test_attempts_and_the_task_are_spans_of_one_trace_linked_across_retries(
     @agent.operation
     async def do_s(req: Request) -> str:
         calls.append(req.attempt)
-        assert trace.get_current_span().get_span_context().trace_id == tracing.task_trace_id(task_id)
+        current = trace.get_current_span().get_span_context()
+        assert current.trace_id == tracing.task_trace_id(task_id, req.store_id)
         if req.attempt == 1:
             raise Transient("service busy")
         return "done"
@@ -104,10 +105,14 @@ def test_attempts_and_the_task_are_spans_of_one_trace_linked_across_retries(
     attempts = sorted((s for s in spans if s.name == "attempt svc.do_s"), key=attempt_number)
     [task] = [s for s in spans if s.name == "stepwarden.task"]
     assert len(attempts) == 2
-    # one trace per task, derived from the task id: the same in any process
-    trace_id = tracing.task_trace_id(task_id)
+    # one trace per task, derived from the task id and the store's: the same in any process
+    store_id = store.known_identity
+    assert store_id is not None and len(store_id) == 16
+    trace_id = tracing.task_trace_id(task_id, store_id)
     assert {s.context.trace_id for s in [*attempts, task]} == {trace_id}
-    assert all(s.parent is not None and s.parent.span_id == tracing.task_span_id(task_id) for s in attempts)
+    assert all(
+        s.parent is not None and s.parent.span_id == tracing.task_span_id(task_id, store_id) for s in attempts
+    )
     first, second = attempts
     want: dict[str, Any] = {
         "stepwarden.task.id": task_id,
@@ -134,10 +139,13 @@ def test_attempts_and_the_task_are_spans_of_one_trace_linked_across_retries(
 
 
 def test_task_trace_ids_are_stable_and_distinct() -> None:
-    assert tracing.task_trace_id(17) == tracing.task_trace_id(17)
-    ids = {tracing.task_trace_id(i) for i in range(1000)}
+    """Distinct across tasks and across stores: every store numbers its tasks from 1, and a
+    tracing backend that two deployments send to must not make their tasks 1 one trace."""
+    assert tracing.task_trace_id(17, "a1") == tracing.task_trace_id(17, "a1")
+    ids = {tracing.task_trace_id(i, s) for i in range(500) for s in ("a1", "b2")}
     assert len(ids) == 1000 and all(0 < i < 2**128 for i in ids)
-    assert all(0 < tracing.task_span_id(i) < 2**64 for i in range(100))
+    assert tracing.task_span_id(1, "a1") != tracing.task_span_id(1, "b2")
+    assert all(0 < tracing.task_span_id(i, "a1") < 2**64 for i in range(100))
 
 
 def test_without_opentelemetry_every_hook_is_a_no_op() -> None:
@@ -149,7 +157,7 @@ def test_without_opentelemetry_every_hook_is_a_no_op() -> None:
         from stepwarden import tracing
         from stepwarden.agent import AgentRole
         assert not tracing.ENABLED
-        tr = tracing.tracer("w:1:x")
+        tr = tracing.tracer("w:1:x", None)
         assert isinstance(tr, tracing.NoTracer) and tr.attempt(None) is tracing.NO_ATTEMPT
         with tr.attempt(None) as span:
             span.try_failed(1, "x")
@@ -169,7 +177,7 @@ def test_with_the_api_but_no_sdk_provider_no_span_is_made() -> None:
     code = textwrap.dedent(
         """
         from stepwarden import tracing
-        tr = tracing.tracer("w:1:x")
+        tr = tracing.tracer("w:1:x", None)
         assert tracing.ENABLED and isinstance(tr, tracing.Tracer)
         assert not tr.wants_workflows and tr.attempt(None) is tracing.NO_ATTEMPT
         from opentelemetry import trace
@@ -236,4 +244,5 @@ def test_a_plain_function_sees_the_attempt_span_in_its_thread(
         await finish(role)
 
     asyncio.run(body())
-    assert seen == [tracing.task_trace_id(task_id)]
+    assert store.known_identity is not None
+    assert seen == [tracing.task_trace_id(task_id, store.known_identity)]

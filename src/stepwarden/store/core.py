@@ -38,6 +38,7 @@ class Store:
     def __init__(self) -> None:
         self._executors: dict[str, ThreadPoolExecutor] = {}
         self.rng = random.Random()
+        self.known_identity: str | None = None  # see identity(): read once, never changes
 
     # -- the dialect's part ---------------------------------------------------------------
     def transact_sync(self, fn: Callable[Concatenate[Tx, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -131,7 +132,15 @@ class Store:
 
     # -- verbs -------------------------------------------------------------------------------
     async def register_workflows(self, workflows: Sequence[Workflow], by: str) -> None:
-        await self.transact(_register, list(workflows), by)
+        self.known_identity = await self.transact(_register, list(workflows), by)
+
+    async def identity(self) -> str:
+        """This store's id: random, made with its schema (migration 8), the same for every
+        process that uses it. Task ids start at 1 in every store; this id is what tells one
+        store's task 1 from another's, in ``Request.global_idempotency_key`` and trace ids."""
+        if self.known_identity is None:
+            self.known_identity = await self.transact(read_identity)
+        return self.known_identity
 
     def workflow_sync(self, name: str) -> Workflow:
         row = self.transact_sync(lambda tx: tx.one("get_workflow", name=name))
@@ -250,11 +259,17 @@ class Store:
         await self.transact(beat)
 
 
-def _register(tx: Tx, workflows: list[Workflow], by: str) -> None:
+def _register(tx: Tx, workflows: list[Workflow], by: str) -> str:
+    """Record the workflows; returns the store's identity, which a worker needs next."""
     for wf in workflows:
         tx.run(
             "upsert_workflow", name=wf.name, version=wf.version, definition=json.dumps(wf.to_dict()), by=by
         )
+    return read_identity(tx)
+
+
+def read_identity(tx: Tx) -> str:
+    return str(tx.sql("SELECT id FROM store_identity")[0]["id"])
 
 
 def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[RequestMsg]:
