@@ -24,13 +24,21 @@ def group() -> click.Group:
 
 
 def record_serving(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Each serve as ``{app, sockets, name}`` (``name``: the bound socket's address)."""
+    """Each serve as ``{app, config, sockets, name}`` (``config``: uvicorn's; ``name``: the bound
+    socket's address)."""
     import uvicorn
 
     calls: list[dict[str, Any]] = []
 
     def run(self: Any, sockets: Any = None) -> None:
-        calls.append({"app": self.config.app, "sockets": sockets, "name": sockets[0].getsockname()})
+        calls.append(
+            {
+                "app": self.config.app,
+                "config": self.config,
+                "sockets": sockets,
+                "name": sockets[0].getsockname(),
+            }
+        )
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
     return calls

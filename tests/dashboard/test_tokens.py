@@ -430,6 +430,27 @@ def test_a_flood_from_one_address_does_not_lock_out_the_operator_at_another(stor
     asyncio.run(main())
 
 
+def test_on_a_loopback_bind_every_local_client_shares_the_limit(store: Store) -> None:
+    """On the default bind every client is 127.0.0.1, so the reserve of an address that did not
+    guess is no help: after a local process's ten wrong tokens the operator's right one is refused
+    too (429), is told the limit is shared and when to come back, and is let through then.
+    Checking it anyway would answer "right" (not 429) at any rate, which is what the limit stops."""
+    clock = FakeClock()
+    app = create_app(store, TOKEN, clock=clock)
+
+    async def main() -> None:
+        async with transport(app, "127.0.0.1") as guesser, transport(app, "127.0.0.1") as operator:
+            wrong = await together(*(guesser.post(MISSING, headers=bearer(f"g{i}")) for i in range(10)))
+            assert statuses(wrong) == {401: 10}
+            r = await operator.post(MISSING, headers=bearer(TOKEN))
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.text == "refused: too many wrong tokens lately, from any client; try again in 1s\n"
+            clock.advance(float(r.headers["retry-after"]))
+            assert (await operator.post(MISSING, headers=bearer(TOKEN))).status_code == 404
+
+    asyncio.run(main())
+
+
 def test_a_signed_in_browser_behind_a_bearer_adding_proxy_uses_no_allowance(store: Store) -> None:
     """Its session decides; the proxy's own Bearer token is never checked, so acting many times
     neither uses the allowance nor marks the proxy's address as guessing."""

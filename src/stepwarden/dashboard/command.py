@@ -1,4 +1,5 @@
-"""``stepwarden [--db URL] dashboard [--host 127.0.0.1] [--port 8080] [--token TOKEN | --token-file PATH]``.
+"""``stepwarden [--db URL] dashboard [--host 127.0.0.1] [--port 8080] [--token TOKEN | --token-file PATH]
+[--public-origin URL] [--allowed-host NAME]... [--limit-concurrency 100] [--poll 2]``.
 
 Only click is imported at module level, so the CLI loads without the ``dashboard`` extra and
 this command can say what to install.
@@ -6,9 +7,12 @@ this command can say what to install.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 import socket
 import sys
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import click
@@ -21,6 +25,14 @@ from .tokens import configured_token, read_token_file, weak_token_warning
 log = logging.getLogger("stepwarden.dashboard")
 # Host names a dashboard listening on a loopback address answers to (DNS-rebinding defence).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+# One label of a host name (RFC 1123, and "_" as some internal names have): inner hyphens only.
+_HOST_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
+# Requests served at once (uvicorn's limit_concurrency; beyond it, 503). Pages answer in
+# milliseconds and each open tab polls one fragment at a time: 100 is many operators.
+LIMIT_CONCURRENCY = 100
+# Seconds an idle keep-alive connection is kept (uvicorn's default, stated): a tab polling every
+# --poll seconds (at most 60) reconnects when it must; an idle client does not hold a slot.
+TIMEOUT_KEEP_ALIVE = 5
 
 
 def check_public_origin(value: str) -> str:
@@ -33,6 +45,46 @@ def check_public_origin(value: str) -> str:
             param_hint="--public-origin",
         )
     return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def check_allowed_hosts(ctx: click.Context, param: click.Parameter, values: Sequence[str]) -> tuple[str, ...]:
+    """``--allowed-host`` values: host names or IP addresses as a ``Host`` header names them,
+    without scheme or port (lower-cased, IPv6 without brackets); anything else exits 2 in one line,
+    since a mistyped name would otherwise refuse every request that uses the real one."""
+    names = []
+    for value in values:
+        name = value.strip().lower()
+        bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+        try:
+            names.append(str(ipaddress.ip_address(bare)))
+            continue
+        except ValueError:
+            pass
+        labels = bare.rstrip(".").split(".")
+        if len(bare) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+            raise click.BadParameter(
+                f"{value[:80]!r} is not a host name or an IP address (such as ops.example.com, with no"
+                " scheme or port)",
+                ctx=ctx,
+                param=param,
+            )
+        names.append(bare.rstrip("."))
+    return tuple(names)
+
+
+def host_allowlist(host: str, public_origin: str | None, allowed: Sequence[str]) -> tuple[str, ...] | None:
+    """The names the ``Host`` header may hold (DNS-rebinding defence), or None for any.
+
+    On a loopback address: the loopback names and the address it listens on (127.0.0.2 is
+    loopback too), as before, plus ``allowed`` (and the public origin's host, which
+    :func:`~.web.create_app` adds). Beyond loopback the check is on once the operator has said
+    which names browsers use (``--public-origin`` or ``--allowed-host``), with the same loopback
+    names (no page of another site can make a browser send ``Host: localhost``); with neither,
+    any name is answered, as before this option existed, so that an upgrade does not break a
+    deployment reached by names nobody listed, and the command warns at start."""
+    if not is_loopback(host) and public_origin is None and not allowed:
+        return None
+    return (*LOOPBACK_HOSTS, host.strip("[]").lower(), *allowed)
 
 
 def check_token(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -112,7 +164,24 @@ def bind(host: str, port: int) -> socket.socket:
     default=None,
     metavar="URL",
     help="The origin browsers reach the dashboard at through a TLS proxy (https://ops.example.com): "
-    "sign-in and actions from it are accepted, and cookies are marked Secure.",
+    "sign-in and actions from it are accepted, its host is an allowed Host, and cookies are marked Secure.",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    callback=check_allowed_hosts,
+    help="A host name browsers (or a proxy) use to reach the dashboard, allowed in the Host header "
+    "besides loopback names, IP addresses and --public-origin's host (repeatable). Beyond loopback, "
+    "naming one turns the Host check on: a DNS-rebinding page cannot read the dashboard.",
+)
+@click.option(
+    "--limit-concurrency",
+    type=click.IntRange(2, 100_000),  # uvicorn counts the request's own connection: 1 refuses all
+    default=LIMIT_CONCURRENCY,
+    show_default=True,
+    help="Connections and requests served at once; beyond it, 503.",
 )
 @click.option(
     "--poll",
@@ -129,6 +198,8 @@ def dashboard(
     token: str | None,
     token_file: str | None,
     public_origin: str | None,
+    allowed_hosts: tuple[str, ...],
+    limit_concurrency: int,
     poll: float,
 ) -> None:
     """Serve the web dashboard: tasks, timelines, alerts, leases, workers, metrics (OPS5, OPS6)."""
@@ -164,14 +235,26 @@ def dashboard(
             ),
             err=True,
         )
+    hosts = host_allowlist(host, public_origin, allowed_hosts)
+    if hosts is None:
+        click.echo(
+            f"warning: any Host header is answered on {host}: a web page that rebinds its DNS name to"
+            " this address can read every page; name the hosts browsers use with --allowed-host NAME"
+            " (or --public-origin)",
+            err=True,
+        )
     bound = sock.getsockname()[1]
     shown = bracketed(host)
-    # On a loopback address, the Host header must name a loopback host (DNS-rebinding defence):
-    # the usual names, and the address it was told to listen on (127.0.0.2 is loopback too).
-    hosts = (*LOOPBACK_HOSTS, host.strip("[]").lower()) if loopback else None
     app = create_app(store, token, allowed_hosts=hosts, poll=poll, public_origin=public_origin)
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", server_header=False, proxy_headers=False
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        server_header=False,
+        proxy_headers=False,
+        limit_concurrency=limit_concurrency,
+        timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
     )
     click.echo(
         f"dashboard on http://{shown}:{bound}/ ("

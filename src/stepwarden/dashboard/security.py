@@ -15,7 +15,9 @@ Acting (retry, cancel, acknowledge) needs all of:
 Cookies are ``HttpOnly`` and ``SameSite=Strict`` (and ``Secure`` behind a TLS proxy, when set and
 when deleted). The signing key is random per process, so a
 restart signs everyone out. When the dashboard listens on a loopback address, requests must name
-a loopback host (``Host: 127.0.0.1``/``localhost``), which stops DNS-rebinding pages from reading it.
+a loopback host (``Host: 127.0.0.1``/``localhost``), the public origin's host or one allowed by
+name, which stops DNS-rebinding pages from reading it; beyond loopback the same check is on once
+a public origin or an allowed host is named (:class:`~.web.HostCheck`, ``--allowed-host``).
 """
 
 from __future__ import annotations
@@ -170,7 +172,11 @@ class Guard:
             return self.guesses.check(address, lambda: hmac.compare_digest(self._token_digest(given), want))
         except Throttled as e:
             wait = max(1, math.ceil(e.retry_after))
-            raise Refused(429, f"refused: too many wrong tokens lately; try again in {wait}s", wait) from None
+            # "From any client": the limit is shared (.tokens), so one who sent no wrong token is
+            # told why it is refused too (on a loopback bind every local client is 127.0.0.1).
+            raise Refused(
+                429, f"refused: too many wrong tokens lately, from any client; try again in {wait}s", wait
+            ) from None
 
     def is_script(self, request: Request, form: FormData) -> bool:
         """A script's request (a Bearer header, no dashboard session, no CSRF field): it is

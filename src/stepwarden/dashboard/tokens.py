@@ -19,8 +19,11 @@ checked at once whenever an allowance is left, and uses none. A flood of wrong t
 address would otherwise keep every other client out as long as it lasts: an address that sent no
 wrong token in the last ``remember`` seconds may use a small reserve (``spare_per_second``), which
 an address that guessed wrong may not. Behind a proxy every client has the proxy's address, and
-the reserve does not tell them apart; signed-in browsers are never affected (their cookie is not a
-token check).
+on a loopback bind every local client is 127.0.0.1: the reserve does not tell them apart, and a
+local process sending wrong tokens keeps the right one at 429 while it lasts. That is accepted:
+checking a presented token while refusing would answer "right" (anything but 429) at any rate,
+reopening the guessing the limit stops. Signed-in browsers are never affected (their cookie is
+not a token check).
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ reads without JavaScript. Store reads run off the event loop (``store.transact``
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 from jinja2 import Environment, PackageLoader
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -22,8 +23,9 @@ from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -36,7 +38,7 @@ from ..metrics import CONTENT_TYPE, StoreMetrics
 from ..store import TASK_STATES, Store
 from ..store import transitions as tr
 from . import data
-from .security import Guard, Refused, check_actor, safe_next
+from .security import Guard, Refused, check_actor, names_bearer, safe_next
 from .tokens import GuessLimiter
 
 log = logging.getLogger("stepwarden.dashboard")
@@ -76,27 +78,147 @@ class SecurityHeaders:
 
 
 def host_name(header: str) -> str:
-    """The host of a ``Host`` header, without the port: ``[::1]:8080`` -> ``::1``."""
+    """The host of a ``Host`` header, without the port or a final dot: ``[::1]:8080`` -> ``::1``,
+    ``Ops.Example.com.:443`` -> ``ops.example.com`` (the same DNS name as without the dot)."""
     header = header.strip().lower()
     if header.startswith("["):
         return header[1:].split("]", 1)[0]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return name.rstrip(".")
+
+
+def is_ip_literal(name: str) -> bool:
+    """``name`` is an IP address, not a DNS name."""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 class HostCheck:
-    """Answers 400 unless the ``Host`` header names one of ``allowed`` (DNS-rebinding defence)."""
+    """Answers 400 unless the ``Host`` header names one of ``allowed`` or is an IP address.
+
+    The defence against DNS rebinding: a page of ``evil.example`` whose name is made to resolve to
+    this dashboard's address reads it as its own origin, but its browser still sends
+    ``Host: evil.example``. Rebinding needs a DNS name, so a ``Host`` that is an IP address
+    (``10.0.0.5:8080``, a load balancer's health check, an operator typing the address) comes
+    from a page of that very origin, and is answered; names must be on the list."""
 
     def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
         self.app = app
-        self.allowed = {h.strip("[]").lower() for h in allowed}
+        self.allowed = {h.strip("[]").lower().rstrip(".") for h in allowed}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-            if host_name(host) not in self.allowed:
-                await PlainTextResponse("invalid Host header", status_code=400)(scope, receive, send)
+            name = host_name(host)
+            if name not in self.allowed and not is_ip_literal(name):
+                text = (
+                    f"invalid Host header: {name[:100]!r} is not a name this dashboard answers to"
+                    " (its operator can add it with --allowed-host)\n"
+                )
+                await PlainTextResponse(text, status_code=400)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+MAX_BODY = 64 * 1024  # bytes of a request body: the dashboard's forms are a few hundred bytes
+FORM_MAX_FIELDS = 16  # fields of a form: the sign-in form, the largest, has four
+
+
+class _BodyTooLarge(Exception):
+    """Raised from :class:`BodyLimit`'s ``receive`` to stop the application reading a body."""
+
+
+class BodyLimit:
+    """Refuses a request body larger than ``limit`` bytes (413), before the application reads it.
+
+    Every handler that takes a form reads it before it can check who is asking (the form holds
+    the CSRF token), so without this anyone who reaches the port could make the process hold as
+    much as they send (300 fields of 1 MB: 300 MB, for a 403). A ``Content-Length`` over the limit
+    is refused at once, unread; a body without one (chunked) is counted as it is read, and refused
+    at the chunk that crosses the limit: the rest is never asked for (the server stops reading
+    the socket once its small buffer is full, and closes the connection after the answer).
+
+    It also keeps a client that goes away in the middle of its body out of the error log:
+    Starlette raises ``ClientDisconnect`` from the form reader, which reached uvicorn as
+    "Exception in ASGI application" with a traceback, for what is an ordinary event (a closed tab,
+    a dropped connection). There is no one left to answer; it is logged at debug level."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope["headers"]:
+            if key == b"content-length" and value.strip().isdigit() and int(value) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+        read = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def noting_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, noting_send)
+        except _BodyTooLarge:
+            if started:  # no handler here answers before reading its body; if one did, say so
+                raise
+            await self._refuse(scope, receive, send)
+        except ClientDisconnect:
+            log.debug(
+                "dashboard: %s %s: the client left before its body was read",
+                scope["method"],
+                scope["path"][:200],
+            )
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        text = f"refused: the request body is larger than {self.limit // 1024} KiB\n"
+        # "Connection: close": the rest of the body is not read, so the connection cannot carry
+        # another request.
+        response = PlainTextResponse(text, status_code=413, headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+async def read_form(request: Request) -> FormData:
+    """The request's form, read within tight limits, or :class:`Refused`.
+
+    Only ``application/x-www-form-urlencoded`` is read: every form of the dashboard is one (htmx
+    sends them so too), and so is ``curl -d``. A multipart body (``curl -F``) is refused unread
+    (415): its parser spools each file part to a temporary file on disk, which no form here has a
+    use for, so accepting it would only be something to get wrong. Any other type reads as an
+    empty form without its body being read (Starlette's rule), as a script's bare POST does.
+    A form has at most ``FORM_MAX_FIELDS`` fields (400 beyond) and, with :class:`BodyLimit`, at
+    most ``MAX_BODY`` bytes in all, which bounds each field too. No per-field limit is passed:
+    ``Request.form(max_part_size=)`` came in Starlette 0.44 (this extra accepts older), and it
+    would add nothing under ``MAX_BODY``. Starlette holds urlencoded forms to ``max_fields`` only
+    from 1.3.1; before, ``MAX_BODY`` is their only bound, which is what makes it the one that
+    matters."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media.startswith("multipart/"):
+        raise Refused(
+            415, "refused: send the form as application/x-www-form-urlencoded (curl -d, not curl -F)"
+        )
+    try:
+        return await request.form(max_files=0, max_fields=FORM_MAX_FIELDS)
+    except HTTPException as e:  # what Starlette makes of a form over its limits
+        raise Refused(400, f"refused: {e.detail}") from None
 
 
 def _when(value: str | float | None) -> str:
@@ -246,8 +368,8 @@ class Dashboard:
 
     # -- sign in and out -------------------------------------------------------------------------------
     async def login(self, request: Request) -> Response:
-        form = await request.form()
         try:
+            form = await read_form(request)
             self.guard.check_form(request, form)
             if not self.guard.actions_enabled:
                 raise Refused(403, "operator actions are disabled: no token is configured")
@@ -265,8 +387,8 @@ class Dashboard:
         return response
 
     async def logout(self, request: Request) -> Response:
-        form = await request.form()
         try:
+            form = await read_form(request)
             self.guard.check_form(request, form)
         except Refused as e:
             return self.message(request, e.status, str(e))
@@ -278,7 +400,13 @@ class Dashboard:
     async def _act(
         self, request: Request, name: str, run: Callable[[str, FormData], Awaitable[str]]
     ) -> Response:
-        form = await request.form()
+        try:
+            form = await read_form(request)
+        except Refused as e:
+            self._count(name, _result(e))
+            log.warning("dashboard: %s refused (%s)", name, e)
+            script = names_bearer(request) and self.guard.session_id(request) is None
+            return (self._say if script else self.message)(request, e.status, str(e))
         # A script (Bearer) reads one line of text, with the status; a browser reads a page.
         say = self._say if self.guard.is_script(request, form) else self.message
         try:
@@ -412,12 +540,15 @@ def create_app(
     secure_cookies: bool = False,
     public_origin: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    max_body: int = MAX_BODY,
 ) -> Starlette:
     """The dashboard over ``store``. ``token`` enables operator actions (without surrounding
     whitespace; InputError for one that is blank or holds a space or control character inside:
     :mod:`.tokens`); ``allowed_hosts`` (host names without port) restricts the ``Host`` header,
-    e.g. to loopback names; ``public_origin`` is the origin browsers reach it at through a proxy
-    (``https://...`` also marks cookies Secure); ``clock`` paces the checks of wrong tokens."""
+    e.g. to loopback names, and with it the public origin's host is allowed too (:class:`HostCheck`);
+    ``public_origin`` is the origin browsers reach it at through a proxy (``https://...`` also
+    marks cookies Secure); ``clock`` paces the checks of wrong tokens; ``max_body`` bounds a
+    request body (:class:`BodyLimit`)."""
     secure = secure_cookies or (public_origin or "").lower().startswith("https://")
     guard = Guard(token, secure, public_origin, guesses=GuessLimiter(clock))
     d = Dashboard(store, guard, poll)
@@ -436,9 +567,15 @@ def create_app(
         Route("/logout", d.logout, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("stepwarden.dashboard", "static")]), name="static"),
     ]
+    # In this order: every answer, refusals included, carries the security headers; a foreign
+    # Host is refused before anything else; a body is bounded before any handler reads it.
     middleware = [Middleware(SecurityHeaders)]
     if allowed_hosts:
-        middleware.append(Middleware(HostCheck, allowed=list(allowed_hosts)))
+        # Browsers behind the proxy name the public origin's host; a proxy may pass it on as is.
+        public_host = urlsplit(public_origin).hostname if public_origin else None
+        allowed = [*allowed_hosts, *([public_host] if public_host else [])]
+        middleware.append(Middleware(HostCheck, allowed=allowed))
+    middleware.append(Middleware(BodyLimit, limit=max_body))
 
     async def failed(request: Request, exc: Exception) -> Response:
         log.warning("dashboard: %s %s failed: %r", request.method, request.url.path[:200], exc)
