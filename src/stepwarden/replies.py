@@ -198,6 +198,7 @@ class Replies:
         self.acked: int | None = None  # the last position acknowledged
         self._buffer: deque[ReplyMessage] = deque()
         self._unacked: ReplyMessage | None = None
+        self._owed: ReplyMessage | None = None  # finished by the loop, its acknowledgement failed
         self._wake: asyncio.Event | None = None
         self._listen_stop: asyncio.Event | None = None
         self._listener: asyncio.Task[None] | None = None
@@ -284,16 +285,43 @@ class Replies:
             self._unacked = None
 
     async def _auto_ack(self, msg: ReplyMessage) -> None:
-        try:
-            await self.ack(msg)
-        except Exception as e:  # a later acknowledgement covers this one (they are cumulative)
-            log.warning("reply queue %s: acknowledging %d failed: %r", self.queue, msg.seq, e)
+        """Acknowledge the message the loop body finished, waiting out a store that is down (with
+        back-off, as reads do: REL3) before anything more is delivered. Moving on without it would
+        leave two messages unacknowledged once the next one is handed out, and a consumer that
+        stops while handling that one would get both again, not only the one it was handling. A
+        stop while waiting leaves it owed: :meth:`aclose` tries it once more."""
+        delay = self.poll_interval
+        while True:
+            try:
+                await self.ack(msg)
+                self._owed = None
+                return
+            except Exception as e:
+                log.warning(
+                    "reply queue %s: acknowledging %d failed, trying again in %gs: %r",
+                    self.queue,
+                    msg.seq,
+                    delay,
+                    e,
+                )
+            self._owed = msg
+            if self._closed or (self.stop is not None and self.stop.is_set()):
+                return
+            await sleep_or_wake(self.clock, delay, *([self.stop] if self.stop is not None else []))
+            delay = min(self.idle_poll_max, delay * 2)
 
     # -- closing ------------------------------------------------------------------------------------
     async def aclose(self) -> None:
-        """Stop reading. The last message delivered stays unacknowledged unless :meth:`ack` was called."""
+        """Stop reading. The last message delivered stays unacknowledged unless :meth:`ack` was called;
+        one the loop had finished whose automatic acknowledgement failed is tried once more."""
         self._closed = True
         self._buffer.clear()
+        owed, self._owed = self._owed, None
+        if owed is not None:
+            try:
+                await self.ack(owed)
+            except Exception as e:  # the store still down: it comes again to the next reader
+                log.warning("reply queue %s: acknowledging %d failed at close: %r", self.queue, owed.seq, e)
         if self._listen_stop is not None:
             self._listen_stop.set()
         if self._listener is not None:

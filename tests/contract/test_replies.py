@@ -174,6 +174,64 @@ def test_the_iterator_waits_for_new_messages_and_ends_when_stopped(
     assert queue(store, "web-1", "w", None) == []
 
 
+class FailingAcks:
+    """The store as a consumer sees it, with its acknowledgements failing while ``down`` is true
+    (a database restart between two messages): every other transaction goes through."""
+
+    def __init__(self, store: Store, failures: int | None) -> None:
+        self.store, self.failures, self.tried = store, failures, 0
+        self.real = store.transact
+
+    async def transact(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn is ack and (self.failures is None or self.tried < self.failures):
+            self.tried += 1
+            raise OSError("server closed the connection unexpectedly")
+        return await self.real(fn, *args, **kwargs)
+
+
+def test_a_failed_automatic_acknowledgement_is_tried_again_before_the_next_message(
+    store: Store, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The promise: a consumer that stops gets again only the message it was handling. Moving on
+    past a failed acknowledgement broke it: message 1 stayed unacknowledged under message 2, and
+    a stop while handling 2 brought both back."""
+    submit(store, make_workflow("a"))
+    run_to_end(store)
+    acks = FailingAcks(store, failures=2)
+    monkeypatch.setattr(store, "transact", acks.transact)
+    first = consume(store, "web-1", "app", 2)  # stops while handling message 2 (not acknowledged)
+    assert [m.kind for m in first] == ["received", "step_completed"] and acks.tried == 2
+    monkeypatch.setattr(store, "transact", acks.real)
+    again = consume(store, "web-1", "app", 2)
+    assert [m.kind for m in again] == ["step_completed", "processed"], "message 1 came again"
+
+
+def test_an_acknowledgement_still_owed_at_a_stop_is_tried_once_more_at_close(
+    store: Store, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store is down while the loop asks for message 2, and the consumer is told to stop:
+    nothing more is delivered, and the finished message 1 is acknowledged on the way out once the
+    store answers again."""
+    submit(store, make_workflow("a"))
+    run_to_end(store)
+    acks = FailingAcks(store, failures=None)
+    monkeypatch.setattr(store, "transact", acks.transact)
+
+    async def go() -> list[str]:
+        stop = asyncio.Event()
+        out: list[str] = []
+        r = Replies(store, "web-1", "app", stop=stop, listen=False, poll_interval=0.005, idle_poll_max=0.01)
+        async for msg in r:
+            out.append(msg.kind)
+            asyncio.get_running_loop().call_later(0.05, stop.set)  # a shutdown, mid-outage
+            asyncio.get_running_loop().call_later(0.05, lambda: setattr(acks, "failures", 0))
+        return out
+
+    assert asyncio.run(go()) == ["received"] and acks.tried >= 2
+    monkeypatch.setattr(store, "transact", acks.real)
+    assert [m.kind for m in consume(store, "web-1", "app", 2)] == ["step_completed", "processed"]
+
+
 def test_bad_queue_and_consumer_names_are_refused(store: Store) -> None:
     with pytest.raises(InputError):
         Replies(store, "q1' OR '1'='1")
@@ -329,6 +387,10 @@ def test_cancel_of_an_errored_task_tells_the_reply_queue(store: Store, make_work
     reply_all(store)
     reply_all(store, "error", "refused")
     assert store.transact_sync(t.cancel_task, tid, "operator") == "compensating"
+    # while it is undone, `task show` must not give it the end time and error of its failure
+    cols = "state, finished_at, last_error, complete_by"
+    row = store.transact_sync(lambda tx: tx.sql(f"SELECT {cols} FROM tasks WHERE id = ?", (tid,)))[0]
+    assert dict(row) == dict(state="compensating", finished_at=None, last_error=None, complete_by=None)
     run_to_end(store)
     assert [m.kind for m in queue(store)] == [
         "received",

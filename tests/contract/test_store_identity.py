@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from stepwarden.agent import Agent, AgentRole, AgentSettings, Request
+from stepwarden.agent import Agent, AgentRole, Request
 from stepwarden.clock import FakeClock
 from stepwarden.store import Store, open_store
 from stepwarden.store import transitions as t
@@ -50,7 +50,7 @@ def test_the_id_is_one_row_that_a_second_cannot_join(store: Store) -> None:
     def add(tx: Any) -> None:
         tx.sql("INSERT INTO store_identity (one, id) VALUES (2, 'ffffffffffffffff')")
 
-    with pytest.raises(Exception, match="(?i)check|constraint"):
+    with pytest.raises(Exception, match=r"(?i)check|constraint"):
         store.transact_sync(add)
     assert len(store.transact_sync(lambda tx: tx.sql("SELECT id FROM store_identity"))) == 1
 
@@ -83,13 +83,13 @@ def test_a_request_carries_the_store_id_and_a_global_key(
             )
             assert task_id == 1
 
-            async def body() -> None:
-                role = AgentRole(store, {"svc": agent}, "agent:1:abcdef", clock=clock, settings=AgentSettings())
+            async def body(store: Store, clock: FakeClock) -> None:
+                role = AgentRole(store, {"svc": agent}, "agent:1:abcdef", clock=clock)
                 assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 1
                 assert await role.pull() == 1
                 await asyncio.wait(set(role.tasks), timeout=5)
 
-            asyncio.run(body())
+            asyncio.run(body(store, clock))
             assert keys[-1][0] == identity(store.url)
         finally:
             store.close()
