@@ -299,7 +299,8 @@ def read_audit(tx: Any) -> dict[str, list[dict[str, Any]]]:
         "tasks": tx.sql("SELECT id, state FROM tasks ORDER BY id"),
         "terms": tx.sql("SELECT term, holder FROM lease_terms WHERE name = 'supervisor' ORDER BY term"),
         "rescues": tx.sql("SELECT actor, detail FROM events WHERE kind = 'rescued' ORDER BY id"),
-        "messages": tx.sql("SELECT task_id, kind FROM messages ORDER BY id"),
+        "messages": tx.sql("SELECT task_id, kind, body FROM messages ORDER BY id"),
+        "steps": tx.sql("SELECT task_id, name, state FROM steps ORDER BY task_id, idx"),
     }
 
 
@@ -1138,14 +1139,55 @@ class StoreMachine(RuleBasedStateMachine):
             )
 
     def _check_messages(self, db: dict[str, list[dict[str, Any]]]) -> None:
-        kinds: dict[int, list[str]] = {}
+        """Each task's messages follow its life (SCH8): one ``received`` first, then only what
+        its state allows (``step_completed`` while it runs, ``step_compensated`` while it is
+        undone, ``retried`` only after an ``error``, nothing after ``processed``, ``compensated``
+        or ``cancelled``), ending with its final state; and every step the store has completed
+        (of a processed task) or compensated has its message. A missing, doubled or misplaced
+        message fails here, not only a wrong first or last one."""
+        msgs: dict[int, list[tuple[str, dict[str, Any]]]] = {}
         for m in db["messages"]:
-            kinds.setdefault(m["task_id"], []).append(m["kind"])
+            msgs.setdefault(m["task_id"], []).append((m["kind"], json.loads(m["body"])))
+        steps: dict[int, list[dict[str, Any]]] = {}
+        for row in db["steps"]:
+            steps.setdefault(row["task_id"], []).append(row)
         for task in db["tasks"]:
-            mine = kinds.get(task["id"], [])
-            assert mine[:1] == ["received"], f"task {task['id']} messages {mine}"
+            mine = msgs.get(task["id"], [])
+            kinds = [k for k, _ in mine]
+            where = f"task {task['id']} ({task['state']}) messages {kinds}"
+            assert kinds[:1] == ["received"] and kinds.count("received") == 1, where
+            life, last_error = "pending", {}
+            for kind, body in mine[1:]:
+                assert life not in ("processed", "compensated", "cancelled"), f"{kind} after the end: {where}"
+                assert life in MESSAGE_AFTER[kind], f"{kind} while {life}: {where}"
+                if kind == "error":
+                    last_error = body
+                if kind == "retried":  # a task that failed while undone resumes its undo
+                    life = "compensating" if "not_undone" in last_error else "pending"
+                elif kind != "step_compensated":
+                    life = {"step_completed": "processing"}.get(kind, kind)
             if task["state"] in FINAL:
-                assert mine[-1] == task["state"], f"task {task['id']} is {task['state']}; messages {mine}"
+                assert kinds[-1] == task["state"], where
+            completed = [b.get("step") for k, b in mine if k == "step_completed"]
+            compensated = [b.get("step") for k, b in mine if k == "step_compensated"]
+            for step in steps.get(task["id"], []):
+                if step["state"] == "compensated":
+                    assert compensated.count(step["name"]) == 1, f"step {step['name']} compensated: {where}"
+                if task["state"] == "processed":  # more than once if a retry ran it again (OPS2)
+                    assert step["name"] in completed, f"step {step['name']} completed: {where}"
+
+
+# The task's life a status message may come in (the message ``received`` only comes first).
+MESSAGE_AFTER: dict[str, tuple[str, ...]] = {
+    "step_completed": ("pending", "processing"),
+    "processed": ("pending", "processing"),
+    "compensating": ("pending", "processing", "error"),
+    "step_compensated": ("compensating",),
+    "compensated": ("compensating",),
+    "cancelled": ("compensating",),
+    "error": ("pending", "processing", "compensating"),
+    "retried": ("error",),
+}
 
 
 def _diff(what: str, got: dict[Any, Any], want: dict[Any, Any]) -> str:
