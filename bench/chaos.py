@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/chaos.py --store sqlite|postgres [--db URL] [--workers N] [--duration S]
         [--tasks N] [--seed S] [--faults kill,stop,term,proxy,restart,services] [--json PATH]
+        [--retention SECONDS] [--operator-every SECONDS]
 
 It starts the demo's fake services (seeded transient, hang-then-apply and permanent faults), N
 worker processes (some with every role, one scheduler-only, one agent-only and one supervisor-only,
@@ -17,13 +18,18 @@ on a schedule drawn from ``--seed``:
 - ``term``: SIGTERM of the supervisor leader (graceful: it resigns), replacement started;
 - ``proxy`` (PostgreSQL): every worker connection reset (RST), or black-holed for a few seconds;
 - ``restart`` (PostgreSQL, own server): the server restarted mid-run;
-- ``services``: the services' own faults, at the demo's rates.
+- ``services``: the services' own faults, at the demo's rates;
+- with ``--operator-every``, an operator: ``stepwarden task cancel`` and ``task retry`` through the
+  real CLI on random tasks; with ``--retention``, the workers keep finished tasks that many seconds,
+  so the leader prunes the run's tasks while it runs (and while leaders are killed).
 
-Then it stops injecting, waits (bounded) for every task to end, stops its processes by pid, reads
-the services' ledger and the store's own records (events, lease_terms, requests), and prints and
-writes a JSON report; see ``bench/CHAOS.md`` for what each figure means. Exit status 1 when any task
-is stuck or lost, any effect was applied twice (or a compensated one survives), two leader terms
-acted at once, or a running worker crashed; 2 on bad arguments.
+A thread follows the store meanwhile (``Tracker``), so that what a prune deletes is counted before
+it goes. Then it stops injecting, waits (bounded) for every task to end, stops its processes by
+pid, reads the services' ledger and the store's own records (events, lease_terms, requests, as
+the tracker kept them), and prints and writes a JSON report; see ``bench/CHAOS.md`` for what each
+figure means. Exit status 1 when any task is stuck, lost or unaccounted, any effect was applied
+twice (or a compensated one survives), a cancelled task was not undone, two leader terms acted at
+once, or a running worker crashed; 2 on bad arguments.
 
 Every loop is bounded in time and count, every process it starts is ended by its pid, and all
 traffic stays on 127.0.0.1. Fault times are taken from the host's wall clock, which is the database
@@ -103,6 +109,11 @@ class Options:
     hang_rate: float = 0.02
     permanent_rate: float = 0.02
     hang_seconds: float | None = None  # default: past the longest complete-by, max(5, complete-by + 1)
+    # The workers' record retention, seconds (``stepwarden worker --retention``): None keeps the
+    # default (7 days: nothing is pruned during a run); a few seconds makes the leader prune the
+    # run's finished tasks while it runs, and while leaders are killed.
+    retention: float | None = None
+    operator_every: float = 0.0  # mean seconds between operator actions (task cancel / retry); 0: none
     quiet: bool = False
     note: str = ""
 
@@ -489,6 +500,8 @@ class Workers:
         self.expected: set[int] = set()  # pids we killed or stopped on purpose
         self.started = 0
         self.unexpected: list[dict[str, Any]] = []
+        self.stop_s: float | None = None
+        self.killed_at_stop: list[int] = []
 
     def start(self, slot: Slot) -> subprocess.Popen[bytes]:
         slot.incarnation += 1
@@ -496,6 +509,8 @@ class Workers:
         name = slot.name()
         cmd = [sys.executable, "-m", "stepwarden", "--db", self.url, "--log-level", "WARNING", "worker"]
         cmd += ["--app", "stepwarden.demo.app:app", "--roles", slot.roles, "--name", name]
+        if self.o.retention is not None:
+            cmd += ["--retention", repr(self.o.retention / 86400.0)]  # the option takes days
         with open(self.logdir / f"{name}.log", "ab") as log:  # the child keeps its own copy
             slot.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         self.started += 1
@@ -558,9 +573,14 @@ class Workers:
                 self.retiring.remove((p, deadline))
 
     def stop_all(self, timeout: float = 20) -> None:
+        """SIGTERM every worker, SIGKILL at the deadline; records how long the stop took and which
+        workers did not stop gracefully in time (``stop_s``, ``killed_at_stop``)."""
+        t = time.monotonic()
         procs = [s.proc for s in self.slots if s.proc is not None] + [p for p, _ in self.retiring]
+        running = []
         for p in procs:
             if p.poll() is None:
+                running.append(p)
                 self.expected.add(p.pid)
                 with contextlib.suppress(ProcessLookupError):
                     p.send_signal(signal.SIGCONT)
@@ -568,6 +588,9 @@ class Workers:
         deadline = time.monotonic() + timeout
         for p in procs:
             _end(p, max(0.1, deadline - time.monotonic()))
+        if running:  # the first stop, at the end of the run (teardown may call it again)
+            self.stop_s = round(time.monotonic() - t, 3)
+            self.killed_at_stop = [p.pid for p in running if p.returncode == -signal.SIGKILL]
 
     def log_counts(self, patterns: dict[str, str]) -> dict[str, int]:
         out = dict.fromkeys(patterns, 0)
@@ -642,6 +665,300 @@ class Submitter(threading.Thread):
                 self.retry_unacked(time.monotonic() + 1.0)
             self._submit(self.order(i))
         self.retry_unacked(time.monotonic() + 30)
+
+
+# -- following the run while it runs --------------------------------------------------------------
+
+# The task states that never change again, and the only ones the leader's prune deletes (``error``
+# waits for an operator and is kept): a task seen in one of them has its outcome known for good.
+TERMINAL = ("processed", "compensated", "cancelled")
+# The events the analysis needs row by row; every other kind is only counted.
+KEPT_EVENTS = ("rescued", "retry_scheduled", "dispatched", "lease_acquired", "lease_resigned")
+# A finished task is read again by every poll for this long after the last good poll began: a
+# transaction stamps ``finished_at`` with its own clock reading and may commit a little later
+# (at most seconds: PostgreSQL ends a session idle in a transaction after 5 s).
+FINISH_MARGIN = 15.0
+EVENT_BATCH = 20_000
+MIN_RETENTION = 5.0  # seconds: see parse_args
+
+
+class Tracker(threading.Thread):
+    """Follows the store while the run goes on, so a prune cannot take records away uncounted.
+
+    With a short retention (``--retention``) the leader deletes the run's finished tasks -- steps,
+    requests, replies, events and messages with them -- and old lease terms and task-less events,
+    minutes before the harness would read them at the end. So this thread reads them as they
+    appear, every ``every`` seconds, and keeps what the end of the run needs:
+
+    - each task of the run (``tasks``): its latest state and whether a cancel was ever requested.
+      A poll reads the tasks not finished and those finished since shortly before the previous
+      good poll, so each task is seen in its final state before its retention is up, however
+      many tasks the run has;
+    - every event once (``kinds`` by kind, and the rows of ``KEPT_EVENTS``): on SQLite in id order,
+      which is commit order; on PostgreSQL by the transaction that wrote each row (``xact_id``,
+      as ``stepwarden.metrics.tally`` reads it): the rows of every transaction older than the
+      snapshot's ``xmin`` are final, so each poll reads those written from the previous poll's
+      ``xmin`` on and drops the ones it has read before;
+    - every supervisor lease term (``terms``), and when ``event_totals`` -- what prunes deleted,
+      counted by the deleting transaction -- grew: the moments prunes ran (``prunes``).
+
+    Its last poll (``finish``, once the workers are stopped and nothing moves) reads every task of
+    the run: those it returns are in the store, the others were pruned, in the last state seen.
+    A task that was pruned before it was ever seen in a final state (``unaccounted``) would mean
+    the thread was blind for longer than the retention: the harness cannot vouch for it, and the
+    run fails. With the default retention nothing is pruned and this is what the end read gave.
+    """
+
+    def __init__(
+        self, url: str, prefix: str, first_event: int, run_started: float, every: float = 0.5
+    ) -> None:
+        super().__init__(name="chaos-tracker", daemon=True)
+        self.reader = Reader(url)
+        self.postgres = self.reader.sqlite_path is None
+        self.prefix = prefix
+        self.first_event = first_event
+        self.run_started = run_started
+        self.every = every
+        self.lock = threading.Lock()
+        self.halt = threading.Event()
+        self.tasks: dict[int, dict[str, Any]] = {}
+        self.in_store_at_end: set[int] | None = None
+        self.events: list[dict[str, Any]] = []
+        self.event_ids: set[int] = set()
+        self.kinds: Counter[str] = Counter()
+        self.terms: dict[int, dict[str, Any]] = {}
+        self.pruned_totals: list[tuple[float, int]] = []  # (when, SUM(event_totals.pruned)) as it grew
+        self.polls = 0
+        self.failed_polls = 0
+        self.longest_blind_s = 0.0
+        self._horizon = 0.0  # tasks finished before it were seen final by an earlier poll
+        self._cursor = first_event if not self.postgres else 0  # SQLite: id; PostgreSQL: last xmin
+        self._last_ok = time.monotonic()
+
+    # -- reading --
+    def _read_events(self) -> tuple[list[dict[str, Any]], int]:
+        """The events not read yet (and some read before, on PostgreSQL), and the cursor to keep once
+        they are merged: a poll that fails half-way keeps the old one and reads them again."""
+        cols = "id, task_id, step_idx, attempt, kind, actor, detail, at"
+        out: list[dict[str, Any]] = []
+        if not self.postgres:
+            cursor = self._cursor
+            for _ in range(1000):  # bounded: EVENT_BATCH rows a round
+                rows = self.reader.rows(
+                    f"SELECT {cols} FROM events WHERE id > ? ORDER BY id LIMIT ?", (cursor, EVENT_BATCH)
+                )
+                out.extend(rows)
+                if rows:
+                    cursor = int(rows[-1]["id"])
+                if len(rows) < EVENT_BATCH:
+                    break
+            return out, cursor
+        xmin = int(
+            self.reader.rows("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS x")[0]["x"]
+        )
+        after = (self._cursor, 0)  # (xact_id, id): every row of a transaction below _cursor was read
+        for _ in range(1000):
+            rows = self.reader.rows(
+                f"SELECT xact_id, {cols} FROM events WHERE id > ? AND (xact_id, id) > (?, ?) "
+                "ORDER BY xact_id, id LIMIT ?",
+                (self.first_event, after[0], after[1], EVENT_BATCH),
+            )
+            out.extend(rows)
+            if len(rows) < EVENT_BATCH:
+                break
+            after = (int(rows[-1]["xact_id"]), int(rows[-1]["id"]))
+        return out, xmin  # the next poll reads from the oldest transaction running now
+
+    def poll(self, full: bool = False) -> None:
+        """One read of everything; ``full``: every task of the run, not only the recent ones."""
+        began = now()
+        tasks = self.reader.rows(
+            "SELECT id, correlation_id, state, cancel_requested FROM tasks"
+            " WHERE substr(correlation_id, 1, ?) = ? AND (finished_at IS NULL OR finished_at >= ?)",
+            (len(self.prefix), self.prefix, 0.0 if full else self._horizon),
+        )
+        events, cursor = self._read_events()
+        terms = self.reader.rows(
+            "SELECT term, holder, acquired_at, ended_at FROM lease_terms WHERE name = ? AND acquired_at >= ?",
+            (LEASE_NAME, self.run_started - 1.0),
+        )
+        pruned = int(self.reader.rows("SELECT COALESCE(SUM(pruned), 0) AS n FROM event_totals")[0]["n"])
+        with self.lock:
+            for r in tasks:
+                t = self.tasks.setdefault(
+                    int(r["id"]), {"correlation_id": r["correlation_id"], "cancel_requested": False}
+                )
+                t["state"] = r["state"]
+                t["cancel_requested"] = t["cancel_requested"] or bool(r["cancel_requested"])
+                t.setdefault("seen_at", began)  # when first seen: a task seen long ago and not final is slow
+            for e in events:
+                eid = int(e["id"])
+                if eid in self.event_ids:
+                    continue
+                self.event_ids.add(eid)
+                self.kinds[e["kind"]] += 1
+                if e["kind"] in KEPT_EVENTS:
+                    e.pop("xact_id", None)
+                    self.events.append(e)
+            for r in terms:
+                self.terms[int(r["term"])] = r
+            if not self.pruned_totals or pruned > self.pruned_totals[-1][1]:
+                self.pruned_totals.append((began, pruned))
+            if full:
+                self.in_store_at_end = {int(r["id"]) for r in tasks}
+        self._cursor = cursor
+        self._horizon = began - FINISH_MARGIN
+        self.polls += 1
+
+    def _poll_once(self, full: bool = False) -> bool:
+        try:
+            self.poll(full)
+        except Exception:  # the store is restarting or cut off: the next poll reads it all
+            self.failed_polls += 1
+            return False
+        t = time.monotonic()
+        self.longest_blind_s = max(self.longest_blind_s, t - self._last_ok)
+        self._last_ok = t
+        return True
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            t = time.monotonic()
+            self._poll_once()
+            self.halt.wait(max(0.05, self.every - (time.monotonic() - t)))
+        for _ in range(10):  # the last read: every task; bounded in count
+            if self._poll_once(full=True):
+                break
+            time.sleep(1.0)
+        self.reader.close()
+
+    def finish(self) -> None:
+        """Stop after one last, full poll (call it once the workers are stopped)."""
+        self.halt.set()
+        self.join(timeout=180)
+
+    # -- what others read while it runs --
+    def snapshot(self) -> dict[int, tuple[str, bool, float]]:
+        """Task id -> (state, cancel ever requested, when first seen), as of the last poll."""
+        with self.lock:
+            return {i: (t["state"], t["cancel_requested"], t["seen_at"]) for i, t in self.tasks.items()}
+
+    def seen_terminal(self) -> set[int]:
+        with self.lock:
+            return {i for i, t in self.tasks.items() if t["state"] in TERMINAL}
+
+    def prune_moments(self) -> list[float]:
+        """When the store's count of pruned events was seen to grow (the first reading is the base)."""
+        with self.lock:
+            return [t for t, _ in self.pruned_totals[1:]]
+
+
+# -- operator actions -----------------------------------------------------------------------------
+
+
+class Operator(threading.Thread):
+    """An operator at the console during the window: ``stepwarden task cancel`` and ``task retry``
+    on random tasks, through the real CLI in a process of its own, as a user's script would call it
+    (exit 0: done; 2: refused, the task being in no state for it; 1: failed).
+
+    A seeded schedule, an action every ``every`` seconds on average (each gap uniform in 0.5-1.5 x).
+    A retry needs a task in ``error`` (the demo's are the orders whose stock reservation was refused
+    for good): the first action after one appears is a retry, then one action in three while some
+    exist. Every other action is a cancel: of a task in flight (pending or processing) mostly, one
+    time in ten of a task in ``error`` (a cancel undoes it), one in ten of a ``processed`` one (to be
+    refused). Most tasks finish in well under a second, before the CLI has even started, so a cancel
+    goes to a *slow* task in flight when there is one -- seen in flight for a second or more: its
+    step hung, or is being retried, or its worker was killed -- the cases where a cancel has work to
+    do. Targets come from the tracker's last poll, so a target may have moved on since: a refusal
+    then is the CLI doing its job, counted, not a failure.
+    """
+
+    def __init__(
+        self,
+        o: Options,
+        url: str,
+        env: dict[str, str],
+        tracker: Tracker,
+        seed: int,
+        stop_at: float,
+        t0: float,
+    ) -> None:
+        super().__init__(name="chaos-operator", daemon=True)
+        self.o = o
+        self.url = url
+        self.env = env
+        self.tracker = tracker
+        self.rng = random.Random(seed)
+        self.stop_at = stop_at
+        self.t0 = t0
+        self.halt = threading.Event()
+        self.actions: list[dict[str, Any]] = []
+        self.skipped = 0
+
+    def run(self) -> None:
+        every = self.o.operator_every
+        due = time.monotonic() + self.rng.uniform(0.3, 0.7) * every
+        for _ in range(1_000_000):  # bounded: one action per iteration
+            while not self.halt.is_set() and time.monotonic() < due:
+                self.halt.wait(min(0.1, max(0.0, due - time.monotonic())))
+            if self.halt.is_set() or time.monotonic() >= self.stop_at:
+                return
+            self.act()
+            due = max(due + self.rng.uniform(0.5, 1.5) * every, time.monotonic())
+
+    def pick(self) -> tuple[str, int, str] | None:
+        """(action, task id, its state as last seen), or None if no task fits."""
+        snap = self.tracker.snapshot()
+        by_state: dict[str, list[int]] = {}
+        slow_before = now() - 1.0
+        for tid, (state, cancel_requested, seen_at) in sorted(snap.items()):
+            if not cancel_requested:
+                by_state.setdefault(state, []).append(tid)
+                if state in ("pending", "processing") and seen_at <= slow_before:
+                    by_state.setdefault("slow", []).append(tid)
+        errors = by_state.get("error", [])
+        retried = any(a["action"] == "retry" and a["outcome"] == "accepted" for a in self.actions)
+        if errors and (not retried or self.rng.random() < 1 / 3):
+            return "retry", self.rng.choice(errors), "error"
+        r = self.rng.random()
+        in_flight = by_state.get("pending", []) + by_state.get("processing", [])
+        processed = by_state.get("processed", [])
+        if r < 0.1 and errors:
+            return "cancel", self.rng.choice(errors), "error"
+        if r < 0.2 and processed:
+            return "cancel", self.rng.choice(processed[-200:]), "processed"
+        if in_flight:
+            tid = self.rng.choice(by_state.get("slow") or in_flight)
+            return "cancel", tid, snap[tid][0]
+        return None
+
+    def act(self) -> None:
+        choice = self.pick()
+        if choice is None:
+            self.skipped += 1
+            return
+        action, tid, seen = choice
+        at = now()
+        t = time.monotonic()
+        cmd = [sys.executable, "-m", "stepwarden", "--db", self.url, "task", action, str(tid)]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=60)
+            code, said = p.returncode, (p.stdout.strip() or p.stderr.strip()).splitlines()
+        except subprocess.TimeoutExpired:  # run() has killed it
+            code, said = -1, ["timed out after 60 s"]
+        outcome = {0: "accepted", 2: "refused"}.get(code, "failed")
+        rec = {
+            "t": round(at - self.t0, 3),
+            "action": action,
+            "task_id": tid,
+            "seen_state": seen,
+            "exit": code,
+            "outcome": outcome,
+            "said": (said[-1] if said else "")[:300],
+            "took_s": round(time.monotonic() - t, 3),
+        }
+        self.actions.append(rec)
+        log_line(self.o, f"operator {action} {tid} ({seen}): {outcome}: {rec['said']}")
 
 
 # -- the fault schedule ---------------------------------------------------------------------------
@@ -773,10 +1090,16 @@ class Injector:
         if cat is None:
             return False
         self.kill_rotation.remove(cat)
-        slot = self.rng.choice([s for s in live if s.category == cat])
+        candidates = [s for s in live if s.category == cat]
+        # Aim at undos: a worker of that role mix with a compensation in flight, if there is one
+        # (the moment REL2's "no compensated effect survives" is most at risk); else any of them.
+        undoing = self.undoing_pids()
+        aimed = [s for s in candidates if s.proc is not None and s.proc.pid in undoing]
+        slot = self.rng.choice(aimed or candidates)
         at = now()
         pid = self.workers.signal(slot, signal.SIGKILL)
-        self.record("kill", at, worker=slot.name(), roles=slot.category, pid=pid)
+        self.record("kill", at, worker=slot.name(), roles=slot.category, pid=pid, aimed_at_undo=bool(aimed))
+        self.note_in_flight(self.faults[-1], slot, pid)
         self.workers.replace(slot, graceful=False)
         return True
 
@@ -788,8 +1111,40 @@ class Injector:
         at = now()
         pid = self.workers.signal(slot, signal.SIGKILL)
         self.record("kill_leader", at, worker=slot.name(), roles=slot.category, pid=pid, term=row["term"])
+        self.note_in_flight(self.faults[-1], slot, pid)
         self.workers.replace(slot, graceful=False)
         return True
+
+    def undoing_pids(self) -> set[int]:
+        """Pids of the workers that have taken an undo request and not answered it yet."""
+        rows = self.reader.try_rows(
+            "SELECT DISTINCT taken_by FROM requests WHERE state = 'taken' AND kind = 'undo'"
+        )
+        return {p for p in (pid_of(r["taken_by"]) for r in rows or []) if p is not None}
+
+    def note_in_flight(self, rec: dict[str, Any], slot: Slot, pid: int) -> None:
+        """What the SIGKILLed worker had in flight, from the store, read right after the kill: the
+        requests it had taken and not answered (its agents' calls, forward and undo: an undo the
+        service may have applied whose reply died with the worker), and the tasks it held as a
+        scheduler while they were being undone. The process is gone, so these rows can only change
+        by the supervisor's rescue, a sweep (up to a second) away; ``None`` if the store could not
+        answer (a restart)."""
+        mine = f"{slot.name()}:{pid}:%"
+        taken = self.reader.try_rows(
+            "SELECT task_id, kind FROM requests WHERE state = 'taken' AND taken_by LIKE ?", (mine,)
+        )
+        held = self.reader.try_rows(
+            "SELECT id FROM tasks WHERE state = 'compensating' AND locked_by LIKE ?", (mine,)
+        )
+        if taken is None or held is None:
+            rec["in_flight"] = None
+            return
+        rec["in_flight"] = {
+            "do": sum(1 for r in taken if r["kind"] == "do"),
+            "undo": sum(1 for r in taken if r["kind"] == "undo"),
+            "compensating_tasks_held": len(held),
+        }
+        rec["undo_tasks"] = sorted({int(r["task_id"]) for r in taken if r["kind"] == "undo"})
 
     def _term_leader(self) -> bool:
         got = self.leader()
@@ -1126,6 +1481,10 @@ class Run:
     workers: Workers | None = None
     store: Any = None
     reader: Reader | None = None
+    tracker: Tracker | None = None
+    operator: Operator | None = None
+    events_before: int = 0  # events in the store before the run (a reused --db)
+    pruned_before: int = 0  # event_totals' sum before the run
     notes: list[str] = field(default_factory=list)
 
 
@@ -1208,6 +1567,8 @@ def execute(o: Options) -> tuple[dict[str, Any], bool]:
         app.use_store(run.store)
         run.reader = reader = Reader(run.direct_url)
         first_event = int(reader.rows("SELECT COALESCE(MAX(id), 0) AS m FROM events")[0]["m"])
+        run.events_before = int(reader.rows("SELECT COUNT(*) AS n FROM events")[0]["n"])
+        run.pruned_before = int(reader.rows("SELECT COALESCE(SUM(pruned), 0) AS n FROM event_totals")[0]["n"])
         run_started = now()
         env = dict(os.environ, STEPWARDEN_DEMO_SERVICES=services_url, PYTHONUNBUFFERED="1")
         env.pop("STEPWARDEN_DB", None)
@@ -1258,13 +1619,22 @@ def _drive(run: Run, first_event: int, run_started: float, lease: Any, sup: Any)
     log_line(
         o,
         f"{o.store}: {len(workers.slots)} workers {layout(o.workers)}, {total} orders at {rate:.2f}/s over "
-        f"{o.duration:g}s, {len(plan)} faults planned ({', '.join(kinds) or 'none'}); workdir {run.workdir}",
+        f"{o.duration:g}s, {len(plan)} faults planned ({', '.join(kinds) or 'none'}); workdir {run.workdir}"
+        + (f"; retention {o.retention:g}s" if o.retention is not None else "")
+        + (f"; an operator action every {o.operator_every:g}s" if o.operator_every else ""),
     )
+    run.tracker = tracker = Tracker(run.direct_url, prefix, first_event, run_started)
+    tracker.start()
     t0_mono = time.monotonic()
     injector.t0 = t0 = now()
     window_end = t0_mono + o.duration
     submitter = Submitter(app, prefix, total, rate, o.seed, window_end)
     submitter.start()
+    if o.operator_every:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("STEPWARDEN_DB", None)
+        run.operator = Operator(o, run.direct_url, env, tracker, o.seed * 104729 + 3, window_end, t0)
+        run.operator.start()
     queue = [PlannedFault(t0_mono + off, kind, t0_mono + off + 12.0) for off, kind in plan]
     next_progress = t0_mono + 5
     for _ in range(int(o.duration * 50) + 1000):  # bounded: one pass per ~20 ms of the window
@@ -1283,10 +1653,13 @@ def _drive(run: Run, first_event: int, run_started: float, lease: Any, sup: Any)
         workers.check()
         if t >= next_progress:
             next_progress = t + max(5.0, o.duration / 60)
-            _progress(o, reader, prefix, submitter, injector, t - t0_mono)
+            _progress(o, reader, prefix, submitter, injector, tracker, t - t0_mono)
         time.sleep(0.02)
     injector.skipped.update(p.kind for p in queue)
     injected_until = now()
+    if run.operator is not None:
+        run.operator.halt.set()
+        run.operator.join(timeout=90)  # an action in progress ends within its 60 s timeout
     injector.flush()
     submitter.halt.set()
     submitter.join(timeout=60)
@@ -1295,22 +1668,23 @@ def _drive(run: Run, first_event: int, run_started: float, lease: Any, sup: Any)
     log_line(o, f"injection over: {len(injector.faults)} faults; waiting up to {o.settle:g}s for every task")
     settle_start = time.monotonic()
     settle_end = settle_start + o.settle
-    counts: dict[str, int] = {}
     while time.monotonic() < settle_end:
         workers.check()
         rows = reader.try_rows(
-            "SELECT state, COUNT(*) AS n FROM tasks WHERE substr(correlation_id, 1, ?) = ? GROUP BY state",
-            (len(prefix), prefix),
+            "SELECT id, state FROM tasks WHERE substr(correlation_id, 1, ?) = ?", (len(prefix), prefix)
         )
-        if rows is not None:
-            counts = {r["state"]: int(r["n"]) for r in rows}
-            if sum(counts.values()) >= len(submitter.acked) and all(s in FINAL for s in counts):
+        if rows is not None and all(r["state"] in FINAL for r in rows):
+            # Every acknowledged order's task is final in the store, or was seen final and pruned.
+            stored = {int(r["id"]) for r in rows}
+            seen = tracker.seen_terminal()
+            if all(tid in stored or tid in seen for tid in submitter.acked.values()):
                 break
         time.sleep(0.5)
     settled_s = time.monotonic() - settle_start
     workers.check(restart=False)
     workers.stop_all()
     end_wall = now()
+    tracker.finish()  # its last, full read: nothing moves any more
     effects = _ledger(run)
     report = _report(
         run,
@@ -1331,17 +1705,19 @@ def _drive(run: Run, first_event: int, run_started: float, lease: Any, sup: Any)
     return report
 
 
-def _progress(o: Options, reader: Reader, prefix: str, sub: Submitter, inj: Injector, elapsed: float) -> None:
+def _progress(
+    o: Options, reader: Reader, prefix: str, sub: Submitter, inj: Injector, tracker: Tracker, elapsed: float
+) -> None:
     rows = reader.try_rows(
-        "SELECT state, COUNT(*) AS n FROM tasks WHERE substr(correlation_id, 1, ?) = ? GROUP BY state",
-        (len(prefix), prefix),
+        "SELECT id, state FROM tasks WHERE substr(correlation_id, 1, ?) = ?", (len(prefix), prefix)
     )
-    counts = {r["state"]: int(r["n"]) for r in rows or []}
-    final = sum(n for s, n in counts.items() if s in FINAL)
+    final = sum(1 for r in rows or [] if r["state"] in FINAL)
+    pruned = len(tracker.seen_terminal() - {int(r["id"]) for r in rows or []}) if rows is not None else 0
     log_line(
         o,
-        f"t={elapsed:5.1f}s submitted {len(sub.acked)} (retrying {len(sub.unacked)}), final {final}, "
-        f"in flight {sum(counts.values()) - final}, faults {len(inj.faults)}"
+        f"t={elapsed:5.1f}s submitted {len(sub.acked)} (retrying {len(sub.unacked)}), final {final}"
+        + (f" (and {pruned} pruned)" if pruned else "")
+        + f", in flight {len(rows or []) - final}, faults {len(inj.faults)}"
         + ("" if rows is not None else " (store unreachable)"),
     )
 
@@ -1373,61 +1749,57 @@ def _report(
 
     o = run.o
     assert run.reader is not None and run.workers is not None and run.services is not None
-    reader = run.reader
-    tasks = reader.rows(
-        "SELECT id, correlation_id, state FROM tasks WHERE substr(correlation_id, 1, ?) = ? ORDER BY id",
-        (len(prefix), prefix),
-    )
+    assert run.tracker is not None
+    reader, tracker = run.reader, run.tracker
+    # The run's tasks: as the tracker's last, full read found them in the store, and those the
+    # leader pruned before it, in the last state the tracker saw them in.
+    stored = tracker.in_store_at_end
+    if stored is None:
+        raise RuntimeError("the store could not be read at the end of the run")
+    tasks = [
+        {"id": tid, "correlation_id": t["correlation_id"], "state": t["state"], "pruned": tid not in stored}
+        for tid, t in sorted(tracker.tasks.items())
+    ]
+    pruned_rows = [t for t in tasks if t["pruned"]]
+    unaccounted = [t for t in pruned_rows if t["state"] not in TERMINAL]
     by_state = Counter(t["state"] for t in tasks)
-    stuck_rows = [t for t in tasks if t["state"] not in FINAL]
+    stuck_rows = [t for t in tasks if t["state"] not in FINAL and not t["pruned"]]
     in_store = {t["correlation_id"] for t in tasks}
     lost_ids = sorted(oid for oid in sub.acked if oid not in in_store)
     ledger = check_ledger(
         effects, [OrderOutcome(t["correlation_id"], str(t["id"]), t["state"]) for t in tasks]
     )
-    events = reader.rows(
-        "SELECT id, task_id, step_idx, attempt, kind, actor, detail, at FROM events WHERE id > ? "
-        "AND kind IN ('rescued', 'retry_scheduled', 'dispatched') ORDER BY id",
-        (first_event,),
+    # Events, lease terms and prunes, as the tracker followed them.
+    events = sorted(
+        (e for e in tracker.events if e["kind"] in ("rescued", "retry_scheduled", "dispatched")),
+        key=lambda e: int(e["id"]),
     )
-    kinds = Counter(
-        {
-            r["kind"]: int(r["n"])
-            for r in reader.rows(
-                "SELECT kind, COUNT(*) AS n FROM events WHERE id > ? GROUP BY kind", (first_event,)
-            )
-        }
-    )
-    acquisitions = reader.rows(
-        "SELECT id, actor, detail, at FROM events WHERE id > ? AND kind = 'lease_acquired' ORDER BY id",
-        (first_event,),
-    )
+    kinds = Counter(tracker.kinds)
+    leases = sorted((e for e in tracker.events if e["kind"].startswith("lease_")), key=lambda e: int(e["id"]))
     acq = [
         {"at": float(a["at"]), "term": int(_detail(a).get("term", 0)), "holder": a["actor"]}
-        for a in acquisitions
-        if _detail(a).get("lease") == LEASE_NAME
+        for a in leases
+        if a["kind"] == "lease_acquired" and _detail(a).get("lease") == LEASE_NAME
     ]
     resigned = [
         {"at": float(a["at"]), "term": int(_detail(a).get("term", 0)), "holder": a["actor"]}
-        for a in reader.rows(
-            "SELECT actor, detail, at FROM events WHERE id > ? AND kind = 'lease_resigned' ORDER BY id",
-            (first_event,),
-        )
-        if _detail(a).get("lease") == LEASE_NAME
+        for a in leases
+        if a["kind"] == "lease_resigned" and _detail(a).get("lease") == LEASE_NAME
     ]
-    terms = reader.rows(
-        "SELECT term, holder, acquired_at, ended_at FROM lease_terms WHERE name = ? AND acquired_at >= ? "
-        "ORDER BY term",
-        (LEASE_NAME, run_started - 1.0),
-    )
+    terms = [tracker.terms[k] for k in sorted(tracker.terms)]
     rescued = [e for e in events if e["kind"] == "rescued"]
     overlaps = term_analysis(terms, rescued)
     mark_term_holders(inj.faults, terms)
+    # Of the tasks still stored: a pruned task's requests went with it.
     requests = reader.rows(
         "SELECT outcome, COUNT(*) AS n FROM requests WHERE task_id IN "
         "(SELECT id FROM tasks WHERE substr(correlation_id, 1, ?) = ?) GROUP BY outcome",
         (len(prefix), prefix),
     )
+    events_check = _events_check(run, tracker, first_event)
+    operator = _operator_report(run, tasks, effects)
+    retention = _retention_report(run, tracker, inj, tasks, t0)
+    undo_kills = _undo_kill_report(run, inj, tasks)
 
     # -- failovers
     fo_kill = failover_samples(inj.faults, acq, ("kill", "kill_leader"))
@@ -1495,6 +1867,8 @@ def _report(
             "crashes": sum(1 for u in run.workers.unexpected if u["phase"] == "running"),
             "startup_failures": sum(1 for u in run.workers.unexpected if u["phase"] == "startup"),
             "unexpected_exit_detail": run.workers.unexpected[:10],
+            "stop_s": run.workers.stop_s,  # SIGTERM of every worker at the end -> all exited
+            "killed_at_stop": run.workers.killed_at_stop,  # pids that outlived the 20 s and were SIGKILLed
         },
         "settings": {
             "complete_by_s": complete_by,
@@ -1519,7 +1893,9 @@ def _report(
         "tasks": {
             "planned": o.order_plan()[0],
             "submitted": len(sub.acked),
-            "in_store": len(tasks),
+            "in_store": len(tasks) - len(pruned_rows),
+            "pruned": len(pruned_rows),
+            "unaccounted": len(unaccounted),
             "never_acknowledged": len(sub.unacked),
             "submit_errors_retried": sub.errors,
             "by_state": dict(sorted(by_state.items())),
@@ -1531,6 +1907,10 @@ def _report(
         "lost_detail": {"not_in_store": lost_ids[:20], "processed_but_not_applied": ledger.lost},
         "duplicate_effects": ledger.duplicate_effects,
         "ledger": ledger.as_dict(),
+        "retention": retention,
+        "operator": operator,
+        "kills_in_flight": undo_kills,
+        "events": events_check,
         "faults": {
             "injected_total": injected_total,
             "by_kind": dict(sorted(fault_counts.items())),
@@ -1551,7 +1931,7 @@ def _report(
         "fenced_sweeps_rejected": log_counts["fenced_sweeps_rejected"],
         "rescues": kinds.get("rescued", 0),
         "retries_scheduled": kinds.get("retry_scheduled", 0),
-        "requests_by_outcome": {str(r["outcome"]): int(r["n"]) for r in requests},
+        "requests_by_outcome": {str(r["outcome"]): int(r["n"]) for r in requests},  # of stored tasks
         "rescue_latency_s": stats([s["latency"] for s in samples]),
         "rescue_latency_without_backoff_s": stats([s["machinery"] for s in samples]),
         "rescue_latency_without_backoff_undisturbed_s": stats([s["machinery"] for s in quiet]),
@@ -1619,9 +1999,177 @@ def _report(
         problems.append(f"{crashes} running worker(s) crashed (REL3)")
     if overlaps["acting_overlaps"] or overlaps["fenced_writes_by_non_holder"]:
         problems.append(f"{overlaps['acting_overlaps']} acting overlap(s) of leader terms")
+    if unaccounted:
+        problems.append(
+            f"{len(unaccounted)} task(s) pruned before the harness saw them final (blind for "
+            f"{tracker.longest_blind_s:.1f}s at most): their outcome is unchecked"
+        )
+    if not events_check["complete"]:
+        problems.append(
+            f"the harness read {events_check['tracked']} of the run's {events_check['expected']} events:"
+            " the figures and the leader-term check may miss some"
+        )
+    problems.extend(operator["problems"][:10])
+    problems.extend(undo_kills["problems"][:10])
     report["problems"] = problems
     report["ok"] = not problems
     return report
+
+
+def _cmp3_tasks(reader: Reader) -> set[int]:
+    """Tasks whose compensation failed for good (CMP3: ``error`` with a ``compensation_failed``
+    alert naming the step left un-undone): the outcome the spec gives an undo that exhausts its
+    retries, so not a violation, but never an effect silently left."""
+    rows = reader.rows("SELECT DISTINCT task_id FROM alerts WHERE kind = 'compensation_failed'")
+    return {int(r["task_id"]) for r in rows if r["task_id"] is not None}
+
+
+def _effects_left(effects: dict[str, dict[str, object]]) -> Counter[int]:
+    """Task id -> how many of its effects are applied more often than undone, from the ledger."""
+    left: Counter[int] = Counter()
+    for key, e in effects.items():
+        task, _, _ = key.rpartition(":")
+        applied, undone = e.get("applied", 0), e.get("undone", 0)
+        if task.isdigit() and isinstance(applied, int) and isinstance(undone, int) and applied > undone:
+            left[int(task)] += 1
+    return left
+
+
+def undone_as_promised(state: str | None, tid: int, cmp3: set[int]) -> bool:
+    """A task an operator cancelled, or whose undo was in flight when its worker was killed, ends
+    undone (``cancelled``, ``compensated``), or in ``error`` with its compensation failed (CMP3)."""
+    return state in ("cancelled", "compensated") or (state == "error" and tid in cmp3)
+
+
+def _operator_report(
+    run: Run, tasks: list[dict[str, Any]], effects: dict[str, dict[str, object]]
+) -> dict[str, Any]:
+    """The operator's actions and what became of their tasks.
+
+    The cancelled tasks are those whose cancel the CLI acknowledged and those the store showed with
+    ``cancel_requested`` (only the operator sets it; a cancel whose exit status was lost still
+    counts). Each must end undone (``undone_as_promised``), with no effect of it left standing in
+    the services' ledger; each acknowledged cancel must be recorded. Each retried task must end in
+    a final state. Duplicates are the ledger's check, over every task."""
+    assert run.reader is not None and run.tracker is not None
+    actions = run.operator.actions if run.operator is not None else []
+    final = {int(t["id"]): str(t["state"]) for t in tasks}
+    requested = {tid for tid, t in run.tracker.tasks.items() if t["cancel_requested"]}
+    acked_cancels = {a["task_id"] for a in actions if a["action"] == "cancel" and a["outcome"] == "accepted"}
+    retried = {a["task_id"] for a in actions if a["action"] == "retry" and a["outcome"] == "accepted"}
+    cancelled = acked_cancels | requested
+    cmp3 = _cmp3_tasks(run.reader)
+    left = _effects_left(effects)
+    problems: list[str] = []
+    for tid in sorted(acked_cancels - requested):
+        problems.append(f"task {tid}: cancel acknowledged by the CLI but never recorded")
+    for tid in sorted(cancelled):
+        state = final.get(tid)
+        if not undone_as_promised(state, tid, cmp3):
+            problems.append(f"task {tid} was cancelled but ended {state}")
+        elif state != "error" and left[tid]:
+            problems.append(f"task {tid} ended {state} with {left[tid]} effect(s) still applied")
+    for tid in sorted(retried):
+        if final.get(tid) not in FINAL:
+            problems.append(f"task {tid} was retried but is {final.get(tid)}, not final")
+
+    def outcomes(action: str) -> dict[str, int]:
+        c = Counter(a["outcome"] for a in actions if a["action"] == action)
+        return {k: c.get(k, 0) for k in ("accepted", "refused", "failed")}
+
+    return {
+        "every_s": run.o.operator_every or None,
+        "actions": len(actions),
+        "skipped_no_target": run.operator.skipped if run.operator is not None else 0,
+        "cancel": outcomes("cancel"),
+        "retry": outcomes("retry"),
+        "cancelled_tasks": len(cancelled),
+        "cancelled_final_states": dict(sorted(Counter(str(final.get(t)) for t in cancelled).items())),
+        "cancelled_undo_failed_cmp3": sum(1 for t in cancelled if final.get(t) == "error" and t in cmp3),
+        "cancelled_with_effects_left": sum(1 for t in cancelled if final.get(t) != "error" and left[t]),
+        "retried_tasks": len(retried),
+        "retried_final_states": dict(sorted(Counter(str(final.get(t)) for t in retried).items())),
+        "problems": problems,
+        "log": actions[:300],
+    }
+
+
+def _undo_kill_report(run: Run, inj: Injector, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+    """SIGKILLs by what the victim had in flight, as the store showed right after each kill
+    (``Injector.note_in_flight``); the tasks whose undo was in flight must end undone."""
+    assert run.reader is not None
+    kills = [f for f in inj.faults if f["kind"] in ("kill", "kill_leader")]
+    known = [f for f in kills if f.get("in_flight") is not None]
+    with_undo = [f for f in known if f["in_flight"]["undo"]]
+    undo_tasks = sorted({t for f in with_undo for t in f.get("undo_tasks", [])})
+    final = {int(t["id"]): str(t["state"]) for t in tasks}
+    cmp3 = _cmp3_tasks(run.reader) if undo_tasks else set()
+    problems = [
+        f"task {tid}: its undo was in flight in a killed worker, and it ended {final.get(tid)}"
+        for tid in undo_tasks
+        if not undone_as_promised(final.get(tid), tid, cmp3)
+    ]
+    return {
+        "kills": len(kills),
+        "unknown": len(kills) - len(known),
+        "with_undo_in_flight": len(with_undo),
+        "aimed_at_undo": sum(1 for f in kills if f.get("aimed_at_undo")),
+        "with_forward_step_in_flight": sum(1 for f in known if f["in_flight"]["do"]),
+        "holding_compensating_tasks": sum(1 for f in known if f["in_flight"]["compensating_tasks_held"]),
+        "undo_tasks": len(undo_tasks),
+        "undo_tasks_final_states": dict(sorted(Counter(str(final.get(t)) for t in undo_tasks).items())),
+        "problems": problems,
+    }
+
+
+def _retention_report(
+    run: Run, tracker: Tracker, inj: Injector, tasks: list[dict[str, Any]], t0: float
+) -> dict[str, Any]:
+    """What the leader pruned during the run, and which leader faults came while it was pruning."""
+    moments = tracker.prune_moments()
+    first = moments[0] if moments else None
+    leader_faults = [
+        f
+        for f in inj.faults
+        if f["kind"] in LEADER_FAULTS or (f["kind"] == "kill" and f.get("held_term") is not None)
+    ]
+    pruned = [t for t in tasks if t["pruned"]]
+    return {
+        "retention_s": run.o.retention,
+        "pruned_tasks": len(pruned),
+        "pruned_by_state": dict(sorted(Counter(str(t["state"]) for t in pruned).items())),
+        "unaccounted_tasks": [t["id"] for t in pruned if t["state"] not in TERMINAL][:20],
+        "prunes_seen": len(moments),
+        "first_prune_t": None if first is None else round(first - t0, 3),
+        "leader_faults_after_first_prune": sum(
+            1 for f in leader_faults if first is not None and f["at"] >= first
+        ),
+        "tracker": {
+            "polls": tracker.polls,
+            "failed_polls": tracker.failed_polls,
+            "longest_blind_s": round(tracker.longest_blind_s, 3),
+        },
+    }
+
+
+def _events_check(run: Run, tracker: Tracker, first_event: int) -> dict[str, Any]:
+    """Did the tracker read every event of the run? It should have read those stored now plus those
+    the prunes deleted meanwhile (``event_totals`` counts them in the deleting transaction), less
+    the deleted ones written before the run (a reused ``--db``)."""
+    assert run.reader is not None
+    r = run.reader
+    stored_new = int(r.rows("SELECT COUNT(*) AS n FROM events WHERE id > ?", (first_event,))[0]["n"])
+    stored_old = int(r.rows("SELECT COUNT(*) AS n FROM events WHERE id <= ?", (first_event,))[0]["n"])
+    pruned_now = int(r.rows("SELECT COALESCE(SUM(pruned), 0) AS n FROM event_totals")[0]["n"])
+    pruned_during = pruned_now - run.pruned_before
+    expected = stored_new + pruned_during - (run.events_before - stored_old)
+    return {
+        "tracked": len(tracker.event_ids),
+        "expected": expected,
+        "complete": len(tracker.event_ids) == expected,
+        "stored_at_end": stored_new,
+        "pruned_during_run": pruned_during,
+    }
 
 
 def _version() -> dict[str, Any]:
@@ -1646,8 +2194,18 @@ def _le(value: float | None, limit: float) -> bool | None:
     return None if value is None else value <= limit
 
 
+def _stop_threads(run: Run) -> None:
+    """The operator and the tracker, if a failure left them running (each ends on its own flag)."""
+    if run.operator is not None and run.operator.is_alive():
+        run.operator.halt.set()
+        run.operator.join(timeout=90)
+    if run.tracker is not None and run.tracker.is_alive():
+        run.tracker.finish()
+
+
 def _teardown(run: Run, ok: bool) -> None:
     for step in (
+        lambda: _stop_threads(run),
         lambda: run.workers.stop_all() if run.workers else None,
         lambda: run.services.stop() if run.services else None,
         lambda: run.proxy.stop() if run.proxy else None,
@@ -1677,11 +2235,12 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
     t = r["tasks"]
     f = r["faults"]
     lt = r["leader_terms"]
+    k, rt, op = r["kills_in_flight"], r["retention"], r["operator"]
     return [
         f"store {r['store']}  seed {r['seed']}  workers {r['workers']['slots']}  "
         f"elapsed {r['timing']['elapsed_s']}s (injection {r['timing']['injection_window_s']}s, "
         f"settle {r['timing']['settle_s']}s)",
-        f"tasks: submitted {t['submitted']}, by final state {t['by_state']}",
+        f"tasks: submitted {t['submitted']}, by final state {t['by_state']} ({t['pruned']} of them pruned)",
         f"stuck {r['stuck']}  lost {r['lost']}  duplicate effects {r['duplicate_effects']}  "
         f"acting overlaps {lt['acting_overlaps']}  (ledger ok: {r['ledger']['ok']})",
         f"faults injected: {f['injected_total']} {f['by_kind']}  kills by role {f['kills_by_role']}",
@@ -1702,6 +2261,16 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
         f"(target <= {r['targets']['handover_after_resign_le_s']}s)",
         f"worker crashes {r['workers']['crashes']}, failed starts {r['workers']['startup_failures']}  "
         f"tracebacks in logs {r['log_tracebacks']}",
+        f"kills: {k['kills']}, with an undo in flight {k['with_undo_in_flight']} "
+        f"(aimed {k['aimed_at_undo']}; {k['undo_tasks']} task(s), ended {k['undo_tasks_final_states']}), "
+        f"with a forward step in flight {k['with_forward_step_in_flight']}, holding compensating "
+        f"tasks {k['holding_compensating_tasks']}, unknown {k['unknown']}",
+        f"retention {rt['retention_s'] if rt['retention_s'] is not None else 'default'}: pruned "
+        f"{rt['pruned_tasks']} task(s) {rt['pruned_by_state']} in {rt['prunes_seen']} prune(s) seen, "
+        f"leader faults after the first {rt['leader_faults_after_first_prune']}; unaccounted "
+        f"{t['unaccounted']}; events read {r['events']['tracked']}/{r['events']['expected']}",
+        f"operator: {op['actions']} action(s), cancel {op['cancel']}, retry {op['retry']}; cancelled "
+        f"tasks ended {op['cancelled_final_states']}, retried ended {op['retried_final_states']}",
         ("OK" if r["ok"] else "FAILED: " + "; ".join(r["problems"])),
     ]
 
@@ -1724,6 +2293,18 @@ def parse_args(argv: list[str] | None) -> Options:
     )
     p.add_argument("--fault-every", type=float, default=4.0, help="mean seconds between faults (default 4)")
     p.add_argument("--settle", type=float, default=120.0, help="max seconds to wait for every task to end")
+    p.add_argument(
+        "--retention",
+        type=float,
+        help="seconds the workers keep finished tasks before the leader prunes them (default: the "
+        "workers' own, 7 days); a few seconds prunes the run's tasks while it runs",
+    )
+    p.add_argument(
+        "--operator-every",
+        type=float,
+        default=0.0,
+        help="mean seconds between operator actions, `task cancel` and `task retry` (default 0: none)",
+    )
     p.add_argument("--json", dest="json_path", help="write the report here")
     p.add_argument("--workdir", help="keep logs and data here (default: a temp dir, removed on success)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir even on success")
@@ -1744,6 +2325,12 @@ def parse_args(argv: list[str] | None) -> Options:
         p.error("--rate must be within (0, 10000]")
     if not 0.2 <= a.fault_every <= 3600:
         p.error("--fault-every must be within [0.2, 3600] seconds")
+    # The tracker reads every finished task within about a second, blind at most while the store
+    # restarts: a retention shorter than a few seconds would let the prune outrun it.
+    if a.retention is not None and not MIN_RETENTION <= a.retention <= 36500 * 86400:
+        p.error(f"--retention must be within [{MIN_RETENTION:g}, 3153600000] seconds")
+    if a.operator_every and not 0.5 <= a.operator_every <= 3600:
+        p.error("--operator-every must be 0 (none) or within [0.5, 3600] seconds")
     return Options(
         store=a.store,
         db=a.db,
@@ -1755,6 +2342,8 @@ def parse_args(argv: list[str] | None) -> Options:
         faults=faults,
         fault_every=a.fault_every,
         settle=a.settle,
+        retention=a.retention,
+        operator_every=a.operator_every,
         json_path=a.json_path,
         workdir=a.workdir,
         keep=a.keep,

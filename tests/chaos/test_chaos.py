@@ -3,11 +3,14 @@
 Each run injects faults for 30 s on a fixed seed: SIGKILL of workers of every role mix and of the
 supervisor leader, SIGSTOP of the leader past its lease and of other workers briefly, SIGTERM of
 the leader, the services' own transient, hang-then-apply and permanent faults, and on PostgreSQL
-connection resets and stalls through a proxy and a server restart. Then it waits for every task to
-end and checks the outcome against the services' ledger and the store's log of leader terms (REL1,
-REL2, REL3, LEAD4, SUP5). The two runs are independent (own temp dir, own services, on PostgreSQL a
-server of their own, so the suite's shared server is never restarted) and can run in parallel under
-``pytest -n 2``.
+connection resets and stalls through a proxy and a server restart. An operator cancels and retries
+tasks meanwhile (``stepwarden task cancel|retry``), and the workers keep finished tasks 8 s only, so
+the leader prunes most of the run's tasks while it runs and while leaders are killed. Then it waits
+for every task to end and checks the outcome against the services' ledger and the store's log of
+leader terms (REL1, REL2, REL3, LEAD4, SUP5, CMP4, OPS2, OPS3), counting the pruned tasks in the
+state the harness saw them end in. The two runs are independent (own temp dir, own services, on
+PostgreSQL a server of their own, so the suite's shared server is never restarted) and can run in
+parallel under ``pytest -n 2``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from stepwarden.store import open_store
 
 EXPECTED = {
     "sqlite": {"kill", "kill_leader", "stop_leader", "stop_worker", "term_leader"},
@@ -53,15 +58,26 @@ def _explain(chaos: ModuleType, report: dict[str, Any]) -> str:
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])
 def test_short_chaos_run_loses_nothing_and_applies_nothing_twice(chaos: ModuleType, store: str) -> None:
     options = chaos.Options(
-        store=store, workers=5, duration=30.0, rate=6.0, fault_every=2.0, seed=2, settle=120.0
+        store=store,
+        workers=5,
+        duration=30.0,
+        rate=6.0,
+        fault_every=2.0,
+        seed=2,
+        settle=120.0,
+        retention=8.0,
+        operator_every=3.0,
     )
     report, ok = chaos.execute(options)
     why = _explain(chaos, report)
+    print(why)  # the run's figures, for `pytest -rP`
 
     # The guarantees: every task final, none lost, no effect applied twice or left un-undone, and
-    # never two supervisor terms acting at once.
-    assert report["tasks"]["submitted"] >= 150, why
-    assert sum(report["tasks"]["by_state"].values()) == report["tasks"]["in_store"], why
+    # never two supervisor terms acting at once -- over every task, the pruned ones included.
+    tasks = report["tasks"]
+    assert tasks["submitted"] >= 150, why
+    assert sum(tasks["by_state"].values()) == tasks["in_store"] + tasks["pruned"], why
+    assert tasks["unaccounted"] == 0 and report["events"]["complete"], why
     assert report["stuck"] == 0, why
     assert report["lost"] == 0, why
     assert report["duplicate_effects"] == 0, why
@@ -85,6 +101,19 @@ def test_short_chaos_run_loses_nothing_and_applies_nothing_twice(chaos: ModuleTy
     for kind in ("failover_after_sigkill_s", "failover_after_sigstop_s", "failover_after_sigterm_s"):
         assert report[kind]["n"] >= 1 and report[kind]["unmeasured"] == 0, why
     assert report["rescues"] > 0, why
+
+    # The leader pruned finished tasks during the run, and leader faults came after it began.
+    assert tasks["pruned"] > 0 and report["retention"]["prunes_seen"] >= 1, why
+    assert report["retention"]["leader_faults_after_first_prune"] >= 1, why
+    # The operator's cancels and retries were carried out, and their tasks ended as promised: a
+    # cancelled task undone (every effect of it undone, by the ledger), a retried one final.
+    op = report["operator"]
+    assert op["cancel"]["accepted"] >= 1 and op["retry"]["accepted"] >= 1, why
+    assert op["problems"] == [] and op["cancelled_with_effects_left"] == 0, why
+    assert set(op["retried_final_states"]) <= set(chaos.FINAL), why
+    # What each SIGKILLed worker had in flight was read from the store (the figure is reported;
+    # whether a kill hit an undo in flight depends on timing, so it is not required here).
+    assert report["kills_in_flight"]["kills"] >= 1 and report["kills_in_flight"]["problems"] == [], why
 
 
 def _echo_server() -> socketserver.ThreadingTCPServer:
@@ -205,3 +234,71 @@ def test_fault_schedule_is_seeded_and_injects_every_kind_first(chaos: ModuleType
     leader = [t for t, k in a if k in chaos.LEADER_FAULTS]
     assert all(b - x >= 10.0 for x, b in itertools.pairwise(leader))
     assert all(t + 8.0 + 1.0 <= 30.0 for t, k in a if k == "stop_leader")
+
+
+def test_tracker_keeps_what_a_prune_deletes_and_reads_late_commits_once(
+    chaos: ModuleType, store_url: str
+) -> None:
+    """The harness's tracker, against a real store: a task pruned after it was seen final keeps
+    that outcome; an event is counted once however often it is read; the prune is seen. On
+    PostgreSQL an event whose transaction took its id first but commits last -- after an event
+    with a higher id was read -- is still read (by transaction, not by id), which is how the
+    harness sees every event while the workers write concurrently. (SQLite has one writer at a
+    time: its ids appear in commit order.)"""
+    open_store(store_url).close()  # the schema (a fresh PostgreSQL database is migrated already)
+    reader = chaos.Reader(store_url)
+    tracker = chaos.Tracker(store_url, "p-", 0, 0.0)
+    pg = reader.sqlite_path is None
+    writer = reader._connect()  # an autocommit connection of the store's kind, for the test's writes
+    late: Any = None
+
+    def run(sql: str, *params: Any) -> None:
+        writer.execute(sql.replace("?", "%s") if pg else sql, params)
+
+    def event(kind: str, task: int) -> None:
+        run("INSERT INTO events (task_id, kind, actor, detail, at) VALUES (?, ?, 't', '{}', 1)", task, kind)
+
+    try:
+        run(
+            "INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, run_at, created_at,"
+            " updated_at) VALUES ('wf', 1, 'processing', '{}', 'p-1', 0, 0, 0)"
+        )
+        tid = int(reader.rows("SELECT id FROM tasks WHERE correlation_id = 'p-1'")[0]["id"])
+        event("claimed", tid)
+        if pg:  # a transaction takes the next id and stays open
+            import psycopg
+
+            late = psycopg.connect(store_url)
+            late.execute(
+                "INSERT INTO events (task_id, kind, actor, detail, at) VALUES (%s, 'late', 't', '{}', 1)",
+                (tid,),
+            )
+        event("dispatched", tid)
+        tracker.poll()
+        assert tracker.snapshot()[tid][:2] == ("processing", False)
+        assert tracker.kinds == {"claimed": 1, "dispatched": 1}
+
+        run("UPDATE tasks SET state = 'processed', finished_at = ? WHERE id = ?", chaos.now(), tid)
+        if late is not None:
+            late.commit()  # below the highest id read, committed after it was read
+        tracker.poll()
+        assert tracker.seen_terminal() == {tid}
+        expected = {"claimed": 1, "dispatched": 1} | ({"late": 1} if pg else {})
+        assert tracker.kinds == expected
+
+        # The prune: the task and its events go, counted in event_totals in the same transaction.
+        n = int(reader.rows("SELECT COUNT(*) AS n FROM events WHERE task_id = ?", (tid,))[0]["n"])
+        run("INSERT INTO event_totals (kind, pruned) VALUES ('processed', ?)", n)
+        run("DELETE FROM events WHERE task_id = ?", tid)
+        run("DELETE FROM tasks WHERE id = ?", tid)
+        tracker.poll()
+        tracker.poll(full=True)
+        assert tracker.kinds == expected  # each event once, however often it was read
+        assert tracker.tasks[tid]["state"] == "processed" and tracker.in_store_at_end == set()
+        assert len(tracker.prune_moments()) == 1
+    finally:
+        if late is not None:
+            late.close()
+        tracker.reader.close()
+        writer.close()
+        reader.close()
