@@ -128,6 +128,9 @@ class AgentRole:
         self._outbox: list[tuple[ReplyItem, asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
+        # Request ids whose reply committed while their call's task still runs (waiting for its
+        # health report): a stop that cancels that wait has nothing to hand back for them.
+        self._settled: set[int] = set()
         # Calls started since the last reply batch was taken and not yet answered (nor ended):
         # what the next batch lingers for. Calls that were running when a batch was taken are
         # not waited for again, so a slow call delays at most one batch, not every batch.
@@ -135,6 +138,8 @@ class AgentRole:
         self._no_young = asyncio.Event()  # set when the last of them answers, or the agent stops
         self._stopping = False  # set by drain(): reply batches take no more requests
         self._drained = False  # drain() has stopped waiting: nothing may start any more
+        self._hurried = asyncio.Event()  # hurry(): what is left of the grace period is skipped
+        self._grace_ends: float | None = None  # the loop's time the drain's grace period ends
         # Reservations handed out and not yet settled by accept(): a transaction in flight may
         # still bring requests for them, which drain() waits for.
         self._reserving = 0
@@ -303,25 +308,35 @@ class AgentRole:
             with span:
                 await self._execute(agent, msg, trial, span, deadline, state)
         finally:
-            self._answered(msg.id)
-            if msg.id in self._held:  # a committed reply would have given its slot back already
-                self._remember_unanswered(msg)
-            self._release(msg.id)
-            self.wake.set()
-            task = asyncio.current_task()
-            pending = [r for r in state.reports if not r.done()]
-            if pending and not (task is not None and task.cancelling()):
-                # The reply did not wait for the call's health report; the request's end does, so
-                # that the breaker and this instance's health are known when it is over.
-                await asyncio.wait(pending, timeout=self.settings.report_timeout + REPORT_WAIT_SLACK)
-            if probe:
-                self.health.probe_done(agent.name)
-            if trial and state.called:  # a trial that ended without a verdict counts as failed
-                why = "the trial call gave no answer"
-                await guard(self.health.release_trial(agent.name, why), agent.name)
-            elif trial:  # it never reached the service: it says nothing about it
-                why = "its request ended without calling the service"
-                await guard(self.health.give_back_trial(agent.name, why), agent.name)
+            try:
+                await self._end(agent, msg, trial, probe, state)
+            finally:
+                self._settled.discard(msg.id)
+
+    async def _end(
+        self, agent: Agent, msg: RequestMsg, trial: bool, probe: bool, state: AttemptState
+    ) -> None:
+        """What a request's end does, whatever ended it: its slot given back, its health reports
+        waited for, a trial's verdict given."""
+        self._answered(msg.id)
+        if msg.id in self._held:  # a committed reply would have given its slot back already
+            self._remember_unanswered(msg)
+        self._release(msg.id)
+        self.wake.set()
+        task = asyncio.current_task()
+        pending = [r for r in state.reports if not r.done()]
+        if pending and not (task is not None and task.cancelling()):
+            # The reply did not wait for the call's health report; the request's end does, so
+            # that the breaker and this instance's health are known when it is over.
+            await asyncio.wait(pending, timeout=self.settings.report_timeout + REPORT_WAIT_SLACK)
+        if probe:
+            self.health.probe_done(agent.name)
+        if trial and state.called:  # a trial that ended without a verdict counts as failed
+            why = "the trial call gave no answer"
+            await guard(self.health.release_trial(agent.name, why), agent.name)
+        elif trial:  # it never reached the service: it says nothing about it
+            why = "its request ended without calling the service"
+            await guard(self.health.give_back_trial(agent.name, why), agent.name)
 
     def _release(self, request_id: int) -> None:
         name = self._held.pop(request_id, None)
@@ -358,6 +373,7 @@ class AgentRole:
                 return
             await self._reply(msg, *outcome)
             self._replied.discard(msg.id)  # committed; only a cancelled wait leaves it for drain()
+            self._settled.add(msg.id)  # until the request's end (execute)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never let one request kill the role
@@ -552,31 +568,59 @@ class AgentRole:
         if applied is not None:  # the table's waiting replies are applied with them
             self._applied(applied)
 
+    def hurry(self) -> None:
+        """Skip what is left of the stop's grace period (a second stop signal): the calls still
+        running are cancelled and their attempts handed back at once, uncounted, as when the
+        grace period ends. Before the drain begins, it begins with none."""
+        self._hurried.set()
+
+    def grace_left(self) -> float | None:
+        """Seconds left of the stop's grace period; None before the drain began."""
+        if self._grace_ends is None:
+            return None
+        return max(0.0, self._grace_ends - asyncio.get_running_loop().time())
+
+    async def _within_grace(self, waits: set[asyncio.Task[Any]], end: float) -> None:
+        """Wait until every one of ``waits`` is done, the loop's time reaches ``end``, or
+        :meth:`hurry` is called, whichever comes first."""
+        loop = asyncio.get_running_loop()
+        hurried = asyncio.create_task(self._hurried.wait())
+        try:
+            while waits and not self._hurried.is_set() and (left := end - loop.time()) > 0:
+                await asyncio.wait(waits | {hurried}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                waits = {w for w in waits if not w.done()}
+        finally:
+            hurried.cancel()
+
     async def drain(self) -> None:
         """Graceful stop: let in-flight requests finish within the grace period, cancel the rest."""
         self._stopping = True  # a reply batch still in flight takes nothing more
         self._no_young.set()  # nor waits for calls that may never answer
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.settings.shutdown_grace
+        end = self._grace_ends = loop.time() + self.settings.shutdown_grace
         running: dict[asyncio.Task[None], RequestMsg] = {}
         pending: set[asyncio.Task[None]] = set()
         # A transaction already in flight (a reply batch, a scheduler round of this worker) may
         # still bring requests reserved before the stop: wait for it, and for the calls it starts.
         while (self.tasks or self._reserving > 0) and not pending:
-            left = max(0.0, end - loop.time())
             if self.tasks:
                 running.update(self.tasks)
-                _, pending = await asyncio.wait(set(self.tasks), timeout=left)
+                await self._within_grace(set(self.tasks), end)
+                pending = {t for t in running if not t.done()}
             else:
-                try:
-                    await asyncio.wait_for(self._no_reservations.wait(), left)
-                except TimeoutError:
+                reserved = asyncio.create_task(self._no_reservations.wait())
+                await self._within_grace({reserved}, end)
+                if not reserved.done():
+                    reserved.cancel()
                     break
         # From here on nothing starts: a transaction still in flight leaves its requests taken,
         # for a rescue. Calls started during the last wait are cancelled with the rest.
         self._drained = True
         running.update(self.tasks)
         pending = {t for t in running if not t.done()}
+        # Calls whose reply committed but whose end waits for a health report: cancelling that
+        # wait leaves nothing to hand back (a release now would only be recorded stale).
+        answered = {running[t].id for t in pending if running[t].id in self._settled}
         if running:
             for t in pending:
                 t.cancel()
@@ -586,7 +630,7 @@ class AgentRole:
             # leaving them to expire at complete-by.
             if self._sender is not None:  # replies already made are sent, not released
                 await asyncio.wait({self._sender}, timeout=REPLIES_WAIT)
-            unsent = [running[t].id for t in pending if running[t].id not in self._replied]
+            unsent = [running[t].id for t in pending if running[t].id not in self._replied | answered]
             if unsent:
                 try:  # bounded: a stop has a deadline
                     await asyncio.wait_for(

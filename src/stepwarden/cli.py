@@ -15,8 +15,11 @@ import re
 import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import replace
-from typing import Any
+from types import FrameType
+from typing import Any, NoReturn
 
 import click
 from click.core import ParameterSource
@@ -28,8 +31,9 @@ from .cli_params import FiniteRange, bracketed, fail, is_loopback, open_for
 from .cli_views import COMMANDS
 from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
 from .logs import safe_text
+from .store import Store
 from .supervisor import SupervisorSettings
-from .worker import ROLES, WorkerSettings, parse_list
+from .worker import ROLES, Worker, WorkerSettings, parse_list
 from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
 
 log = logging.getLogger("stepwarden.cli")
@@ -217,18 +221,122 @@ def worker(
         click.echo(f"worker metrics on {served.url}", err=True)
         if not is_loopback(host):  # as the dashboard warns: these metrics ask for no token
             click.echo(f"warning: metrics served on {shown}, beyond this machine, to anyone", err=True)
-    app.use_store(open_for(ctx, create=True))
+    early = _EarlySignals()  # from here on a stop signal stops the worker, however far it got
+    store = _open_unless_stopped(ctx, early)
+    if store is None:
+        log.info(
+            "worker %s stopped by %s before it could start (while opening the store); it took no work",
+            w.identity,
+            early.name,
+        )
+        _exit_now(0)
+    app.use_store(store)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        signals = _StopSignals(w, stop)
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, signals.received, sig.name)
+        if early.received is not None:  # between the store's opening and the handlers just set
+            signals.received(early.name)
         await w.run(stop)
 
     click.echo(f"worker {w.identity} on {app.url}", err=True)
     asyncio.run(main())
+    if not w.started:
+        # Stopped while it recorded its workflows (it says so): that transaction may still wait
+        # for a lock, in a thread; the exit ends it, and it commits whole or not at all.
+        _exit_now(0)
     _exit_despite_stuck_threads()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The first stop signal again this soon is the same stop, delivered twice: GNU timeout, for one,
+# signals the process and then its process group. An operator's second signal comes later, or is
+# the other one (SIGINT after SIGTERM).
+REPEAT_WINDOW = 0.25
+OPEN_POLL = 0.05  # how often the main thread looks for a stop signal while the store opens
+
+
+class _EarlySignals:
+    """SIGTERM and SIGINT noted while a worker starts, before its event loop handles them: set
+    from the signal handler, looked at by the main thread at its next turn."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received else "a signal"
+
+
+def _open_unless_stopped(ctx: click.Context, early: _EarlySignals) -> Store | None:
+    """``open_for(ctx, create=True)``, unless a stop signal comes first (None). Opening may wait
+    long: for SQLite's write lock held by another process (its migration's ``BEGIN IMMEDIATE``,
+    up to the busy timeout), for a PostgreSQL server that does not answer yet, or for another
+    session's migration. That wait is in the driver, where no Python signal handler runs until
+    it ends; so it runs in a thread of its own, and this one, free to see the signal, leaves
+    without it. The store's waits stay what they are for everyone else. A migration is one
+    transaction: the process's exit leaves it committed whole or not at all."""
+    opened: list[Store] = []
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def opening() -> None:
+        try:
+            opened.append(open_for(ctx, create=True))
+        except BaseException as e:  # raised again in the main thread, as it came
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=opening, name="stepwarden-open", daemon=True).start()
+    while not done.wait(OPEN_POLL) and early.received is None:
+        pass
+    if early.received is not None:
+        return None
+    if failed:
+        raise failed[0]
+    return opened[0]
+
+
+class _StopSignals:
+    """A running worker's SIGTERM and SIGINT: the first stops it gracefully, a second one hurries
+    it (:meth:`Worker.hurry`), unless it is the first one again within :data:`REPEAT_WINDOW`."""
+
+    def __init__(self, w: Worker, stop: asyncio.Event) -> None:
+        self.w = w
+        self.stop = stop
+        self.first: tuple[str, float] | None = None  # the first signal's name, and when it came
+
+    def received(self, name: str) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = (name, now)
+            log.info(
+                "worker %s: %s: stopping gracefully; a second SIGTERM or SIGINT stops it without"
+                " waiting for running calls",
+                self.w.identity,
+                name,
+            )
+            self.stop.set()
+        elif name != self.first[0] or now - self.first[1] >= REPEAT_WINDOW:
+            self.w.hurry()
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit at once, after the log and the output are flushed: threads still waiting (for a
+    lock, in an operation that cannot be interrupted) do not hold the process."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # One label of a host name (RFC 1123): letters, digits and inner hyphens, up to 63 characters.
@@ -255,8 +363,6 @@ def _metrics_host(value: str | None) -> str:
 def _exit_despite_stuck_threads() -> None:
     """A plain-function operation cannot be interrupted; once the worker has released its
     attempts and resigned, do not let such a thread keep the process alive past SIGTERM."""
-    import threading
-
     stuck = [
         t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
     ]
@@ -265,10 +371,7 @@ def _exit_despite_stuck_threads() -> None:
             "exiting with %d operation or alert-sink thread(s) still running; their results are discarded",
             len(stuck),
         )
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_now(0)
 
 
 # How much larger than the input limit the text as written may be: the limit applies to the input's
@@ -376,7 +479,7 @@ def demo(
     seed: int,
 ) -> None:
     """Run the order-processing example end to end, with failures, a SIGKILL and a ledger check."""
-    from .demo.runner import DemoOptions, run_demo
+    from .demo.runner import DemoOptions, DemoStopped, run_demo
 
     # Only a store named on this command line: $STEPWARDEN_DB may well name a real store, whose
     # own workers would take the demo's steps (and the demo's orders would stay in it).
@@ -394,7 +497,11 @@ def demo(
         as_json=as_json,
         seed=seed,
     )
-    ok = run_demo(opts)
+    try:
+        ok = run_demo(opts)
+    except DemoStopped as e:  # SIGTERM or SIGHUP: every process it started is stopped
+        click.echo(f"error: {_one_line(str(e))}", err=True)
+        ctx.exit(128 + e.signum)  # as a shell reports a process ended by that signal
     ctx.exit(0 if ok else 1)
 
 

@@ -142,7 +142,11 @@ class Worker:
         self.app = app
         self.settings = s = settings or WorkerSettings()
         self.identity = make_identity(s.name)
-        self._spans = tracing.tracer(self.identity, app.store)  # task spans for the replies a round applies
+        # Task spans for the replies a round applies: made by run(), on the store it runs on. Not
+        # here: ``app.store`` would open the app's store, before the command line has pointed the
+        # app at the one its --db names, or has refused the command (creating stepwarden.db in
+        # the working folder), and before a stop signal can end a wait for that store's lock.
+        self._spans: tracing.Tracer | tracing.NoTracer = tracing.NoTracer()
         self.agents = self._agents()
         self.wake = asyncio.Event()
         self.scheduler: SchedulerRole | None = None
@@ -152,6 +156,11 @@ class Worker:
         self.keeper: LeaseKeeper | None = None
         self.alert_dispatcher: AlertDispatcher | None = None
         self.alert_keeper: LeaseKeeper | None = None
+        # Set once its workflows are recorded and its roles start; False after ``run`` if a stop
+        # came while it was starting (it then took no work, and wrote nothing but, perhaps, that
+        # record, one transaction).
+        self.started = False
+        self._hurried = False  # a second stop signal came (see hurry())
 
     def _agents(self) -> dict[str, Agent]:
         s = self.settings
@@ -177,9 +186,15 @@ class Worker:
         app = self.app
         store = app.store
         clock = app.clock
+        self._spans = tracing.tracer(self.identity, store)
         if not await self._register_workflows(stop):
-            log.info("worker %s stopped before it could start", self.identity)
+            log.info(
+                "worker %s stopped before it could start (while recording its workflows in the store);"
+                " it took no work",
+                self.identity,
+            )
             return
+        self.started = True
         await _safe(self._beat())
         log.info(
             "worker %s starting: roles=%s agents=%s store=%s",
@@ -278,24 +293,71 @@ class Worker:
         worker's first transaction. A store that is down or locked just then (a server
         restarting, another process's long write) is waited out with back-off, as every role
         waits out a failing store later (REL3), instead of ending the process, which a service
-        manager that restarts it would turn into a crash loop. False if ``stop`` came first."""
+        manager that restarts it would turn into a crash loop. False if ``stop`` came first,
+        while a try waits for the store too: that try is not waited for (once stopping, no lock
+        wait lasts more than ``STOP_LOCK_WAIT``, and it commits whole or not at all), so a worker
+        stopped while starting stops at once."""
         store, delay = self.app.store, REGISTER_RETRY_MIN
-        while True:
-            try:
-                await store.register_workflows(list(self.app.workflows.values()), self.identity)
-                return True
-            except Exception as e:
+        stopping = asyncio.create_task(stop.wait(), name="stop")
+        attempt: asyncio.Task[None] | None = None
+        try:
+            while not stop.is_set():
+                attempt = asyncio.create_task(
+                    store.register_workflows(list(self.app.workflows.values()), self.identity),
+                    name="register-workflows",
+                )
+                await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not attempt.done():
+                    store.limit_lock_waits(STOP_LOCK_WAIT)
+                    return False
+                error = attempt.exception()
+                if error is None:
+                    return not stop.is_set()
+                if not isinstance(error, Exception):
+                    raise error
                 log.warning(
                     "worker %s: cannot record its workflows in the store yet, trying again in %gs: %s",
                     self.identity,
                     delay,
-                    e,
+                    error,
                 )
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-                return False
-            except TimeoutError:
+                await asyncio.wait({stopping}, timeout=delay)
                 delay = min(delay * 2, REGISTER_RETRY_MAX)
+            return False
+        finally:
+            stopping.cancel()
+            if attempt is not None and not attempt.done():
+                attempt.cancel()  # its thread gives up its lock wait, bounded as above
+
+    def hurry(self) -> None:
+        """A second stop signal: skip what is left of the agents' grace period. The calls still
+        running are cancelled and their attempts handed back at once (not counted as failures),
+        as at the end of the grace period; the rest of the stop is as usual, bounded: the last
+        replies applied, the dispatched attempts handed back, the leases resigned, the stop
+        recorded. Says so in one log line; a third signal changes nothing more."""
+        if self._hurried:
+            return
+        self._hurried = True
+        role = self.agent_role
+        if role is None:
+            log.warning("worker %s: stop signal again: it runs no calls to cancel; stopping", self.identity)
+            return
+        left = role.grace_left()
+        if left is not None and left <= 0:
+            log.warning(
+                "worker %s: stop signal again: the grace period is over already; its calls are being"
+                " cancelled and handed back",
+                self.identity,
+            )
+        else:
+            log.warning(
+                "worker %s: stop signal again: skipping the rest of the grace period (%.1fs), cancelling"
+                " %d running call(s) now and handing their attempts back",
+                self.identity,
+                role.settings.shutdown_grace if left is None else left,
+                len(role.tasks),
+            )
+        role.hurry()
 
     async def _hand_back(self) -> None:
         """Hand back, uncounted, the attempts this worker dispatched that no agent has taken: once

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import FINAL, WORKFLOW, Db, Procs, clean_env, make_db, sw, wait_until
+from .helpers import FINAL, SW, WORKFLOW, Db, Procs, clean_env, make_db, sw, wait_until
 
 SUMMARY_KEYS = {
     "orders",
@@ -109,3 +114,85 @@ def test_the_demo_ignores_stepwarden_db_and_runs_on_a_fresh_file(tmp_path: Path)
     assert summary["store"] != mine.url and summary["store"].startswith(f"sqlite:///{tmp_path}"), summary
     assert "not $STEPWARDEN_DB" in r.stderr, r.stderr
     assert mine.snapshot() == before, "the demo wrote to the store named by $STEPWARDEN_DB"
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """``(parent pid, start time)`` of a process, from /proc (None: no such process). The start
+    time tells a process from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[19]  # ppid, starttime (fields 4 and 22 of proc(5))
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The live children of ``pid``, with their start times."""
+    out: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None and st[0] == pid:
+                out[int(entry)] = st[1]
+    return out
+
+
+def _running(pid: int, started: str) -> bool:
+    st = _stat(pid)
+    return st is not None and st[1] == started
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_demo_stopped_by_a_signal_stops_every_process_it_started(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """``kill -TERM`` (or a closed terminal's SIGHUP) mid-run: the demo stops its workers and its
+    services, by pid, then exits with 128 + the signal's number and one line saying so. It used
+    to die on the spot, leaving its four processes running against its store, children of init."""
+    out_path, err_path = tmp_path / "demo.out", tmp_path / "demo.err"
+    seen: dict[int, str] = {}
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        demo = subprocess.Popen(
+            [str(SW), "demo", "--orders", "1000", "--no-chaos"],
+            cwd=tmp_path,
+            env=clean_env(TMPDIR=str(tmp_path)),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+        )
+    try:
+
+        def running() -> bool:
+            """Its services and three workers run, and it has shown its progress once."""
+            assert demo.poll() is None, f"the demo exited {demo.returncode}: {err_path.read_text()[-2000:]}"
+            seen.update(_children(demo.pid))
+            return (
+                len(_children(demo.pid)) >= 4
+                and re.search(r"final \d+/1000", out_path.read_text()) is not None
+            )
+
+        wait_until(running, 60, "the demo to run its services and workers and show its progress", 0.05)
+        sent = time.monotonic()
+        demo.send_signal(sig)
+        try:
+            code = demo.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the demo did not exit within 30 s of {sig.name}")
+        took = time.monotonic() - sent
+        stderr = err_path.read_text()
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert code == 128 + sig, f"exit {code} after {took:.1f}s of {sig.name}:\n{stderr[-3000:]}"
+        assert took < 10, f"took {took:.1f}s to stop"
+        assert len(lines) == 1 and lines[0].startswith("error: ") and sig.name in lines[0], stderr[-3000:]
+        assert "Traceback" not in stderr
+        # Every process it had is gone: stopped and waited for by the demo, not left to init.
+        left = {pid: started for pid, started in seen.items() if _running(pid, started)}
+        assert left == {}, f"still running after the demo exited: {sorted(left)}"
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        for pid, started in seen.items():  # only what this test saw the demo start, by pid
+            if _running(pid, started):
+                os.kill(pid, signal.SIGKILL)

@@ -1,5 +1,6 @@
 """The shutdown tests' application: itapp's agents and workflows, plus two-step workflows whose
-first step blocks (``it.block``: its input's ``sleep`` says for how long).
+first step blocks (``it.block``, or the plain function ``it.block_sync`` in ``two-long-sync``: its
+input's ``sleep`` says for how long).
 
 A worker stopped gracefully while the first step runs lets that step finish within its grace
 period; the second step is then dispatched by a worker that is leaving. In ``two-long`` both
@@ -30,6 +31,14 @@ def make_app(db: str | None = None) -> App:
         "two-long",
         [
             Step("first", "it.block", complete_by=BUDGET, retry=_retry(max_failures=1)),
+            Step("second", "it.quick", complete_by=BUDGET, retry=_retry(max_failures=1)),
+        ],
+    )
+    # The same with a plain function, which cannot be cancelled: its thread runs on, unanswered.
+    app.workflow(
+        "two-long-sync",
+        [
+            Step("first", "it.block_sync", complete_by=BUDGET, retry=_retry(max_failures=1)),
             Step("second", "it.quick", complete_by=BUDGET, retry=_retry(max_failures=1)),
         ],
     )

@@ -701,6 +701,46 @@ def test_a_call_that_swallows_the_stop_does_not_reply_after_it_was_released(
     assert [r["outcome"] for r in replies(rt_store)] == ["released"]
 
 
+def test_a_stop_while_a_replied_call_waits_for_its_health_report_hands_nothing_back(
+    rt_store: Store, dispatch_requests: Dispatch
+) -> None:
+    """A call whose ok reply committed, and whose end still waits for its health report (the
+    store must count it: a success after failures), when the grace period ends: the stop cancels
+    that wait, and must not release the attempt too; the release would be recorded as a stale
+    reply (an interrupted demo made 113-159 of them)."""
+    dispatch_requests(rt_store, 1, tries=4)
+    agent = Agent("svc", concurrency=1)
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        return "done"
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        settings = AgentSettings(apply_replies=True, shutdown_grace=0.1, poll_interval=0.01)
+        role = make_role(rt_store, agent, settings=settings)
+        held = asyncio.Event()
+
+        def slow_report(agent: str, ok: bool, error: str | None = None, trial: bool = False) -> Any:
+            async def report() -> None:
+                held.set()
+                await asyncio.sleep(30)  # a store slow to count it
+
+            return asyncio.create_task(report())
+
+        role.health.report_soon = slow_report  # type: ignore[method-assign]
+        loop_task = asyncio.create_task(role.run(stop))
+        await asyncio.wait_for(held.wait(), 5)
+        await until(lambda: role.completed == 1, timeout=5)  # the reply committed; the call's end waits
+        assert role.tasks, "the call's end should still be waiting for its report"
+        stop.set()
+        await asyncio.wait_for(loop_task, 5)
+
+    run(body())
+    assert [r["outcome"] for r in replies(rt_store)] == ["ok"]
+    assert request_states(rt_store) == ["replied"]
+
+
 def test_bookkeeping_that_fails_after_a_commit_does_not_send_the_batch_again(
     rt_store: Store, dispatch_requests: Dispatch, caplog: pytest.LogCaptureFixture
 ) -> None:

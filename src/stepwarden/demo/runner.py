@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import IO, Any
 
 from rich.console import Console, Group
@@ -26,6 +28,53 @@ from ..supervisor import SupervisorSettings
 from .ledger import OrderOutcome, check_ledger, fetch_ledger
 
 WORKFLOW = "process-order"
+# Signals that stop the demo in order: the processes it started are stopped, by pid, before it
+# exits. SIGINT (Ctrl-C) stays Python's KeyboardInterrupt, unwinding the same way; it reaches the
+# children too, as the terminal sends it to the whole process group.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class DemoStopped(Exception):
+    """The demo was stopped by a signal before it finished; the processes it started were stopped."""
+
+    def __init__(self, signum: int, workdir: str) -> None:
+        self.signum = signum
+        self.workdir = workdir
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"the demo was stopped by {name} before it finished; its workers and services were"
+            f" stopped (its files are in {workdir})"
+        )
+
+
+class _Signals:
+    """SIGTERM and SIGHUP, noted by their handler and acted on by the demo's own flow at its next
+    :meth:`check`: an exception raised from the handler itself could land anywhere, between a
+    process's start and its being recorded, say, and leave that process running."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers (the demo run from a library's thread)
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                self._previous[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signum
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise DemoStopped(self.received, self.workdir)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 @dataclass(frozen=True)
@@ -108,10 +157,15 @@ class _Procs:
         self.workers.append(p)
         return p
 
-    def stop(self) -> None:
+    def stop(self, *, at_once: bool = False) -> None:
+        """Stop every process started, by pid: the workers gracefully, or with ``at_once`` (the
+        demo interrupted) without waiting for their running calls (SIGTERM, then SIGINT: a
+        worker's second stop signal; two of the same kind could merge into one)."""
         for p in self.workers:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+                if at_once:
+                    p.send_signal(signal.SIGINT)
         end = time.monotonic() + 15
         for p in self.workers:
             try:
@@ -143,19 +197,37 @@ def run_demo(o: DemoOptions) -> bool:
     show_live = not o.as_json or sys.stderr.isatty()
     env = dict(os.environ)
     procs = _Procs(workdir, env, db)
+    signals = _Signals(workdir)
+    signals.install()
     try:
-        return _run(o, store, prefix, workdir, procs, out, show_live)
-    finally:
+        ok = _run(o, store, prefix, workdir, procs, out, show_live, signals)
+    except BaseException:  # stopped by a signal, Ctrl-C, a failure: the run is abandoned
+        procs.stop(at_once=True)
+        raise
+    else:
         procs.stop()
+    finally:
         store.close()
+        signals.restore()
+    signals.check()  # one that came during the summary or the stop: still stopped by it
+    return ok
 
 
 def _run(
-    o: DemoOptions, store: Store, prefix: str, workdir: str, procs: _Procs, out: Console, show_live: bool
+    o: DemoOptions,
+    store: Store,
+    prefix: str,
+    workdir: str,
+    procs: _Procs,
+    out: Console,
+    show_live: bool,
+    signals: _Signals,
 ) -> bool:
     from .app import app
 
+    signals.check()
     url = procs.start_services(o)
+    signals.check()
     procs.env["STEPWARDEN_DEMO_SERVICES"] = url
     app.use_store(store)
     store.transact_sync(_register, list(app.workflows.values()), "demo")
@@ -178,10 +250,12 @@ def _run(
             soft_wrap=True,
         )
     for _ in range(o.workers):
+        signals.check()
         procs.start_worker()
     rng = random.Random(o.seed)
     t0 = time.monotonic()
     for i in range(o.orders):
+        signals.check()
         oid = f"{prefix}{i:05d}"
         order = {
             "order_id": oid,
@@ -234,6 +308,7 @@ def _run(
         live.start()
     try:
         while time.monotonic() < deadline:
+            signals.check()
             counts = store.transact_sync(views.state_counts, prefix)
             final = sum(counts.get(s, 0) for s in FINAL_TASK_STATES)
             if o.chaos and not killed and (final >= o.orders // 4 or time.monotonic() - t0 > 20):
@@ -255,6 +330,7 @@ def _run(
         if live:
             live.update(view())
             live.stop()
+    signals.check()
     elapsed = time.monotonic() - t0
     return _summarise(o, store, url, prefix, first_event, elapsed, chaos_log, out, workdir)
 
