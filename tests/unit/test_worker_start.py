@@ -93,3 +93,23 @@ def test_a_worker_stopped_while_it_waits_for_the_store_stops_at_once(
 
     asyncio.run(body())
     assert any("stopped before it could start" in r.getMessage() for r in caplog.records)
+
+
+def test_making_a_worker_opens_no_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stepwarden --db URL worker`` makes the worker, then points its app at URL: a worker that
+    opened its app's store when made (for its tracer) created ``./stepwarden.db`` beside the store
+    the command named. The store is the one ``run`` is given, opened then."""
+    from stepwarden.worker import Worker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("STEPWARDEN_DB", raising=False)
+    app = App()
+    ops = app.agent("ops")
+
+    @ops.operation
+    async def noop(req: object) -> None:
+        return None
+
+    app.workflow("one", [Step("a", "ops.noop", complete_by=5)])
+    Worker(app)
+    assert list(tmp_path.iterdir()) == [], "making the worker opened the app's default store"
