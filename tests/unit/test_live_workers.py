@@ -61,7 +61,7 @@ def test_a_worker_killed_without_a_word_leaves_the_metrics_but_stays_listed_as_s
 
 
 def test_the_cli_table_and_the_dashboard_mark_a_silent_worker(
-    store: Store, clock: FakeClock, capsys: pytest.CaptureFixture[str]
+    store: Store, clock: FakeClock, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An operator reading ``stepwarden workers`` or the dashboard's workers page sees which worker
     died without a word: its row is not stopped, so without the mark it would pass for live."""
@@ -82,6 +82,7 @@ def test_the_cli_table_and_the_dashboard_mark_a_silent_worker(
     clock.advance(SILENT_AFTER + 30)
     asyncio.run(store.worker_beat(live, ["agent"], ["svc"]))
 
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: pytest-xdist's workers say 80
     workers_table(store.transact_sync(views.list_workers, True))
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
     assert lines[killed][1] == "silent" and "(1.5m" in lines[killed], lines[killed]
