@@ -36,7 +36,6 @@ def plan(store: SQLiteStore, query: str) -> str:
 @pytest.mark.parametrize(
     ("query", "index"),
     [
-        ("claim_requests", "requests_queued"),
         ("claim_agent_requests", "requests_queued"),  # pulls, and the takes of reservations
         ("expired_steps", "steps_inflight"),
         ("new_replies_with_tasks", "replies_new"),

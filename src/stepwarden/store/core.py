@@ -273,10 +273,17 @@ def read_identity(tx: Tx) -> str:
 
 
 def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[RequestMsg]:
+    """Any queued request of ``agents``, whatever its operation: for a tool or a test acting as
+    an agent that knows no operations (the agent role takes only its own: ``claim_agent_requests``
+    with its operations, see :class:`Want`)."""
     rows: list[Row] = []
     for agent in agents:  # one indexed range per agent, already in claim order
         if len(rows) < limit:
-            rows += tx.all("claim_requests", me=me, agent=agent, limit=limit - len(rows))
+            queued = tx.sql(
+                "SELECT DISTINCT operation FROM requests WHERE state = 'queued' AND agent = ?", (agent,)
+            )
+            ops = ops_json(r["operation"] for r in queued)
+            rows += tx.all("claim_agent_requests", me=me, agent=agent, ops=ops, limit=limit - len(rows))
     return _requests(rows)
 
 

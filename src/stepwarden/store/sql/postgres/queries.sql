@@ -40,21 +40,11 @@ FROM tasks WHERE id = :task_id FOR UPDATE;
 SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
 FROM tasks WHERE id = :task_id FOR UPDATE SKIP LOCKED;
 
--- name: claim_requests
-WITH c AS MATERIALIZED (
-    SELECT id FROM requests
-    WHERE state = 'queued' AND agent = :agent AND complete_by > {now}
-    ORDER BY priority DESC, id LIMIT :limit
-    FOR UPDATE SKIP LOCKED)
-UPDATE requests SET state = 'taken', taken_by = :me, taken_at = {now}
-FROM c WHERE requests.id = c.id
-RETURNING requests.id, task_id, step_idx, attempt, kind, agent, operation, payload, policy,
-          idempotency_key, complete_by, complete_by - {now} AS remaining;
-
 -- name: claim_agent_requests
--- claim_requests for an agent instance's pull, or the take of its reservation in a reply batch or
--- a scheduler round: only the operations it has (`:ops`, a JSON array), so that a worker of
--- another version (a rolling deploy) leaves the others' requests queued.
+-- Queued requests of one agent, in claim order, for an agent instance's pull or the take of its
+-- reservation in a reply batch or a scheduler round: only the operations it has (`:ops`, a JSON
+-- array), so that a worker of another version (a rolling deploy) leaves the others' requests
+-- queued.
 WITH c AS MATERIALIZED (
     SELECT id FROM requests
     WHERE state = 'queued' AND agent = :agent AND complete_by > {now}
