@@ -12,7 +12,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
@@ -21,7 +21,6 @@ from stepwarden.agent import Agent, AgentRole, AgentSettings, Request, default_c
 from stepwarden.agent_health import AgentHealth
 from stepwarden.clock import SYSTEM_CLOCK, FakeClock
 from stepwarden.errors import Permanent, Transient
-from stepwarden.policies import BreakerState
 from stepwarden.store import Store
 from stepwarden.store import agents as sa
 from stepwarden.store import transitions as t
@@ -385,10 +384,9 @@ def test_the_breaker_opens_after_repeated_failures_and_the_role_stops_pulling(
     assert [r["outcome"] for r in replies(rt_store)] == ["retry"]
 
 
-def test_after_the_cool_off_a_trial_request_reaches_the_service_and_closes_the_breaker(
-    store: Store, clock: FakeClock, dispatch_requests: Dispatch
-) -> None:
-    dispatch_requests(store, tries=1, budget=60.0)
+def down_once() -> tuple[Agent, list[int]]:
+    """Agent ``svc`` (breaker after 1 failure, 10 s cool-off) whose service is down for its first
+    call and up after; the list counts the calls."""
     agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
     calls: list[int] = []
 
@@ -399,19 +397,32 @@ def test_after_the_cool_off_a_trial_request_reaches_the_service_and_closes_the_b
             raise Transient("down")
         return "up"
 
+    return agent, calls
+
+
+async def open_breaker(role: AgentRole) -> None:
+    """The first request fails its one try, which opens the breaker."""
+    await role.pull()
+    await finish(role)
+    assert role.breakers["svc"].state == "open"
+
+
+def test_after_the_cool_off_a_trial_request_reaches_the_service_and_closes_the_breaker(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    dispatch_requests(store, tries=1, budget=60.0)
+    agent, calls = down_once()
+
     async def body() -> None:
         role = make_role(store, agent, clock=clock)
-        await role.pull()
-        await finish(role)
-        assert role.breakers["svc"].state == "open"
+        await open_breaker(role)
         dispatch_requests(store, tries=1, budget=60.0)
         assert await role.pull() == 0
         clock.advance(10.0)
         assert await role.pull() == 1  # the half-open trial
         await finish(role)
         assert len(calls) == 2, "the trial request must reach the service"
-        # cast: mypy keeps the "open" narrowed above across the pulls
-        assert cast(BreakerState, role.breakers["svc"].state) == "closed"
+        assert role.breakers["svc"].state == "closed"
 
     run(body())
     assert [r["outcome"] for r in replies(store)] == ["retry", "ok"]
@@ -891,21 +902,11 @@ def test_a_trial_that_ends_without_calling_the_service_is_given_back(
     says nothing about the service, so the trial is given back unrun, not counted failed, and
     the next request may be the trial at once, without another cool-off."""
     dispatch_requests(store, tries=1, budget=60.0)
-    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
-    calls: list[int] = []
-
-    @agent.operation
-    async def do_s(req: Request) -> str:
-        calls.append(1)
-        if len(calls) == 1:
-            raise Transient("down")
-        return "up"
+    agent, calls = down_once()
 
     async def body() -> None:
         role = make_role(store, agent, clock=clock)
-        await role.pull()
-        await finish(role)
-        assert role.breakers["svc"].state == "open"
+        await open_breaker(role)
         dispatch_requests(store, tries=1, budget=10.5)  # 0.5 s left after the cool-off
         clock.advance(10.0)
         monkeypatch.setattr("stepwarden.agent_attempt.MIN_TRY_LEFT", 1.0)  # too little to try
@@ -919,7 +920,7 @@ def test_a_trial_that_ends_without_calling_the_service_is_given_back(
         assert await role.pull() == 1  # the next trial, with no cool-off
         await finish(role)
         assert len(calls) == 2
-        assert cast(BreakerState, role.breakers["svc"].state) == "closed"
+        assert role.breakers["svc"].state == "closed"
 
     run(body())
     assert [r["outcome"] for r in replies(store)] == ["retry", "ok"]
