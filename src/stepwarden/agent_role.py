@@ -139,7 +139,6 @@ class AgentRole:
         self._stopping = False  # set by drain(): reply batches take no more requests
         self._drained = False  # drain() has stopped waiting: nothing may start any more
         self._hurried = asyncio.Event()  # hurry(): what is left of the grace period is skipped
-        self._grace_ends: float | None = None  # the loop's time the drain's grace period ends
         # Reservations handed out and not yet settled by accept(): a transaction in flight may
         # still bring requests for them, which drain() waits for.
         self._reserving = 0
@@ -568,17 +567,15 @@ class AgentRole:
         if applied is not None:  # the table's waiting replies are applied with them
             self._applied(applied)
 
-    def hurry(self) -> None:
+    def hurry(self) -> bool:
         """Skip what is left of the stop's grace period (a second stop signal): the calls still
         running are cancelled and their attempts handed back at once, uncounted, as when the
-        grace period ends. Before the drain begins, it begins with none."""
+        grace period ends. Before the drain begins, it begins with none. False if it was hurried
+        already (a third signal changes nothing more)."""
+        if self._hurried.is_set():
+            return False
         self._hurried.set()
-
-    def grace_left(self) -> float | None:
-        """Seconds left of the stop's grace period; None before the drain began."""
-        if self._grace_ends is None:
-            return None
-        return max(0.0, self._grace_ends - asyncio.get_running_loop().time())
+        return True
 
     async def _within_grace(self, waits: set[asyncio.Task[Any]], end: float) -> None:
         """Wait until every one of ``waits`` is done, the loop's time reaches ``end``, or
@@ -597,7 +594,7 @@ class AgentRole:
         self._stopping = True  # a reply batch still in flight takes nothing more
         self._no_young.set()  # nor waits for calls that may never answer
         loop = asyncio.get_running_loop()
-        end = self._grace_ends = loop.time() + self.settings.shutdown_grace
+        end = loop.time() + self.settings.shutdown_grace
         running: dict[asyncio.Task[None], RequestMsg] = {}
         pending: set[asyncio.Task[None]] = set()
         # A transaction already in flight (a reply batch, a scheduler round of this worker) may

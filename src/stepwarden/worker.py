@@ -160,7 +160,6 @@ class Worker:
         # came while it was starting (it then took no work, and wrote nothing but, perhaps, that
         # record, one transaction).
         self.started = False
-        self._hurried = False  # a second stop signal came (see hurry())
 
     def _agents(self) -> dict[str, Agent]:
         s = self.settings
@@ -335,29 +334,16 @@ class Worker:
         as at the end of the grace period; the rest of the stop is as usual, bounded: the last
         replies applied, the dispatched attempts handed back, the leases resigned, the stop
         recorded. Says so in one log line; a third signal changes nothing more."""
-        if self._hurried:
-            return
-        self._hurried = True
         role = self.agent_role
         if role is None:
             log.warning("worker %s: stop signal again: it runs no calls to cancel; stopping", self.identity)
-            return
-        left = role.grace_left()
-        if left is not None and left <= 0:
+        elif role.hurry():
             log.warning(
-                "worker %s: stop signal again: the grace period is over already; its calls are being"
-                " cancelled and handed back",
+                "worker %s: stop signal again: skipping the rest of the grace period, cancelling %d running"
+                " call(s) now and handing their attempts back",
                 self.identity,
-            )
-        else:
-            log.warning(
-                "worker %s: stop signal again: skipping the rest of the grace period (%.1fs), cancelling"
-                " %d running call(s) now and handing their attempts back",
-                self.identity,
-                role.settings.shutdown_grace if left is None else left,
                 len(role.tasks),
             )
-        role.hurry()
 
     async def _hand_back(self) -> None:
         """Hand back, uncounted, the attempts this worker dispatched that no agent has taken: once

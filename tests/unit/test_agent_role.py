@@ -752,6 +752,46 @@ def test_a_stop_while_a_replied_call_waits_for_its_health_report_hands_nothing_b
     assert request_states(rt_store) == ["replied"]
 
 
+@pytest.mark.parametrize("when", ["during the drain", "before the drain"])
+def test_hurry_skips_the_rest_of_the_grace_period_and_hands_the_calls_back(
+    rt_store: Store, dispatch_requests: Dispatch, when: str
+) -> None:
+    """A second stop signal (``hurry``): with 30 s of grace left, the running call is cancelled
+    and its attempt released at once, not counted as a failure; hurried before the drain began,
+    the drain waits for nothing. A second hurry says it changed nothing."""
+    dispatch_requests(rt_store, 1, tries=4)
+    agent = Agent("svc", concurrency=1)
+    entered = asyncio.Event()
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        entered.set()
+        await asyncio.sleep(60)
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        settings = AgentSettings(shutdown_grace=30.0, poll_interval=0.01)
+        role = make_role(rt_store, agent, settings=settings)
+        loop_task = asyncio.create_task(role.run(stop))
+        await asyncio.wait_for(entered.wait(), 5)
+        if when == "before the drain":
+            assert role.hurry()
+        stop.set()
+        if when == "during the drain":
+            await until(lambda: role._stopping, timeout=5)
+            assert role.hurry()
+        started = time.monotonic()
+        await asyncio.wait_for(loop_task, 5)
+        assert time.monotonic() - started < 3.0, "the grace period was waited out"
+        assert not role.hurry()
+        assert role.inflight == {"svc": 0}
+
+    run(body())
+    assert [r["outcome"] for r in replies(rt_store)] == ["released"]
+    failures = rt_store.transact_sync(lambda tx: tx.sql("SELECT failure_count FROM steps"))
+    assert [r["failure_count"] for r in failures] == [0]
+
+
 def test_bookkeeping_that_fails_after_a_commit_does_not_send_the_batch_again(
     rt_store: Store, dispatch_requests: Dispatch, caplog: pytest.LogCaptureFixture
 ) -> None:
