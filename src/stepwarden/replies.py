@@ -198,11 +198,11 @@ class Replies:
         self.acked: int | None = None  # the last position acknowledged
         self._buffer: deque[ReplyMessage] = deque()
         self._unacked: ReplyMessage | None = None
-        self._owed: ReplyMessage | None = None  # finished by the loop, its acknowledgement failed
         self._wake: asyncio.Event | None = None
         self._listen_stop: asyncio.Event | None = None
         self._listener: asyncio.Task[None] | None = None
         self._closed = False
+        self._closing = asyncio.Event()  # set by aclose(): ends the waits of a loop in another task
 
     # -- iteration --------------------------------------------------------------------------------
     def __aiter__(self) -> Replies:
@@ -215,6 +215,8 @@ class Replies:
             await self._auto_ack(self._unacked)
         idle = self.poll_interval
         while True:
+            if self._closed:  # closed from another task while this one waited
+                raise StopAsyncIteration
             if self.stop is not None and self.stop.is_set():
                 await self.aclose()
                 raise StopAsyncIteration
@@ -255,11 +257,10 @@ class Replies:
         if self._wake is None:
             self._wake = asyncio.Event()
         self._start_listening()
-        events = [self._wake] + ([self.stop] if self.stop is not None else [])
-        await sleep_or_wake(self.clock, seconds, *events)
+        await sleep_or_wake(self.clock, seconds, self._wake, *self._ends())
         self._wake.clear()
         spent = self.clock.monotonic() - last_poll
-        if spent < self.poll_interval and not (self.stop is not None and self.stop.is_set()):
+        if spent < self.poll_interval and not any(e.is_set() for e in self._ends()):
             await self.clock.sleep(self.poll_interval - spent)
 
     def _start_listening(self) -> None:
@@ -289,12 +290,11 @@ class Replies:
         back-off, as reads do: REL3) before anything more is delivered. Moving on without it would
         leave two messages unacknowledged once the next one is handed out, and a consumer that
         stops while handling that one would get both again, not only the one it was handling. A
-        stop while waiting leaves it owed: :meth:`aclose` tries it once more."""
+        stop or a close ends the wait: the message comes again to the next reader."""
         delay = self.poll_interval
         while True:
             try:
                 await self.ack(msg)
-                self._owed = None
                 return
             except Exception as e:
                 log.warning(
@@ -304,24 +304,22 @@ class Replies:
                     delay,
                     e,
                 )
-            self._owed = msg
             if self._closed or (self.stop is not None and self.stop.is_set()):
                 return
-            await sleep_or_wake(self.clock, delay, *([self.stop] if self.stop is not None else []))
+            await sleep_or_wake(self.clock, delay, *self._ends())
             delay = min(self.idle_poll_max, delay * 2)
+
+    def _ends(self) -> list[asyncio.Event]:
+        """What ends a wait early: a close, and ``stop``."""
+        return [self._closing] + ([self.stop] if self.stop is not None else [])
 
     # -- closing ------------------------------------------------------------------------------------
     async def aclose(self) -> None:
-        """Stop reading. The last message delivered stays unacknowledged unless :meth:`ack` was called;
-        one the loop had finished whose automatic acknowledgement failed is tried once more."""
+        """Stop reading (a loop waiting in another task ends too). The last message delivered
+        stays unacknowledged unless :meth:`ack` was called."""
         self._closed = True
+        self._closing.set()
         self._buffer.clear()
-        owed, self._owed = self._owed, None
-        if owed is not None:
-            try:
-                await self.ack(owed)
-            except Exception as e:  # the store still down: it comes again to the next reader
-                log.warning("reply queue %s: acknowledging %d failed at close: %r", self.queue, owed.seq, e)
         if self._listen_stop is not None:
             self._listen_stop.set()
         if self._listener is not None:

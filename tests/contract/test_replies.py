@@ -206,12 +206,12 @@ def test_a_failed_automatic_acknowledgement_is_tried_again_before_the_next_messa
     assert [m.kind for m in again] == ["step_completed", "processed"], "message 1 came again"
 
 
-def test_an_acknowledgement_still_owed_at_a_stop_is_tried_once_more_at_close(
+def test_an_acknowledgement_still_owed_at_a_stop_is_tried_once_more_before_the_loop_ends(
     store: Store, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The store is down while the loop asks for message 2, and the consumer is told to stop:
-    nothing more is delivered, and the finished message 1 is acknowledged on the way out once the
-    store answers again."""
+    nothing more is delivered, and the finished message 1 is acknowledged on the way out (the
+    retry that follows the stop) once the store answers again."""
     submit(store, make_workflow("a"))
     run_to_end(store)
     acks = FailingAcks(store, failures=None)
@@ -230,6 +230,36 @@ def test_an_acknowledgement_still_owed_at_a_stop_is_tried_once_more_at_close(
     assert asyncio.run(go()) == ["received"] and acks.tried >= 2
     monkeypatch.setattr(store, "transact", acks.real)
     assert [m.kind for m in consume(store, "web-1", "app", 2)] == ["step_completed", "processed"]
+
+
+def test_a_close_from_another_task_ends_a_loop_waiting_out_a_store_that_is_down(
+    store: Store, make_workflow: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``stop`` event: the application ends the consumer with ``aclose()`` from elsewhere while
+    the store is down. The loop, retrying its acknowledgement and then its reads, must end, not
+    poll for ever (and deliver nothing after the close if the store came back)."""
+    submit(store, make_workflow("a"))
+    run_to_end(store)
+    real = store.transact
+    down = {"on": False}
+
+    async def transact(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if down["on"]:
+            raise OSError("server closed the connection unexpectedly")
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(store, "transact", transact)
+
+    async def go() -> list[str]:
+        r = Replies(store, "web-1", "app", listen=False, poll_interval=0.005, idle_poll_max=0.02)
+        out: list[str] = []
+        async for msg in r:
+            out.append(msg.kind)
+            down["on"] = True
+            asyncio.get_running_loop().call_later(0.1, lambda: asyncio.ensure_future(r.aclose()))
+        return out
+
+    assert asyncio.run(asyncio.wait_for(go(), 5)) == ["received"]
 
 
 def test_bad_queue_and_consumer_names_are_refused(store: Store) -> None:
