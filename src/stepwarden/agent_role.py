@@ -371,8 +371,7 @@ class AgentRole:
                 )
                 return
             await self._reply(msg, *outcome)
-            self._replied.discard(msg.id)  # committed; only a cancelled wait leaves it for drain()
-            self._settled.add(msg.id)  # until the request's end (execute)
+            self._replied.discard(msg.id)  # sent or given up; only a cancelled wait leaves it for drain()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never let one request kill the role
@@ -488,6 +487,7 @@ class AgentRole:
         # twice, or it would take nothing.
         for request_id, *_ in items:
             self._release(request_id)
+            self._settled.add(request_id)  # until its call's end (execute): nothing to hand back
         try:  # once: the batch is committed, whatever happens here
             self._committed(len(items), applied)
         except Exception as e:
@@ -627,7 +627,8 @@ class AgentRole:
             # leaving them to expire at complete-by.
             if self._sender is not None:  # replies already made are sent, not released
                 await asyncio.wait({self._sender}, timeout=REPLIES_WAIT)
-            unsent = [running[t].id for t in pending if running[t].id not in self._replied | answered]
+            answered |= self._replied
+            unsent = [running[t].id for t in pending if running[t].id not in answered]
             if unsent:
                 try:  # bounded: a stop has a deadline
                     await asyncio.wait_for(
