@@ -1158,7 +1158,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert kinds[:1] == ["received"] and kinds.count("received") == 1, where
             life, last_error = "pending", {}
             for kind, body in mine[1:]:
-                assert life not in ("processed", "compensated", "cancelled"), f"{kind} after the end: {where}"
+                assert life not in FINAL - {"error"}, f"{kind} after the end: {where}"
                 assert life in MESSAGE_AFTER[kind], f"{kind} while {life}: {where}"
                 if kind == "error":
                     last_error = body

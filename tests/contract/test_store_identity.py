@@ -13,6 +13,7 @@ import pytest
 
 from stepwarden.agent import Agent, AgentRole, Request
 from stepwarden.clock import FakeClock
+from stepwarden.errors import StoreError
 from stepwarden.store import Store, open_store
 from stepwarden.store import transitions as t
 from stepwarden.workflow import Workflow, encode_input
@@ -53,6 +54,16 @@ def test_the_id_is_one_row_that_a_second_cannot_join(store: Store) -> None:
     with pytest.raises(Exception, match=r"(?i)check|constraint"):
         store.transact_sync(add)
     assert len(store.transact_sync(lambda tx: tx.sql("SELECT id FROM store_identity"))) == 1
+
+
+def test_a_store_whose_identity_row_was_deleted_says_so(store_url: str) -> None:
+    s = open_store(store_url)
+    try:
+        s.transact_sync(lambda tx: tx.sql("DELETE FROM store_identity"))
+        with pytest.raises(StoreError, match="no identity"):
+            asyncio.run(s.identity())
+    finally:
+        s.close()
 
 
 def test_a_request_carries_the_store_id_and_a_global_key(

@@ -16,6 +16,12 @@ def _reopen_undos(tx: Tx, task_id: int) -> None:
         "WHERE task_id = ? AND state = 'failed' AND comp_failures > 0",
         (task_id,),
     )
+    _to_compensating(tx, task_id)
+
+
+def _to_compensating(tx: Tx, task_id: int) -> None:
+    """The task is undone from now on, picked up at once by a scheduler: no longer finished, nor
+    failing with its last error (`task show` must not give it the time and error of its end)."""
     tx.sql(
         "UPDATE tasks SET state = 'compensating', locked_by = NULL, complete_by = NULL, finished_at = NULL, "
         "last_error = NULL, run_at = 0, waiting = 0, updated_at = ? WHERE id = ?",
@@ -112,13 +118,7 @@ def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
         _reopen_undos(tx, task_id)
     elif task["state"] == "error" or (task["state"] == "pending" and task["locked_by"] is None):
         tx.put("skip_unstarted", task_id=task_id)
-        # An errored task is no longer finished, nor failing with its last error, while it is
-        # undone: `task show` must not give a compensating task the time and error of its end.
-        tx.sql(
-            "UPDATE tasks SET state = 'compensating', locked_by = NULL, complete_by = NULL, "
-            "finished_at = NULL, last_error = NULL, run_at = 0, waiting = 0, updated_at = ? WHERE id = ?",
-            (_now(tx), task_id),
-        )
+        _to_compensating(tx, task_id)
     else:
         return str(task["state"])  # a step is running: the undo begins when its reply is applied
     event(tx, "compensating", task_id, actor, reason="cancel requested")

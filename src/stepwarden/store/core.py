@@ -269,7 +269,13 @@ def _register(tx: Tx, workflows: list[Workflow], by: str) -> str:
 
 
 def read_identity(tx: Tx) -> str:
-    return str(tx.sql("SELECT id FROM store_identity")[0]["id"])
+    rows = tx.sql("SELECT id FROM store_identity")
+    if not rows:  # its one row deleted by hand: nothing would tell this store's tasks from another's
+        raise StoreError(
+            "this store has no identity (its store_identity row was deleted): give it one as"
+            " docs/guarantees.md says for a copied store, with INSERT instead of UPDATE"
+        )
+    return str(rows[0]["id"])
 
 
 def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[RequestMsg]:
