@@ -113,3 +113,40 @@ def test_a_request_made_by_hand_keeps_its_key() -> None:
     """A handler's own unit test builds a Request without a store: the global key is the key."""
     req = Request(1, "s", 1, "do", "1:s", {}, {}, None, 0.0, 0.0)
     assert req.global_idempotency_key == "1:s"
+
+
+def test_a_worker_gives_every_request_the_store_id_however_it_was_taken(store_url: str) -> None:
+    """In one worker that schedules and runs agents, requests mostly reach the agent role through
+    the scheduler's own take (its reservation), not a pull: each must carry the id all the same."""
+    from stepwarden import App, Step
+
+    app = App(store_url)
+    ops = app.agent("ops")
+    seen: list[str] = []
+
+    @ops.operation
+    async def noop(req: Request) -> None:
+        seen.append(req.global_idempotency_key)
+
+    app.workflow("two", [Step("a", "ops.noop", complete_by=10), Step("b", "ops.noop", complete_by=10)])
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        worker = app.worker(name="ident")
+        run = asyncio.create_task(worker.run(stop))
+        try:
+            ids = [await app.submit_async("two", {"n": n}) for n in range(5)]
+            end = asyncio.get_running_loop().time() + 20
+            while any(app.task(i)["state"] != "processed" for i in ids):
+                assert asyncio.get_running_loop().time() < end, "tasks not processed in time"
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.wait_for(run, 30)
+
+    try:
+        asyncio.run(body())
+        store_id = asyncio.run(app.store.identity())
+    finally:
+        app.close()
+    assert len(seen) == 10 and all(k.startswith(f"{store_id}:") for k in seen), seen
