@@ -87,7 +87,8 @@ def _v(value: object) -> str:
     return "-" if value is None or value == "" else str(value)
 
 
-def _short(t: str | None) -> str:
+def _time(t: str | None) -> str:
+    """An ISO time as a table shows it: ``2026-11-25 03:47:54.123``; ``-`` for none."""
     return (t or "-").replace("T", " ").rstrip("Z")
 
 
@@ -107,7 +108,7 @@ def tasks_table(rows: list[dict[str, Any]], total: int | None = None) -> None:
             _v(r["correlation_id"]),
             str(r["failure_count"]),
             steps,
-            _short(r["updated_at"]),
+            _time(r["updated_at"]),
         )
     console.print(t)
     if total is not None and total > len(rows):
@@ -126,7 +127,7 @@ def task_detail(v: dict[str, Any]) -> None:
     head.append_text(_state(v["state"]))
     head.append(
         f"  correlation={_v(v['correlation_id'])}  failures={v['failure_count']}  "
-        f"locked_by={_v(v['locked_by'])}  complete_by={_short(v['complete_by'])}"
+        f"locked_by={_v(v['locked_by'])}  complete_by={_time(v['complete_by'])}"
     )
     console.print(head)
     if v.get("last_error"):
@@ -143,7 +144,7 @@ def task_detail(v: dict[str, Any]) -> None:
             str(s["attempt"]),
             str(s["failure_count"]),
             _v(s["locked_by"]),
-            _short(s["complete_by"]),
+            _time(s["complete_by"]),
             (s["last_error"] or "")[:60],
         )
     console.print(st)
@@ -159,13 +160,13 @@ def task_detail(v: dict[str, Any]) -> None:
                 _v(a["outcome"] or a["state"]),
                 a["dispatched_by"],
                 _v(a["taken_by"]),
-                _short(a["complete_by"]),
+                _time(a["complete_by"]),
             )
     console.print(at)
     et = _table("at", "event", "step", "attempt", "actor", "detail", title="events")
     for e in v.get("events", []):
         detail = " ".join(f"{k}={detail_value(k, val)}" for k, val in e["detail"].items())[:160]
-        et.add_row(_short(e["at"]), e["kind"], _v(e["step"]), _v(e["attempt"]), _v(e["actor"]), detail)
+        et.add_row(_time(e["at"]), e["kind"], _v(e["step"]), _v(e["attempt"]), _v(e["actor"]), detail)
     console.print(et)
     names = {s["idx"]: s["name"] for s in v["steps"]}
     replies = v.get("replies", [])
@@ -174,7 +175,7 @@ def task_detail(v: dict[str, Any]) -> None:
     )
     for r in replies:
         rt.add_row(
-            _short(r["received_at"]),
+            _time(r["received_at"]),
             names.get(r["step_idx"], str(r["step_idx"])),
             str(r["attempt"]),
             r["kind"],
@@ -195,7 +196,7 @@ _DETAIL_TIMES = {"complete_by"}
 def detail_value(key: str, value: object) -> object:
     if isinstance(value, int | float) and not isinstance(value, bool):
         if key in _DETAIL_TIMES and value > 1e9:
-            return _short(iso(value))
+            return _time(iso(value))
         if isinstance(value, float):
             return round(value, 3)
     return value
@@ -215,8 +216,8 @@ def alerts_table(rows: list[dict[str, Any]], total: int | None = None) -> None:
             _v(a["task_id"]),
             _v(a["step"]),
             a["message"],
-            _short(a["created_at"]),
-            _short(a["acked_at"]),
+            _time(a["created_at"]),
+            _time(a["acked_at"]),
         )
     console.print(t)
     if total is not None and total > len(rows):
@@ -235,7 +236,7 @@ def leases_table(rows: list[dict[str, Any]]) -> None:
             r["name"],
             _v(r["holder"]),
             str(r["term"]),
-            _short(r["expires_at"]),
+            _time(r["expires_at"]),
             "yes" if r["active"] else "no",
         )
     console.print(t)
@@ -252,23 +253,14 @@ def workers_table(rows: list[dict[str, Any]]) -> None:
         breakers = " ".join(f"{a}:{s}" for a, s in w["breakers"].items()) or "-"
         t.add_row(
             w["id"],
-            worker_state(w),
+            w["state"],
             ",".join(w["roles"]),
             ",".join(w["agents"]) or "-",
-            f"{_short(w['heartbeat_at'])} ({short_duration(w['heartbeat_age'])} ago)",
+            f"{_time(w['heartbeat_at'])} ({short_duration(w['heartbeat_age'])} ago)",
             breakers,
-            _short(w["stopped_at"]),
+            _time(w["stopped_at"]),
         )
     console.print(t)
-
-
-def worker_state(w: dict[str, Any]) -> str:
-    """``stopped``, ``silent`` or ``live``: a worker killed without a word (SIGKILL, a lost
-    machine) never records its stop, so its row alone would pass for live until it is pruned
-    days later; ``silent`` (``liveness.silent``: no heartbeat for a minute) says it is not."""
-    if w["stopped_at"]:
-        return "stopped"
-    return "silent" if w["silent"] else "live"
 
 
 @_renders_safely
@@ -283,7 +275,7 @@ def agents_tables(view: dict[str, list[dict[str, Any]]]) -> None:
         b.add_row(
             r["agent"],
             r["state"].replace("_", "-"),
-            _short(r["since"]),
+            _time(r["since"]),
             f"{r['failures']}/{r['threshold']}",
             _v(r["opened_by"]),
             _v(r["trial_by"]),
@@ -300,8 +292,8 @@ def agents_tables(view: dict[str, list[dict[str, Any]]]) -> None:
             str(i["capacity"]),
             str(i["inflight"]),
             health,
-            _short(i["last_success_at"]),
-            _short(i["last_failure_at"]),
+            _time(i["last_success_at"]),
+            _time(i["last_failure_at"]),
             _v((i["last_error"] or "")[:60] or None),
         )
     console.print(t)

@@ -8,6 +8,7 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,6 +72,17 @@ class Scene:
                 0
             ]["state"]
         )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """An empty SQLite store, for tests of what the dashboard decides before it reads anything
+    (body limits, tokens): they need a store to build the app on, and one dialect is enough."""
+    s = open_store(f"sqlite:///{tmp_path / 'bare.db'}")
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 @pytest.fixture

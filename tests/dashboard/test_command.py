@@ -9,11 +9,12 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from acceptance.helpers import clean_env
 from stepwarden.cli_params import is_loopback
 from stepwarden.dashboard.command import bind
 from stepwarden.store import open_store
 
-from .command_harness import group, record_serving
+from .command_harness import command_env, db_url, group, invoke_dashboard, record_serving
 
 
 @pytest.fixture
@@ -22,11 +23,8 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 
 def test_serves_the_group_db_on_loopback(tmp_path: Path, served: list[dict[str, Any]]) -> None:
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    r = CliRunner().invoke(
-        group(), ["--db", url, "dashboard", "--port", "0"], env={"STEPWARDEN_DASHBOARD_TOKEN": ""}
-    )
+    url = db_url(tmp_path)
+    r = invoke_dashboard(tmp_path)
     assert r.exit_code == 0, r.output
     assert len(served) == 1
     host, port = served[0]["name"][:2]
@@ -39,20 +37,17 @@ def test_serves_the_group_db_on_loopback(tmp_path: Path, served: list[dict[str, 
 
 
 def test_token_from_the_environment(tmp_path: Path, served: list[dict[str, Any]]) -> None:
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    r = CliRunner().invoke(
-        group(),
-        ["dashboard", "--port", "0"],
-        env={"STEPWARDEN_DB": url, "STEPWARDEN_DASHBOARD_TOKEN": "tok-123"},
-    )
+    r = invoke_dashboard(tmp_path, env={"STEPWARDEN_DASHBOARD_TOKEN": "tok-123"}, db_from_env=True)
     assert r.exit_code == 0, r.output
+    assert served[0]["app"].state.dashboard.store.url == db_url(tmp_path)  # from STEPWARDEN_DB
     assert "operator actions enabled" in r.output and "tok-123" not in r.output
     assert served[0]["app"].state.dashboard.guard.token == "tok-123"
 
 
 def test_refuses_a_store_that_does_not_exist(tmp_path: Path, served: list[dict[str, Any]]) -> None:
-    r = CliRunner().invoke(group(), ["--db", f"sqlite:///{tmp_path / 'missing.db'}", "dashboard"])
+    r = CliRunner().invoke(
+        group(), ["--db", f"sqlite:///{tmp_path / 'missing.db'}", "dashboard"], env=command_env()
+    )
     assert r.exit_code == 1 and "no stepwarden store" in r.output
     assert not (tmp_path / "missing.db").exists() and not served
 
@@ -76,7 +71,7 @@ def test_the_command_loads_without_the_extra_and_says_what_to_install(tmp_path: 
     import subprocess
     import sys
 
-    url = f"sqlite:///{tmp_path / 'x.db'}"
+    url = db_url(tmp_path)
     open_store(url).close()
     code = (
         "import sys\n"
@@ -85,7 +80,9 @@ def test_the_command_loads_without_the_extra_and_says_what_to_install(tmp_path: 
         "from stepwarden.dashboard.__main__ import cli\n"
         "cli(['--db', sys.argv[1], 'dashboard', '--port', '0'])\n"
     )
-    p = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
     assert p.returncode == 1, p.stderr
     assert "pip install 'stepwarden[dashboard]'" in p.stderr and "Traceback" not in p.stderr
 
@@ -112,6 +109,7 @@ def test_python_m_stepwarden_dashboard_says_what_is_wrong_in_one_line(
         text=True,
         timeout=60,
         cwd=tmp_path,
+        env=clean_env(),
     )
     assert p.returncode == code, p
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
@@ -134,13 +132,7 @@ def test_a_loopback_address_other_than_127_0_0_1_answers_on_its_own_name(
 ) -> None:
     """Every 127.x address is loopback; the dashboard listening on one refused the very URL it
     printed ("invalid Host header"), as only 127.0.0.1, localhost and ::1 were allowed."""
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    r = CliRunner().invoke(
-        group(),
-        ["--db", url, "dashboard", "--host", "127.0.0.2", "--port", "0"],
-        env={"STEPWARDEN_DASHBOARD_TOKEN": ""},
-    )
+    r = invoke_dashboard(tmp_path, "--host", "127.0.0.2")
     assert r.exit_code == 0, r.output
     app = served[0]["app"]
     port = served[0]["name"][1]
@@ -150,12 +142,8 @@ def test_a_loopback_address_other_than_127_0_0_1_answers_on_its_own_name(
 
 
 def test_public_origin_behind_a_tls_proxy(tmp_path: Path, served: list[dict[str, Any]]) -> None:
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    r = CliRunner().invoke(
-        group(),
-        ["--db", url, "dashboard", "--port", "0", "--public-origin", "HTTPS://Ops.Example.com/"],
-        env={"STEPWARDEN_DASHBOARD_TOKEN": "tok"},
+    r = invoke_dashboard(
+        tmp_path, "--public-origin", "HTTPS://Ops.Example.com/", env={"STEPWARDEN_DASHBOARD_TOKEN": "tok"}
     )
     assert r.exit_code == 0, r.output
     guard = served[0]["app"].state.dashboard.guard
@@ -169,8 +157,6 @@ def test_public_origin_behind_a_tls_proxy(tmp_path: Path, served: list[dict[str,
 def test_a_public_origin_that_is_not_an_origin_is_one_error_line(
     tmp_path: Path, served: list[dict[str, Any]], value: str
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    r = CliRunner().invoke(group(), ["--db", url, "dashboard", "--public-origin", value])
+    r = invoke_dashboard(tmp_path, "--public-origin", value)
     assert r.exit_code == 2 and "--public-origin" in r.output and "is not an origin" in r.output
     assert not served

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
 from stepwarden.dashboard import command
-from stepwarden.store import open_store
+from stepwarden.dashboard.web import create_app
+from stepwarden.store import Store
 
-from .command_harness import group, record_serving
+from .command_harness import invoke_dashboard, record_serving
 
 with warnings.catch_warnings():  # Starlette would rather use httpx2; httpx is what we have
     warnings.simplefilter("ignore")
@@ -42,11 +42,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 def start(tmp_path: Path, *args: str) -> str:
     """Run the command with ``args`` (its app is in ``served``); what it printed."""
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    r = CliRunner().invoke(
-        group(), ["--db", url, "dashboard", "--port", "0", *args], env={"STEPWARDEN_DASHBOARD_TOKEN": ""}
-    )
+    r = invoke_dashboard(tmp_path, *args)
     assert r.exit_code == 0, r.output
     return r.output
 
@@ -130,14 +126,92 @@ def test_beyond_loopback_without_a_list_any_host_is_answered_with_a_warning(
 
 
 @pytest.mark.parametrize(
-    "value", ["https://ops.example.com", "ops.example.com:443", "ops example", "-ops.example.com", "a..b", ""]
+    "value",
+    [
+        "https://ops.example.com",
+        "ops.example.com:443",
+        "ops example",
+        "-ops.example.com",
+        "a..b",
+        "",
+        "[ops.example.com]",  # brackets hold an IPv6 address, never a name
+        "ops.example.com..",
+    ],
 )
 def test_an_allowed_host_that_is_not_a_host_name_is_one_error_line(
     tmp_path: Path, served: list[dict[str, Any]], value: str
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    r = CliRunner().invoke(group(), ["--db", url, "dashboard", "--allowed-host", value])
+    r = invoke_dashboard(tmp_path, "--allowed-host", value)
     assert r.exit_code == 2, r.output
     assert "--allowed-host" in r.output and "is not a host name or an IP address" in r.output
     assert not served
+
+
+@pytest.mark.parametrize("value", ["10.0.0.5", "::1", "[::1]", "[fd00::1]", "127.0.0.1."])
+def test_an_allowed_host_that_is_an_ip_address_is_one_error_line_that_says_why(
+    tmp_path: Path, served: list[dict[str, Any]], value: str
+) -> None:
+    """An address in Host is always answered, so listing one would decide nothing: it was accepted
+    (and dropped, in effect), leaving an operator to believe other addresses were refused."""
+    r = invoke_dashboard(tmp_path, "--allowed-host", value)
+    assert r.exit_code == 2 and not served, r.output
+    [line] = [line for line in r.output.splitlines() if line.startswith("Error:")]
+    assert "--allowed-host" in line and "is an IP address" in line and "always answers" in line
+    assert "--allowed-host localhost" in line  # what to do when browsers use addresses only
+
+
+def test_beyond_loopback_allowed_host_localhost_turns_the_check_on_for_addresses_only(
+    tmp_path: Path, served: list[dict[str, Any]]
+) -> None:
+    """What the error line for an address suggests: browsers that use addresses are answered, and
+    no name but localhost is."""
+    output = start(tmp_path, "--host", "0.0.0.0", "--allowed-host", "localhost")
+    app = served[0]["app"]
+    assert status(app, "10.1.2.3:8080") == 200 and status(app, "localhost") == 200
+    assert status(app, REBIND) == 400
+    assert rebinding_warnings(output) == []
+
+
+def test_the_allowlist_is_every_name_and_names_only() -> None:
+    """One list, made in one place: localhost, the --host value if it is a name, the public
+    origin's host and the allowed names; never an address (always answered, so it would decide
+    nothing). Beyond loopback, None (any Host) until a name or a public origin is given."""
+    allowlist = command.host_allowlist
+    assert allowlist("127.0.0.2", None, (), loopback=True) == ("localhost",)
+    assert allowlist("[::1]", None, (), loopback=True) == ("localhost",)
+    assert allowlist("localhost", None, ("dash.internal",), loopback=True) == ("localhost", "dash.internal")
+    assert allowlist("0.0.0.0", None, (), loopback=False) is None
+    assert allowlist("0.0.0.0", "https://Ops.Example.com:8443", (), loopback=False) == (
+        "localhost",
+        "ops.example.com",
+    )
+    assert allowlist("::", "https://[fd00::1]", ("dash.internal",), loopback=False) == (
+        "localhost",
+        "dash.internal",
+    )
+    assert allowlist("dash.lan", None, ("Other.Internal.",), loopback=False) == (
+        "localhost",
+        "dash.lan",
+        "Other.Internal.",  # as given: the check compares without case or final dot
+    )
+
+
+def test_the_check_compares_names_without_case_port_or_final_dot_and_brackets_only_an_ipv6_address(
+    store: Store,
+) -> None:
+    """Normalised once, by the check, for its list and each header alike: a caller of create_app may
+    give names as operators type them. ``[ops.example.com]`` is no way to write the name."""
+    app = create_app(store, allowed_hosts=[" Ops.Example.COM. ", "[::1]"])
+    for host in ("ops.example.com", "OPS.example.com.:443", "[fd00::1]:8080", "127.0.0.1"):
+        assert status(app, host) == 200, host
+    with TestClient(app) as c:  # as a header: no URL can hold a bracketed name
+        for host in ("[ops.example.com]", "[ops.example.com]:443", "ops.example.com.evil.example", REBIND):
+            assert c.get("/", headers={"Host": host}).status_code == 400, host
+
+
+def test_create_app_answers_the_names_it_is_given_and_no_other(store: Store) -> None:
+    """The command puts the public origin's host on the list (host_allowlist); create_app adds
+    nothing of its own, so the list it is given is the whole list."""
+    app = create_app(store, allowed_hosts=["localhost"], public_origin="https://ops.example.com")
+    assert status(app, "localhost:8080") == 200
+    assert status(app, "ops.example.com") == 400

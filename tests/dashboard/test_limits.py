@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +25,13 @@ from typing import Any
 
 import httpx
 import pytest
-from click.testing import CliRunner
 
 from acceptance.helpers import Procs, clean_env, wait_until
+from stepwarden.dashboard.command import TIMEOUT_KEEP_ALIVE
 from stepwarden.dashboard.web import create_app
 from stepwarden.store import Store, open_store
 
-from .command_harness import group, record_serving
+from .command_harness import invoke_dashboard, record_serving
 
 TOKEN = "limits-token-0123456789"
 KiB = 1024
@@ -40,16 +41,6 @@ FORM_MAX_FIELDS = 16
 # Every handler that reads a form: sign in and out, and the three operator actions.
 FORM_PATHS = ["/login", "/logout", "/tasks/1/retry", "/tasks/1/cancel", "/alerts/1/ack"]
 URLENCODED = "application/x-www-form-urlencoded"
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    """Nothing here reads the store: SQLite alone."""
-    s = open_store(f"sqlite:///{tmp_path / 'limits.db'}")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @dataclass
@@ -75,10 +66,11 @@ def call(
     *,
     length: int | None = None,
     leave: bool = False,
+    method: str = "POST",
 ) -> Exchange:
-    """POST ``path`` with a body handed over chunk by chunk as the application asks for it
-    (lazily: a body it does not ask for is never made). ``length`` is sent as Content-Length;
-    ``leave``: the client goes away after the last chunk instead of ending the body."""
+    """``method`` (POST) ``path`` with a body handed over chunk by chunk as the application asks
+    for it (lazily: a body it does not ask for is never made). ``length`` is sent as
+    Content-Length; ``leave``: the client goes away after the last chunk instead of ending the body."""
     seen = Exchange()
     pending = iter(chunks)
     ended = False
@@ -89,7 +81,7 @@ def call(
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "POST",
+        "method": method,
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
@@ -199,6 +191,75 @@ def test_forms_within_the_limit_are_read_as_before(store: Store) -> None:
     )
     assert seen.status == 404, seen.text  # authorised; there is no such task
     assert seen.read == sum(map(len, chunks))
+
+
+# -- the limits' exact edges -----------------------------------------------------------------------------
+
+
+def sized_form(total: int) -> bytes:
+    """A one-field form (``step=xxx...``) of exactly ``total`` bytes."""
+    return b"step=" + b"x" * (total - len(b"step="))
+
+
+@pytest.mark.parametrize("announced", [True, False], ids=["content-length", "chunked"])
+@pytest.mark.parametrize(("size", "refused"), [(MAX_BODY, False), (MAX_BODY + 1, True)], ids=["at", "over"])
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_refused(
+    store: Store, announced: bool, size: int, refused: bool
+) -> None:
+    """The limit is "at most 64 KiB", by Content-Length and by counting alike: a body of 65,536
+    bytes reaches the action whole (404: authorised, no such task), one of 65,537 is a 413 (unread
+    when announced). A ``>=`` for ``>`` in either check refuses the first."""
+    app = create_app(store, TOKEN)
+    body = sized_form(size)
+    chunks = [body[i : i + 16 * KiB] for i in range(0, len(body), 16 * KiB)]  # the last: 1 byte over
+    seen = call(
+        app,
+        "/tasks/424242/retry",
+        chunks,
+        {"Content-Type": URLENCODED, "Authorization": f"Bearer {TOKEN}"},
+        length=size if announced else None,
+    )
+    if refused:
+        assert seen.status == 413, (seen.status, seen.text)
+        assert seen.read == (0 if announced else size)
+    else:
+        assert seen.status == 404, (seen.status, seen.text)
+        assert seen.read == size
+
+
+@pytest.mark.parametrize(("fields", "status"), [(FORM_MAX_FIELDS, 404), (FORM_MAX_FIELDS + 1, 400)])
+def test_a_form_of_exactly_the_field_limit_is_read_and_one_field_more_is_refused(
+    store: Store, fields: int, status: int
+) -> None:
+    """16 fields reach the action (404: authorised, no such task); 17 are a 400 that names the limit."""
+    app = create_app(store, TOKEN)
+    body = "&".join(["step=charge", *(f"f{i}=x" for i in range(fields - 1))]).encode()
+    seen = call(
+        app,
+        "/tasks/424242/retry",
+        [body],
+        {"Content-Type": URLENCODED, "Authorization": f"Bearer {TOKEN}"},
+    )
+    assert seen.status == status, (seen.status, seen.text)
+    if status == 400:
+        assert f"Maximum number of fields is {FORM_MAX_FIELDS}" in seen.text
+
+
+def test_a_get_that_announces_a_large_body_is_refused_unread(store: Store) -> None:
+    """The limit is on every request, not only on the forms' paths: a GET is no way round it."""
+    app = create_app(store, TOKEN)
+    seen = call(app, "/", big_form(8 * MiB), {}, length=8 * MiB, method="GET")
+    assert seen.status == 413, (seen.status, seen.text)
+    assert seen.read == 0 and seen.headers["connection"] == "close"
+
+
+def test_a_chunked_body_on_a_get_is_never_read(store: Store) -> None:
+    """A page reads no body: one sent with a GET (8 MiB, chunked) is never asked for, and the
+    page is served as without it."""
+    app = create_app(store, TOKEN)
+    seen = call(app, "/", big_form(8 * MiB), {"Transfer-Encoding": "chunked"}, method="GET")
+    assert seen.status == 200, (seen.status, seen.text[:200])
+    assert seen.read == 0
 
 
 # -- what a form may be --------------------------------------------------------------------------------
@@ -361,15 +422,13 @@ def test_requests_served_at_once_are_bounded_by_default(
     """uvicorn served any number (each waiting body holds memory and a task): now 100 by default,
     `--limit-concurrency N` to change it; idle keep-alive connections close after 5 s."""
     served = record_serving(monkeypatch)
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
     for args, limit in (([], 100), (["--limit-concurrency", "7"], 7)):
-        r = CliRunner().invoke(group(), ["--db", url, "dashboard", "--port", "0", *args], env={})
+        r = invoke_dashboard(tmp_path, *args)
         assert r.exit_code == 0, r.output
         config = served[-1]["config"]
         assert (config.limit_concurrency, config.timeout_keep_alive) == (limit, 5)
     for bad in ("0", "1"):  # 1: uvicorn counts the request's own connection, and would refuse all
-        r = CliRunner().invoke(group(), ["--db", url, "dashboard", "--limit-concurrency", bad])
+        r = invoke_dashboard(tmp_path, "--limit-concurrency", bad)
         assert r.exit_code == 2 and "--limit-concurrency" in r.output
 
 
@@ -390,6 +449,34 @@ def test_beyond_the_limit_a_request_hears_503_until_a_slot_is_free(tmp_path: Pat
             return httpx.get(f"http://{host}:{port}/", timeout=10).status_code == 200
 
         wait_until(served, 20, "a slot to come back once the held request's client left", 0.05)
+        log = _stop(procs, p)
+    finally:
+        procs.stop_all()
+    assert "Traceback" not in log, log
+
+
+def test_a_connection_that_sends_nothing_holds_a_slot_until_its_client_closes_it(tmp_path: Path) -> None:
+    """What docs/dashboard.md "Limits" says: uvicorn counts every open connection against
+    ``--limit-concurrency``, and a connection that never sends a byte has no timeout (the
+    keep-alive timer starts only after an answer). Two silent sockets with a limit of 3 keep a GET
+    at 503, still past the keep-alive timeout; closed, they give their slots back. On loopback only
+    local processes can do that; beyond it, a proxy in front is what bounds such clients."""
+    procs = Procs(tmp_path)
+    try:
+        p, host, port = _start(procs, tmp_path, "--limit-concurrency", "3")
+        silent = [socket.create_connection((host, port), timeout=10) for _ in range(2)]
+        try:
+            assert httpx.get(f"http://{host}:{port}/", timeout=10).status_code == 503
+            time.sleep(TIMEOUT_KEEP_ALIVE + 1)  # no timer of uvicorn's closes them meanwhile
+            assert httpx.get(f"http://{host}:{port}/", timeout=10).status_code == 503
+        finally:
+            for s in silent:
+                s.close()
+
+        def served() -> bool:
+            return httpx.get(f"http://{host}:{port}/", timeout=10).status_code == 200
+
+        wait_until(served, 20, "the slots to come back once the silent clients closed", 0.05)
         log = _stop(procs, p)
     finally:
         procs.stop_all()

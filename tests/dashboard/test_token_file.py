@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 
-from stepwarden.store import open_store
-
-from .command_harness import group, record_serving
+from .command_harness import invoke_dashboard, record_serving
 
 STRONG = "Zk3-sT9_qLw2vX8nB4mR"  # 20 characters
 SHORT = "hunter2"
@@ -24,16 +22,6 @@ SHORT = "hunter2"
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return record_serving(monkeypatch)
-
-
-def run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Result:
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    if not (tmp_path / "x.db").exists():
-        open_store(url).close()
-    clean = {"STEPWARDEN_DASHBOARD_TOKEN": "", "STEPWARDEN_DASHBOARD_TOKEN_FILE": ""}
-    return CliRunner().invoke(
-        group(), ["--db", url, "dashboard", "--port", "0", *args], env={**clean, **(env or {})}
-    )
 
 
 def secret(tmp_path: Path, content: bytes | str, mode: int = 0o600, name: str = "token") -> Path:
@@ -57,7 +45,7 @@ def test_a_private_token_file_is_read_without_its_newline_and_without_a_warning(
     tmp_path: Path, served: list[dict[str, Any]]
 ) -> None:
     path = secret(tmp_path, f"{STRONG}\n")
-    r = run(tmp_path, "--token-file", str(path))
+    r = invoke_dashboard(tmp_path, "--token-file", str(path))
     assert r.exit_code == 0, r.output
     assert served_token(served) == STRONG
     assert "operator actions enabled" in r.output
@@ -67,7 +55,7 @@ def test_a_private_token_file_is_read_without_its_newline_and_without_a_warning(
 
 def test_the_environment_names_the_token_file_too(tmp_path: Path, served: list[dict[str, Any]]) -> None:
     path = secret(tmp_path, f"  {STRONG}\r\n")
-    r = run(tmp_path, env={"STEPWARDEN_DASHBOARD_TOKEN_FILE": str(path)})
+    r = invoke_dashboard(tmp_path, env={"STEPWARDEN_DASHBOARD_TOKEN_FILE": str(path)})
     assert r.exit_code == 0, r.output
     assert served_token(served) == STRONG
 
@@ -85,7 +73,7 @@ def test_a_pipe_is_read_as_process_substitution_gives_it(
     writer = threading.Thread(target=feed)
     writer.start()
     try:
-        r = run(tmp_path, "--token-file", f"/dev/fd/{read}")
+        r = invoke_dashboard(tmp_path, "--token-file", f"/dev/fd/{read}")
     finally:
         writer.join(timeout=10)
         os.close(read)
@@ -98,7 +86,7 @@ def test_a_token_file_other_users_can_read_is_served_with_a_warning(
     tmp_path: Path, served: list[dict[str, Any]]
 ) -> None:
     path = secret(tmp_path, STRONG, mode=0o644)
-    r = run(tmp_path, "--token-file", str(path))
+    r = invoke_dashboard(tmp_path, "--token-file", str(path))
     assert r.exit_code == 0, r.output
     assert served_token(served) == STRONG
     [line] = warnings_of(r)
@@ -111,7 +99,7 @@ def test_a_short_token_is_served_with_a_warning_that_says_how_to_make_a_strong_o
     tmp_path: Path, served: list[dict[str, Any]], how: str
 ) -> None:
     args = ["--token", SHORT] if how == "option" else ["--token-file", str(secret(tmp_path, SHORT))]
-    r = run(tmp_path, *args)
+    r = invoke_dashboard(tmp_path, *args)
     assert r.exit_code == 0, r.output
     assert served_token(served) == SHORT
     [line] = warnings_of(r)
@@ -122,8 +110,8 @@ def test_a_short_token_is_served_with_a_warning_that_says_how_to_make_a_strong_o
 def test_a_strong_token_and_a_read_only_dashboard_have_no_token_warning(
     tmp_path: Path, served: list[dict[str, Any]]
 ) -> None:
-    assert warnings_of(run(tmp_path, "--token", STRONG)) == []
-    assert warnings_of(run(tmp_path)) == []
+    assert warnings_of(invoke_dashboard(tmp_path, "--token", STRONG)) == []
+    assert warnings_of(invoke_dashboard(tmp_path)) == []
     assert [served_token([s]) for s in served] == [STRONG, None]
 
 
@@ -133,7 +121,7 @@ def test_a_token_and_a_token_file_together_are_refused(tmp_path: Path, served: l
         (["--token", STRONG, "--token-file", str(path)], {}),
         (["--token-file", str(path)], {"STEPWARDEN_DASHBOARD_TOKEN": STRONG}),
     ]:
-        r = run(tmp_path, *args, env=env)
+        r = invoke_dashboard(tmp_path, *args, env=env)
         assert r.exit_code == 2, r.output
         errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
         assert len(errors) == 1 and "not both" in errors[0], r.output
@@ -154,7 +142,7 @@ def test_a_token_file_that_gives_no_usable_token_is_one_error_line_that_hides_it
     tmp_path: Path, served: list[dict[str, Any]], content: bytes, says: str
 ) -> None:
     path = secret(tmp_path, content)
-    r = run(tmp_path, "--token-file", str(path))
+    r = invoke_dashboard(tmp_path, "--token-file", str(path))
     assert r.exit_code == 2 and not served, r.output
     errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "'--token-file'" in errors[0] and says in errors[0], r.output
@@ -175,7 +163,7 @@ def test_a_token_file_that_cannot_be_read_is_one_error_line(
         if os.access(path, os.R_OK):  # root reads anything: make it unreadable another way
             path.unlink()
             os.symlink(path, path)  # a loop: ELOOP, as unreadable as it gets for root
-    r = run(tmp_path, "--token-file", str(path))
+    r = invoke_dashboard(tmp_path, "--token-file", str(path))
     assert r.exit_code == 2 and not served, r.output
     errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "'--token-file'" in errors[0] and str(path) in errors[0], r.output

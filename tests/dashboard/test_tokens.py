@@ -14,21 +14,19 @@ import hmac
 import re
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from click.testing import CliRunner
 
 from stepwarden.clock import FakeClock
 from stepwarden.dashboard.security import Guard
 from stepwarden.dashboard.tokens import GuessLimiter, Throttled, bearer_credentials, configured_token
 from stepwarden.dashboard.web import create_app
-from stepwarden.store import Store, open_store
+from stepwarden.store import Store
 
-from .command_harness import group, record_serving
+from .command_harness import invoke_dashboard, record_serving
 
 with warnings.catch_warnings():  # Starlette would rather use httpx2; httpx is what we have
     warnings.simplefilter("ignore")
@@ -41,16 +39,6 @@ ORIGIN = "http://testserver"
 MISSING = "/tasks/424242/retry"  # a task that does not exist: 404 once authorised, 401 before
 ATTACKER = "203.0.113.66"
 OPERATOR = "198.51.100.7"
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    """The token checks read nothing from the store: SQLite alone."""
-    s = open_store(f"sqlite:///{tmp_path / 'tokens.db'}")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def client(store: Store, token: str | None = TOKEN, **kw: Any) -> TestClient:
@@ -153,10 +141,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def test_the_command_strips_the_configured_token(
     tmp_path: Path, served: list[dict[str, Any]], args: list[str], env: dict[str, str]
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    env = {"STEPWARDEN_DASHBOARD_TOKEN": "", **env}
-    r = CliRunner().invoke(group(), ["--db", url, "dashboard", "--port", "0", *args], env=env)
+    r = invoke_dashboard(tmp_path, *args, env=env)
     assert r.exit_code == 0, r.output
     assert "operator actions enabled" in r.output
     app = served[0]["app"]
@@ -177,9 +162,7 @@ def test_the_command_strips_the_configured_token(
 def test_the_command_refuses_a_blank_or_spaced_token_in_one_line(
     tmp_path: Path, served: list[dict[str, Any]], args: list[str], env: dict[str, str], named: str
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'x.db'}"
-    open_store(url).close()
-    r = CliRunner().invoke(group(), ["--db", url, "dashboard", "--port", "0", *args], env=env)
+    r = invoke_dashboard(tmp_path, *args, env=env)
     assert r.exit_code == 2 and not served, r.output
     errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and named in errors[0] and "operator token" in errors[0], r.output

@@ -338,10 +338,10 @@ def test_login_redirect_stays_on_this_site(scene: Scene, client: TestClient) -> 
 
 
 def test_loopback_dashboard_refuses_foreign_host_names(scene: Scene) -> None:
-    from stepwarden.dashboard.security import LOOPBACK_HOSTS
+    from stepwarden.dashboard.hosts import LOOPBACK_NAMES
 
     with TestClient(
-        create_app(scene.store, TOKEN, allowed_hosts=LOOPBACK_HOSTS), base_url="http://127.0.0.1:8080"
+        create_app(scene.store, TOKEN, allowed_hosts=LOOPBACK_NAMES), base_url="http://127.0.0.1:8080"
     ) as c:
         assert c.get("/").status_code == 200
         assert c.get("/", headers={"Host": "localhost:8080"}).status_code == 200

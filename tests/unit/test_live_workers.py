@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -56,8 +57,10 @@ def test_a_worker_killed_without_a_word_leaves_the_metrics_but_stays_listed_as_s
     listed = {w["id"]: w for w in store.transact_sync(views.list_workers)}
     assert listed[killed]["silent"] and listed[killed]["heartbeat_age"] == SILENT_AFTER + 1
     assert not listed[live]["silent"] and listed[live]["heartbeat_age"] == 0
+    assert (listed[killed]["state"], listed[live]["state"]) == ("silent", "live")
     only_live = store.transact_sync(views.list_workers, False, False)
     assert [w["id"] for w in only_live] == [live]
+    assert [w["state"] for w in only_live] == ["live"]
 
 
 def test_the_cli_table_and_the_dashboard_mark_a_silent_worker(
@@ -68,6 +71,7 @@ def test_the_cli_table_and_the_dashboard_mark_a_silent_worker(
     import warnings
 
     from stepwarden.cli_render import workers_table
+    from stepwarden.cli_views import _show
     from stepwarden.dashboard.web import create_app
     from stepwarden.store.agents import SILENT_AFTER
 
@@ -83,14 +87,25 @@ def test_the_cli_table_and_the_dashboard_mark_a_silent_worker(
     asyncio.run(store.worker_beat(live, ["agent"], ["svc"]))
 
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: pytest-xdist's workers say 80
-    workers_table(store.transact_sync(views.list_workers, True))
+    rows = store.transact_sync(views.list_workers, True)
+    states = {w["id"]: w["state"] for w in rows}
+    assert states == {killed: "silent", live: "live", gone: "stopped"}, states
+    workers_table(rows)
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
     assert lines[killed][1] == "silent" and "(1.5m" in lines[killed], lines[killed]
     assert lines[live][1] == "live" and "(0.0s" in lines[live], lines[live]
     assert lines[gone][1] == "stopped", lines[gone]
+    # `stepwarden workers --json` prints the same rows: the state is in them, as the table shows it.
+    _show(rows, True, "workers_table")
+    printed = {w["id"]: w for w in json.loads(capsys.readouterr().out)}
+    assert {k: w["state"] for k, w in printed.items()} == states
+    assert printed[killed]["silent"] and not printed[gone]["silent"] and not printed[live]["silent"]
 
     with TestClient(create_app(store, "t")) as c:
         html = c.get("/workers").text
     assert f'data-worker="{killed}" data-silent="1"' in html
     assert f'data-worker="{live}" data-silent="0"' in html
     assert html.count(">silent</span>") == 1 and ">silent</span>=" not in html
+    assert 'data-silent="1" data-state="silent"' in html and 'data-state="live"' in html
+    # No stray "key=value" of a row's fields (the loop that printed `silent=True` is gone).
+    assert 'class="kv small"' not in html

@@ -7,7 +7,6 @@ this command can say what to install.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import re
 import socket
@@ -20,18 +19,22 @@ import click
 from ..cli_params import bracketed, is_loopback
 from ..errors import InputError, StepwardenError
 from ..store import open_existing
+from .hosts import LOOPBACK_NAMES, ip_literal
 from .tokens import configured_token, read_token_file, weak_token_warning
 
 log = logging.getLogger("stepwarden.dashboard")
-# Host names a dashboard listening on a loopback address answers to (DNS-rebinding defence).
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 # One label of a host name (RFC 1123, and "_" as some internal names have): inner hyphens only.
-_HOST_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
-# Requests served at once (uvicorn's limit_concurrency; beyond it, 503). Pages answer in
-# milliseconds and each open tab polls one fragment at a time: 100 is many operators.
+_HOST_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)", re.IGNORECASE)
+# Connections open at once (uvicorn's limit_concurrency; a request arriving beyond it hears 503).
+# uvicorn counts every open connection, not only those with a request in progress: an idle
+# keep-alive one until TIMEOUT_KEEP_ALIVE closes it, and one that has sent nothing (or sends its
+# headers or body slowly) for as long as its client keeps it open, since uvicorn has no timeout
+# for those. On loopback only local processes can hold slots so; beyond it, a reverse proxy
+# (nginx's client_header_timeout and client_body_timeout) is what bounds slow or silent clients.
+# Pages answer in milliseconds and each open tab polls one fragment at a time: 100 is many operators.
 LIMIT_CONCURRENCY = 100
-# Seconds an idle keep-alive connection is kept (uvicorn's default, stated): a tab polling every
-# --poll seconds (at most 60) reconnects when it must; an idle client does not hold a slot.
+# Seconds an idle keep-alive connection is kept after its last answer (uvicorn's default, stated),
+# holding a slot meanwhile: a tab polling every --poll seconds (at most 60) reconnects when it must.
 TIMEOUT_KEEP_ALIVE = 5
 
 
@@ -48,43 +51,50 @@ def check_public_origin(value: str) -> str:
 
 
 def check_allowed_hosts(ctx: click.Context, param: click.Parameter, values: Sequence[str]) -> tuple[str, ...]:
-    """``--allowed-host`` values: host names or IP addresses as a ``Host`` header names them,
-    without scheme or port (lower-cased, IPv6 without brackets); anything else exits 2 in one line,
-    since a mistyped name would otherwise refuse every request that uses the real one."""
-    names = []
+    """``--allowed-host`` values: host names as a ``Host`` header names them, without scheme or
+    port, passed on as given (:class:`~.web.HostCheck` compares them without case or a final dot).
+    Anything else exits 2 in one line, since a mistyped name would otherwise refuse every request
+    that uses the real one. An IP address is refused too, rather than accepted to do nothing: a
+    ``Host`` that is an address is always answered (rebinding needs a DNS name), so an operator
+    who listed one would believe it decides something, and perhaps that other addresses are
+    refused."""
     for value in values:
-        name = value.strip().lower()
-        bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
-        try:
-            names.append(str(ipaddress.ip_address(bare)))
-            continue
-        except ValueError:
-            pass
-        labels = bare.rstrip(".").split(".")
-        if len(bare) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        name = value.strip().removesuffix(".")
+        if ip_literal(name):
             raise click.BadParameter(
-                f"{value[:80]!r} is not a host name or an IP address (such as ops.example.com, with no"
-                " scheme or port)",
+                f"{value[:80]!r} is an IP address, which the Host check always answers (DNS rebinding"
+                " needs a name): give the host names browsers use; if they use addresses only,"
+                " --allowed-host localhost turns the check on",
                 ctx=ctx,
                 param=param,
             )
-        names.append(bare.rstrip("."))
-    return tuple(names)
+        if len(name) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in name.split(".")):
+            raise click.BadParameter(
+                f"{value[:80]!r} is not a host name or an IP address; give a host name such as"
+                " ops.example.com, with no scheme, port or brackets",
+                ctx=ctx,
+                param=param,
+            )
+    return tuple(values)
 
 
-def host_allowlist(host: str, public_origin: str | None, allowed: Sequence[str]) -> tuple[str, ...] | None:
-    """The names the ``Host`` header may hold (DNS-rebinding defence), or None for any.
+def host_allowlist(
+    host: str, public_origin: str | None, allowed: Sequence[str], *, loopback: bool
+) -> tuple[str, ...] | None:
+    """Every name the ``Host`` header may hold (DNS-rebinding defence), or None for any. Names
+    only: a ``Host`` that is an IP address is always answered (:mod:`.hosts`).
 
-    On a loopback address: the loopback names and the address it listens on (127.0.0.2 is
-    loopback too), as before, plus ``allowed`` (and the public origin's host, which
-    :func:`~.web.create_app` adds). Beyond loopback the check is on once the operator has said
-    which names browsers use (``--public-origin`` or ``--allowed-host``), with the same loopback
-    names (no page of another site can make a browser send ``Host: localhost``); with neither,
-    any name is answered, as before this option existed, so that an upgrade does not break a
-    deployment reached by names nobody listed, and the command warns at start."""
-    if not is_loopback(host) and public_origin is None and not allowed:
+    The names: ``localhost``, ``host`` (the address listened on) when it is a name, the public
+    origin's host (a proxy that passes the browser's ``Host`` on sends it) and ``allowed``. On a
+    loopback address the check is always on. Beyond loopback it is on once the operator has said
+    which names browsers use (``--public-origin`` or ``--allowed-host``); with neither, any name
+    is answered, as before this option existed, so that an upgrade does not break a deployment
+    reached by names nobody listed, and the command warns at start."""
+    if not loopback and public_origin is None and not allowed:
         return None
-    return (*LOOPBACK_HOSTS, host.strip("[]").lower(), *allowed)
+    public_host = urlsplit(public_origin).hostname if public_origin else None
+    names = (*LOOPBACK_NAMES, host, *([public_host] if public_host else []), *allowed)
+    return tuple(dict.fromkeys(n for n in names if not ip_literal(n)))
 
 
 def check_token(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -173,15 +183,16 @@ def bind(host: str, port: int) -> socket.socket:
     metavar="NAME",
     callback=check_allowed_hosts,
     help="A host name browsers (or a proxy) use to reach the dashboard, allowed in the Host header "
-    "besides loopback names, IP addresses and --public-origin's host (repeatable). Beyond loopback, "
-    "naming one turns the Host check on: a DNS-rebinding page cannot read the dashboard.",
+    "besides localhost and --public-origin's host (repeatable); an IP address in Host is always "
+    "answered, so one is refused here. Beyond loopback, naming one turns the Host check on: a "
+    "DNS-rebinding page cannot read the dashboard.",
 )
 @click.option(
     "--limit-concurrency",
     type=click.IntRange(2, 100_000),  # uvicorn counts the request's own connection: 1 refuses all
     default=LIMIT_CONCURRENCY,
     show_default=True,
-    help="Connections and requests served at once; beyond it, 503.",
+    help="Connections open at once, idle and silent ones included; a request beyond it hears 503.",
 )
 @click.option(
     "--poll",
@@ -235,7 +246,7 @@ def dashboard(
             ),
             err=True,
         )
-    hosts = host_allowlist(host, public_origin, allowed_hosts)
+    hosts = host_allowlist(host, public_origin, allowed_hosts, loopback=loopback)
     if hosts is None:
         click.echo(
             f"warning: any Host header is answered on {host}: a web page that rebinds its DNS name to"

@@ -15,9 +15,10 @@ Acting (retry, cancel, acknowledge) needs all of:
 Cookies are ``HttpOnly`` and ``SameSite=Strict`` (and ``Secure`` behind a TLS proxy, when set and
 when deleted). The signing key is random per process, so a
 restart signs everyone out. When the dashboard listens on a loopback address, requests must name
-a loopback host (``Host: 127.0.0.1``/``localhost``), the public origin's host or one allowed by
-name, which stops DNS-rebinding pages from reading it; beyond loopback the same check is on once
-a public origin or an allowed host is named (:class:`~.web.HostCheck`, ``--allowed-host``).
+an IP address, ``localhost``, the public origin's host or a host allowed by name
+(``Host: 127.0.0.1``, ``Host: localhost``), which stops DNS-rebinding pages from reading it;
+beyond loopback the same check is on once a public origin or an allowed host is named
+(:class:`~.web.HostCheck`, :mod:`.hosts`, ``--allowed-host``).
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .command import LOOPBACK_HOSTS
 from .tokens import GuessLimiter, Throttled, bearer_credentials, configured_token, presented_token
 
-__all__ = ["LOOPBACK_HOSTS", "Guard", "Refused", "check_actor", "check_origin", "safe_next"]
+__all__ = ["Guard", "Refused", "check_actor", "check_origin", "safe_next"]
 
 SESSION_COOKIE = "sw_session"
 AUTH_COOKIE = "sw_auth"
@@ -178,10 +178,12 @@ class Guard:
                 429, f"refused: too many wrong tokens lately, from any client; try again in {wait}s", wait
             ) from None
 
-    def is_script(self, request: Request, form: FormData) -> bool:
+    def is_script(self, request: Request, form: FormData | None) -> bool:
         """A script's request (a Bearer header, no dashboard session, no CSRF field): it is
-        answered in one line of text, and its Bearer token alone decides."""
-        return names_bearer(request) and self.session_id(request) is None and "csrf" not in form
+        answered in one line of text, and its Bearer token alone decides. ``form`` is None when
+        the request was refused before its form was read; it has no CSRF field then."""
+        no_csrf = form is None or "csrf" not in form
+        return names_bearer(request) and self.session_id(request) is None and no_csrf
 
     def check_form(self, request: Request, form: FormData) -> None:
         """Same origin and a valid CSRF token for this session, or :class:`Refused`."""

@@ -8,14 +8,13 @@ reads without JavaScript. Store reads run off the event loop (``store.transact``
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
-from urllib.parse import urlencode, urlsplit
+from typing import Any, Protocol
+from urllib.parse import urlencode
 
 from jinja2 import Environment, PackageLoader
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -38,7 +37,8 @@ from ..metrics import CONTENT_TYPE, StoreMetrics
 from ..store import TASK_STATES, Store
 from ..store import transitions as tr
 from . import data
-from .security import Guard, Refused, check_actor, names_bearer, safe_next
+from .hosts import host_key, host_of_header, ip_literal
+from .security import Guard, Refused, check_actor, safe_next
 from .tokens import GuessLimiter
 
 log = logging.getLogger("stepwarden.dashboard")
@@ -77,25 +77,6 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
-def host_name(header: str) -> str:
-    """The host of a ``Host`` header, without the port or a final dot: ``[::1]:8080`` -> ``::1``,
-    ``Ops.Example.com.:443`` -> ``ops.example.com`` (the same DNS name as without the dot)."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[1:].split("]", 1)[0]
-    name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-    return name.rstrip(".")
-
-
-def is_ip_literal(name: str) -> bool:
-    """``name`` is an IP address, not a DNS name."""
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
-
-
 class HostCheck:
     """Answers 400 unless the ``Host`` header names one of ``allowed`` or is an IP address.
 
@@ -103,17 +84,19 @@ class HostCheck:
     this dashboard's address reads it as its own origin, but its browser still sends
     ``Host: evil.example``. Rebinding needs a DNS name, so a ``Host`` that is an IP address
     (``10.0.0.5:8080``, a load balancer's health check, an operator typing the address) comes
-    from a page of that very origin, and is answered; names must be on the list."""
+    from a page of that very origin, and is answered; names must be on the list. The list and
+    each header are compared by :func:`~.hosts.host_key` (no case, port or final dot), here and
+    only here, so that callers of :func:`create_app` may give names as operators type them."""
 
     def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
         self.app = app
-        self.allowed = {h.strip("[]").lower().rstrip(".") for h in allowed}
+        self.allowed = frozenset(host_key(h) for h in allowed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-            name = host_name(host)
-            if name not in self.allowed and not is_ip_literal(name):
+            name = host_of_header(host)
+            if name not in self.allowed and not ip_literal(name):
                 text = (
                     f"invalid Host header: {name[:100]!r} is not a name this dashboard answers to"
                     " (its operator can add it with --allowed-host)\n"
@@ -205,11 +188,10 @@ async def read_form(request: Request) -> FormData:
     use for, so accepting it would only be something to get wrong. Any other type reads as an
     empty form without its body being read (Starlette's rule), as a script's bare POST does.
     A form has at most ``FORM_MAX_FIELDS`` fields (400 beyond) and, with :class:`BodyLimit`, at
-    most ``MAX_BODY`` bytes in all, which bounds each field too. No per-field limit is passed:
-    ``Request.form(max_part_size=)`` came in Starlette 0.44 (this extra accepts older), and it
-    would add nothing under ``MAX_BODY``. Starlette holds urlencoded forms to ``max_fields`` only
-    from 1.3.1; before, ``MAX_BODY`` is their only bound, which is what makes it the one that
-    matters."""
+    most ``MAX_BODY`` bytes in all, which bounds each field too. Starlette holds urlencoded forms
+    to ``max_fields`` only from 1.3.1 (before, it applied its limits to multipart forms alone:
+    GHSA-82w8-qh3p-5jfq), which is why the extra requires it. No per-field limit
+    (``max_part_size``) is passed: under ``MAX_BODY`` it would add nothing."""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media.startswith("multipart/"):
         raise Refused(
@@ -256,6 +238,12 @@ def make_env() -> Environment:
     env.globals["until"] = _until
     env.globals["TASK_STATES"] = TASK_STATES
     return env
+
+
+class _Say(Protocol):
+    """An answer to an action: :meth:`Dashboard.message` (a page) or :meth:`Dashboard._say` (a line)."""
+
+    def __call__(self, request: Request, status: int, text: str, ok: bool = False) -> Response: ...
 
 
 class Dashboard:
@@ -400,22 +388,16 @@ class Dashboard:
     async def _act(
         self, request: Request, name: str, run: Callable[[str, FormData], Awaitable[str]]
     ) -> Response:
+        form: FormData | None = None  # None: refused before the form was read
         try:
             form = await read_form(request)
-        except Refused as e:
-            self._count(name, _result(e))
-            log.warning("dashboard: %s refused (%s)", name, e)
-            script = names_bearer(request) and self.guard.session_id(request) is None
-            return (self._say if script else self.message)(request, e.status, str(e))
-        # A script (Bearer) reads one line of text, with the status; a browser reads a page.
-        say = self._say if self.guard.is_script(request, form) else self.message
-        try:
             actor = self.guard.check_action(request, form)
         except Refused as e:
             self._count(name, _result(e))
             if e.status != 429:  # the guard logs those once a minute, not once a request
                 log.warning("dashboard: %s refused (%s)", name, e)
-            return _retry_after(say(request, e.status, str(e)), e)
+            return _retry_after(self._answer(request, form)(request, e.status, str(e)), e)
+        say = self._answer(request, form)
         try:
             text = await run(actor, form)
         except NotFound as e:
@@ -427,6 +409,11 @@ class Dashboard:
         self._count(name, "ok")
         log.info("dashboard: %s by %s: %s", name, actor, text)
         return say(request, 200, text, ok=True)
+
+    def _answer(self, request: Request, form: FormData | None) -> _Say:
+        """How to answer: a script (Bearer) reads one line of text, with the status; a browser
+        reads a page."""
+        return self._say if self.guard.is_script(request, form) else self.message
 
     @staticmethod
     def _say(request: Request, status: int, text: str, ok: bool = False) -> Response:
@@ -544,8 +531,9 @@ def create_app(
 ) -> Starlette:
     """The dashboard over ``store``. ``token`` enables operator actions (without surrounding
     whitespace; InputError for one that is blank or holds a space or control character inside:
-    :mod:`.tokens`); ``allowed_hosts`` (host names without port) restricts the ``Host`` header,
-    e.g. to loopback names, and with it the public origin's host is allowed too (:class:`HostCheck`);
+    :mod:`.tokens`); ``allowed_hosts``, when given and not empty, is every host name the ``Host``
+    header may hold besides IP addresses, which are always answered (:class:`HostCheck`; the
+    command's list has ``localhost``, the public origin's host and ``--allowed-host`` names);
     ``public_origin`` is the origin browsers reach it at through a proxy (``https://...`` also
     marks cookies Secure); ``clock`` paces the checks of wrong tokens; ``max_body`` bounds a
     request body (:class:`BodyLimit`)."""
@@ -571,10 +559,7 @@ def create_app(
     # Host is refused before anything else; a body is bounded before any handler reads it.
     middleware = [Middleware(SecurityHeaders)]
     if allowed_hosts:
-        # Browsers behind the proxy name the public origin's host; a proxy may pass it on as is.
-        public_host = urlsplit(public_origin).hostname if public_origin else None
-        allowed = [*allowed_hosts, *([public_host] if public_host else [])]
-        middleware.append(Middleware(HostCheck, allowed=allowed))
+        middleware.append(Middleware(HostCheck, allowed=allowed_hosts))
     middleware.append(Middleware(BodyLimit, limit=max_body))
 
     async def failed(request: Request, exc: Exception) -> Response:

@@ -284,26 +284,33 @@ def list_workers(tx: Tx, include_stopped: bool = False, include_silent: bool = T
 
     A worker killed without a word (SIGKILL, a lost machine) never records its stop: its row
     stays, not stopped, until the leader prunes it (days later). Each worker has ``heartbeat_age``
-    (seconds, by the database's clock) and ``silent`` (``liveness.silent``: no heartbeat for a minute),
-    as agent instances are judged (``agents.list_agents``). Listings for an operator keep the
-    silent ones, marked, since a worker that died is worth seeing; ``include_silent=False``
-    leaves them out, for what counts live workers (the metrics: a killed worker must not stay a
-    live ``worker`` series for days, nor each restart of a crash-looping one add another)."""
+    (seconds, by the database's clock), ``silent`` (``liveness.silent``: no heartbeat for a minute),
+    as agent instances are judged (``agents.list_agents``), and ``state``: ``stopped``, ``silent``
+    or ``live``, decided here once for the CLI's table, its ``--json`` and the dashboard, so that
+    no reader can call a silent worker live. Listings for an operator keep the silent ones,
+    marked, since a worker that died is worth seeing; ``include_silent=False`` leaves them out,
+    for what counts live workers (the metrics: a killed worker must not stay a live ``worker``
+    series for days, nor each restart of a crash-looping one add another)."""
     now = _db_now(tx)
     sql = "SELECT id, roles, agents, started_at, heartbeat_at, stopped_at, breakers FROM workers"
     rows = tx.sql(sql + ("" if include_stopped else " WHERE stopped_at IS NULL") + " ORDER BY started_at")
-    return [
-        {
-            "id": r["id"],
-            "roles": [x for x in r["roles"].split(",") if x],
-            "agents": [x for x in r["agents"].split(",") if x],
-            "started_at": iso(r["started_at"]),
-            "heartbeat_at": iso(r["heartbeat_at"]),
-            "stopped_at": iso(r["stopped_at"]),
-            "breakers": json.loads(r["breakers"]) if r["breakers"] else {},
-            "heartbeat_age": round(max(0.0, now - float(r["heartbeat_at"])), 3),
-            "silent": silent(r["stopped_at"], r["heartbeat_at"], now),
-        }
-        for r in rows
-        if include_silent or not silent(r["stopped_at"], r["heartbeat_at"], now)
-    ]
+    listed = []
+    for r in rows:
+        quiet = silent(r["stopped_at"], r["heartbeat_at"], now)
+        if quiet and not include_silent:
+            continue
+        listed.append(
+            {
+                "id": r["id"],
+                "roles": [x for x in r["roles"].split(",") if x],
+                "agents": [x for x in r["agents"].split(",") if x],
+                "started_at": iso(r["started_at"]),
+                "heartbeat_at": iso(r["heartbeat_at"]),
+                "stopped_at": iso(r["stopped_at"]),
+                "breakers": json.loads(r["breakers"]) if r["breakers"] else {},
+                "heartbeat_age": round(max(0.0, now - float(r["heartbeat_at"])), 3),
+                "silent": quiet,
+                "state": "stopped" if r["stopped_at"] is not None else "silent" if quiet else "live",
+            }
+        )
+    return listed
