@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from stepwarden import App
 from stepwarden.clock import FakeClock
 from stepwarden.policies import Backoff, Retry
 from stepwarden.store import Store
@@ -193,6 +194,26 @@ def dispatch_requests(
 @pytest.fixture(name="dispatch_requests")
 def dispatch_requests_fixture() -> Callable[..., list[int]]:
     return dispatch_requests
+
+
+def noop_app(url: str | None = None) -> App:
+    """An app on ``url`` (default: the app's own default) with agent ``ops``, operation ``noop``
+    (returns None) and workflow ``one`` of one step ``a`` calling it. Its store is not opened:
+    ``app.store`` opens (and migrates) it when a test first asks."""
+    app = App(url)
+    ops = app.agent("ops")
+
+    @ops.operation
+    async def noop(req: object) -> None:
+        return None
+
+    app.workflow("one", [Step("a", "ops.noop", complete_by=5)])
+    return app
+
+
+@pytest.fixture(name="noop_app")
+def noop_app_fixture() -> Callable[..., App]:
+    return noop_app
 
 
 def rows(store: Store, sql: str) -> list[dict[str, Any]]:

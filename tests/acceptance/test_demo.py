@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from stepwarden.liveness import proc_start
+
 from .helpers import FINAL, SW, WORKFLOW, Db, Procs, clean_env, make_db, sw, wait_until
 
 SUMMARY_KEYS = {
@@ -138,11 +140,6 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-def _running(pid: int, started: str) -> bool:
-    st = _stat(pid)
-    return st is not None and st[1] == started
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_demo_stopped_by_a_signal_stops_every_process_it_started(
     tmp_path: Path, sig: signal.Signals
@@ -187,12 +184,12 @@ def test_a_demo_stopped_by_a_signal_stops_every_process_it_started(
         assert len(lines) == 1 and lines[0].startswith("error: ") and sig.name in lines[0], stderr[-3000:]
         assert "Traceback" not in stderr
         # Every process it had is gone: stopped and waited for by the demo, not left to init.
-        left = {pid: started for pid, started in seen.items() if _running(pid, started)}
+        left = {pid: started for pid, started in seen.items() if proc_start(pid) == started}
         assert left == {}, f"still running after the demo exited: {sorted(left)}"
     finally:
         if demo.poll() is None:
             demo.kill()
             demo.wait()
         for pid, started in seen.items():  # only what this test saw the demo start, by pid
-            if _running(pid, started):
+            if proc_start(pid) == started:
                 os.kill(pid, signal.SIGKILL)

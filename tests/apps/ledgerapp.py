@@ -2,24 +2,26 @@
 
 REL2 says that with agents passing the idempotency key to an idempotent service, no effect is
 applied twice and no compensated effect survives. Checking it needs a service that keeps its own
-books, apart from the store under test: this one keeps them in a SQLite file (path from
-``LEDGERAPP_LEDGER``), written with WAL and ``synchronous=NORMAL`` so a worker killed with
-SIGKILL loses nothing it committed. Two tables:
+books, apart from the store under test: this one keeps them in ``itapp``'s execution log (the
+SQLite file named by ``ITAPP_LOG``, written with WAL and ``synchronous=NORMAL`` so a worker killed
+with SIGKILL loses nothing it committed), through ``itapp``'s own helpers:
 
-- ``effects``: one row per idempotency key, ``applied`` and ``undone`` counts and a ``tombstoned``
-  flag. The service is idempotent the way a real one is: a forward call under a key it has seen
-  answers from its record and applies nothing; an undo call undoes at most what was applied; an
-  undo of a key never applied leaves a tombstone, so a forward call still in flight cannot land
-  after its compensation (the demo services' rule).
-- ``calls``: every call, committed before it does anything (so a call in a killed process leaves
-  a row without an end): key, step, kind, attempt, pid, and how it ended.
+- every call is an execution there (op ``apply``, ``revert`` or ``refuse``), committed before it
+  does anything (so a call in a killed process leaves a row without an end): key, step, kind,
+  attempt, pid, and how it ended;
+- ``effects``, a table beside it: one row per idempotency key, ``applied`` and ``undone`` counts and
+  a ``tombstoned`` flag, written in the same transaction as the call's row. The service is
+  idempotent the way a real one is: a forward call under a key it has seen answers from its record
+  and applies nothing; an undo call undoes at most what was applied; an undo of a key never
+  applied leaves a tombstone, so a forward call still in flight cannot land after its
+  compensation (the demo services' rule).
 
 A call can *hang* after it has applied its effect -- the reply is withheld, as a real service's
 lost reply -- which is where the tests kill the worker. The task input says which calls hang:
 ``{"hang": {"KIND:STEP": [SECONDS, ...]}}``, the n-th call of that kind for that step's key
 hanging the n-th number of seconds (later calls, or 0, return at once). Counting calls in the
-ledger, not attempts, keeps the rule true across processes and independent of the attempt
-numbers a step's forward and undo attempts share.
+log, not attempts, keeps the rule true across processes and independent of the attempt numbers
+a step's forward and undo attempts share.
 
 Workers load it as ``--app ledgerapp:app`` with ``tests/apps`` on ``PYTHONPATH`` (as ``itapp``);
 tests build their own copy against their store with :func:`make_app`.
@@ -28,79 +30,53 @@ tests build their own copy against their store with :func:`make_app`.
 from __future__ import annotations
 
 import asyncio
-import os
 import sqlite3
 import threading
-import time
 from typing import Any
+
+from itapp import _end, _log, _start, connect_log
 
 from stepwarden import App, Backoff, Permanent, Request, Retry, Step
 
-LEDGER_ENV = "LEDGERAPP_LEDGER"
-
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS effects (
-        key        TEXT PRIMARY KEY,
-        applied    INTEGER NOT NULL,
-        undone     INTEGER NOT NULL,
-        tombstoned INTEGER NOT NULL
-    )""",
-    """CREATE TABLE IF NOT EXISTS calls (
-        id         INTEGER PRIMARY KEY AUTOINCREMENT,
-        task_id    INTEGER NOT NULL,
-        step       TEXT NOT NULL,
-        kind       TEXT NOT NULL,
-        attempt    INTEGER NOT NULL,
-        key        TEXT NOT NULL,
-        nth        INTEGER NOT NULL,
-        pid        INTEGER NOT NULL,
-        started_at REAL NOT NULL,
-        ended_at   REAL,
-        outcome    TEXT
-    )""",
-)
+EFFECTS = """CREATE TABLE IF NOT EXISTS effects (
+    key        TEXT PRIMARY KEY,
+    applied    INTEGER NOT NULL,
+    undone     INTEGER NOT NULL,
+    tombstoned INTEGER NOT NULL
+)"""
 
 _local = threading.local()
 
 
-def connect_ledger(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")  # survives kill -9; only power loss could lose commits
-    for ddl in SCHEMA:
-        conn.execute(ddl)
+def connect_books(path: str) -> sqlite3.Connection:
+    """``itapp``'s execution log at ``path``, with the service's table of effects beside it."""
+    conn = connect_log(path)
+    conn.execute(EFFECTS)
     return conn
 
 
-def _ledger() -> sqlite3.Connection:
-    conn: sqlite3.Connection | None = getattr(_local, "conn", None)
-    if conn is None:
-        path = os.environ.get(LEDGER_ENV)
-        if not path:
-            raise RuntimeError(f"set {LEDGER_ENV} to the path of the service's ledger")
-        conn = _local.conn = connect_ledger(path)
+def _books() -> sqlite3.Connection:
+    """``itapp``'s log connection of this thread, its table of effects made sure of once."""
+    conn = _log()
+    if getattr(_local, "conn", None) is not conn:
+        conn.execute(EFFECTS)
+        _local.conn = conn
     return conn
 
 
-def _begin(req: Request) -> tuple[sqlite3.Connection, int, int]:
-    """Open the service's transaction and log the call in it: (connection, call row, n-th call)."""
-    conn = _ledger()
+def _begin(req: Request, op: str) -> tuple[sqlite3.Connection, int, int]:
+    """Open the service's transaction and log the call in it: (connection, call row, n-th call of
+    its kind under its key)."""
+    conn = _books()
     conn.execute("BEGIN IMMEDIATE")
-    nth = 1 + int(
+    row = _start(req, op)  # the same connection: inside this transaction
+    nth = int(
         conn.execute(
-            "SELECT COUNT(*) FROM calls WHERE key = ? AND kind = ?", (req.idempotency_key, req.kind)
+            "SELECT COUNT(*) FROM executions WHERE key = ? AND kind = ? AND id <= ?",
+            (req.idempotency_key, req.kind, row),
         ).fetchone()[0]
     )
-    cur = conn.execute(
-        "INSERT INTO calls (task_id, step, kind, attempt, key, nth, pid, started_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (req.task_id, req.step, req.kind, req.attempt, req.idempotency_key, nth, os.getpid(), time.time()),
-    )
-    return conn, int(cur.lastrowid or 0), nth
-
-
-def _end(row: int, outcome: str) -> None:
-    _ledger().execute("UPDATE calls SET ended_at = ?, outcome = ? WHERE id = ?", (time.time(), outcome, row))
+    return conn, row, nth
 
 
 def _hang_for(req: Request, nth: int) -> float:
@@ -121,12 +97,12 @@ async def _withhold(req: Request, row: int, nth: int, outcome: str) -> None:
 
 async def apply(req: Request) -> Any:
     """The forward effect, applied at most once per idempotency key."""
-    conn, row, nth = _begin(req)
+    conn, row, nth = _begin(req, "apply")
     effect = conn.execute(
         "SELECT applied, tombstoned FROM effects WHERE key = ?", (req.idempotency_key,)
     ).fetchone()
     if effect is not None and effect[1]:
-        conn.execute("UPDATE calls SET ended_at = ?, outcome = 'tombstoned' WHERE id = ?", (time.time(), row))
+        _end(row, "tombstoned")
         conn.execute("COMMIT")
         raise Permanent(f"{req.idempotency_key} was undone before it was applied")
     outcome = "replayed" if effect is not None else "applied"
@@ -139,7 +115,7 @@ async def apply(req: Request) -> Any:
 
 async def revert(req: Request) -> Any:
     """The compensation: undoes what its key applied, at most once; a tombstone if nothing was."""
-    conn, row, nth = _begin(req)
+    conn, row, nth = _begin(req, "revert")
     effect = conn.execute(
         "SELECT applied, undone FROM effects WHERE key = ?", (req.idempotency_key,)
     ).fetchone()
@@ -158,8 +134,8 @@ async def revert(req: Request) -> Any:
 
 async def refuse(req: Request) -> Any:
     """A business rule says no before any effect: a permanent failure, nothing applied."""
-    conn, row, _ = _begin(req)
-    conn.execute("UPDATE calls SET ended_at = ?, outcome = 'refused' WHERE id = ?", (time.time(), row))
+    conn, row, _ = _begin(req, "refuse")
+    _end(row, "refused")
     conn.execute("COMMIT")
     raise Permanent(f"step {req.step} refused for good")
 

@@ -16,48 +16,31 @@ condition with a deadline.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import healthapp
 import httpx
 import pytest
+from harness import Cluster, WorkerProc
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepwarden import App
 from stepwarden.metrics import StoreMetrics
 
-if TYPE_CHECKING:
-    from conftest import Cluster, WorkerProc
-
 pytestmark = pytest.mark.timeout(180)
-
-APPS = Path(__file__).resolve().parents[1] / "apps"
-if str(APPS) not in sys.path:
-    sys.path.insert(0, str(APPS))
-import healthapp  # noqa: E402
 
 
 class Instance:
     """A worker process running ``healthapp:app``, with its metrics URL."""
 
     def __init__(self, cluster: Cluster, name: str, **env: str) -> None:
-        # WorkerProc of the integration conftest: through the Cluster class's own globals, since
-        # several conftest modules share the name "conftest" in sys.modules.
-        worker_proc = type(cluster).start.__globals__["WorkerProc"]
-        log_path = cluster.tmp / f"worker-{name}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 - closed by WorkerProc.end
-        cmd = [sys.executable, "-m", "stepwarden", "--db", cluster.url, "worker", "--app", "healthapp:app"]
-        cmd += ["--name", name, "--metrics-port", "0"]
-        popen = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(cluster.env, **env), cwd=cluster.tmp
+        self.proc: WorkerProc = cluster.start(
+            name, app="healthapp:app", args=("--metrics-port", "0"), env=env
         )
-        self.proc: WorkerProc = worker_proc(name, popen, log_path, log)
-        cluster.workers.append(self.proc)
-        self.identity = cluster.identity(self.proc)
+        self.identity = self.proc.identity
 
         def served() -> str | None:
             m = re.search(r"worker metrics on (\S+)", self.proc.log_text())

@@ -5,12 +5,9 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import pytest
-
-if TYPE_CHECKING:
-    from conftest import Cluster
+from harness import Cluster
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -1,12 +1,13 @@
 """A worker killed with SIGKILL while a task is being undone leaves no effect standing (REL1, REL2, CMP2).
 
-The service is ``tests/apps/ledgerapp.py``: idempotent by key, with its own ledger of effects and
-calls in a file apart from the store under test, so the verdict does not rest on the store's
-word. Each test kills a real worker process while a call hangs *after* the service applied its
-effect (the reply is lost, as a real service's would be), starts a fresh worker, waits for the
-task to end, and checks what a user would check: the task's final state, the calls the service
-received (which process, which idempotency key), and the service's books -- every effect applied
-at most once and, the task being compensated, every applied effect undone.
+The service is ``tests/apps/ledgerapp.py``: idempotent by key, with its own books of effects and
+its calls logged in the tests' execution log, a file apart from the store under test, so the
+verdict does not rest on the store's word. Each test kills a real worker process while a call
+hangs *after* the service applied its effect (the reply is lost, as a real service's would be),
+starts a fresh worker, waits for the task to end, and checks what a user would check: the task's
+final state, the calls the service received (which process, which idempotency key), and the
+service's books -- every effect applied at most once and, the task being compensated, every
+applied effect undone.
 
 Every test runs on SQLite and on PostgreSQL (the ``cluster`` fixture), and every wait is on a
 condition with a deadline.
@@ -16,119 +17,82 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import subprocess
-import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ledgerapp
 import pytest
+from harness import Cluster, WorkerProc, dict_row
 
 from stepwarden import App
-
-if TYPE_CHECKING:
-    from conftest import Cluster, WorkerProc
+from stepwarden.store import FINAL_TASK_STATES
 
 pytestmark = pytest.mark.timeout(120)
 
-FINAL = ("processed", "error", "compensated", "cancelled")
 HANG = 60.0  # far past every complete-by: only the kill (or the agent's cancel) ends such a call
-
-
-def _conftest(request: pytest.FixtureRequest) -> Any:
-    """This directory's conftest module as pytest loaded it (``import conftest`` at run time would
-    find whichever conftest pytest imported last): for its ``WorkerProc``."""
-    here = Path(__file__).with_name("conftest.py")
-    for plugin in request.config.pluginmanager.get_plugins():
-        if getattr(plugin, "__file__", None) and Path(plugin.__file__) == here:
-            return plugin
-    raise LookupError(f"{here} is not loaded")
 
 
 @dataclass
 class Rig:
     """The ``cluster`` of the integration tests with workers running ``ledgerapp:app``, the
-    service's ledger, and an application object to submit with."""
+    service's books (beside the cluster's execution log, where each call of the service is an
+    execution), and an application object to submit with."""
 
     cluster: Cluster
-    request: pytest.FixtureRequest
-    ledger_path: Path
     app: App
-    _ledger: sqlite3.Connection | None = field(default=None, repr=False)
+    _books: sqlite3.Connection | None = field(default=None, repr=False)
 
     def start(self, name: str, roles: str = "scheduler,agent,supervisor") -> WorkerProc:
-        """As ``Cluster.start``, with this app: the worker is the cluster's, so it is ended by pid
-        when the test ends and its log is in a failure's report."""
-        c = self.cluster
-        cmd = [sys.executable, "-m", "stepwarden", "--db", c.url, "worker", "--app", "ledgerapp:app"]
-        cmd += ["--roles", roles, "--name", name]
-        log_path = c.tmp / f"worker-{name}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 - closed by WorkerProc.end
-        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=c.env, cwd=c.tmp)
-        w: WorkerProc = _conftest(self.request).WorkerProc(name, popen, log_path, log)
-        c.workers.append(w)
-        c.identity(w)
-        return w
+        return self.cluster.start(name, roles, app="ledgerapp:app")
 
     def submit(self, workflow: str, hang: dict[str, list[float]]) -> int:
         return self.app.submit(workflow, {"hang": hang})
 
-    def rows(self, sql: str, *params: Any) -> list[dict[str, Any]]:
-        """The service's books, read with an autocommit connection of its own (WAL: never waits)."""
-        if self._ledger is None:
-            self._ledger = ledgerapp.connect_ledger(str(self.ledger_path))
-            self._ledger.row_factory = lambda cur, row: {
-                d[0]: v for d, v in zip(cur.description, row, strict=True)
-            }
-        return list(self._ledger.execute(sql, params).fetchall())
-
     def calls(self, task: int, kind: str | None = None, step: str | None = None) -> list[dict[str, Any]]:
-        sql = "SELECT * FROM calls WHERE task_id = ?"
-        params: list[Any] = [task]
-        for col, value in (("kind", kind), ("step", step)):
-            if value is not None:
-                sql += f" AND {col} = ?"
-                params.append(value)
-        return self.rows(sql + " ORDER BY id", *params)
+        """The service's calls for the task, in order, each with ``nth``: which call of its kind
+        under its key it was (a key is the task's and the step's)."""
+        seen: Counter[tuple[str, str]] = Counter()
+        out = []
+        for c in self.cluster.executions("task_id = ?", task):
+            seen[c["key"], c["kind"]] += 1
+            c["nth"] = seen[c["key"], c["kind"]]
+            if kind in (None, c["kind"]) and step in (None, c["step"]):
+                out.append(c)
+        return out
 
     def effects(self, task: int) -> dict[str, tuple[int, int, int]]:
-        """Key -> (applied, undone, tombstoned) for every key of the task."""
-        rows = self.rows("SELECT * FROM effects WHERE key LIKE ? ORDER BY key", f"{task}:%")
+        """Key -> (applied, undone, tombstoned) for every key of the task, from the service's books,
+        read with an autocommit connection of its own (WAL: never waits)."""
+        if self._books is None:
+            self._books = ledgerapp.connect_books(str(self.cluster.log_path))
+            self._books.row_factory = dict_row
+        rows = self._books.execute("SELECT * FROM effects WHERE key LIKE ? ORDER BY key", (f"{task}:%",))
         return {r["key"]: (r["applied"], r["undone"], r["tombstoned"]) for r in rows}
 
     def hanging(self, task: int, kind: str, step: str, nth: int = 1) -> dict[str, Any] | None:
         """The ``nth`` call of ``kind`` for ``step``, once it is under way and has not returned."""
-        rows = self.rows(
-            "SELECT * FROM calls WHERE task_id = ? AND kind = ? AND step = ? AND nth = ?"
-            " AND ended_at IS NULL",
-            task,
-            kind,
-            step,
-            nth,
-        )
+        rows = [c for c in self.calls(task, kind, step) if c["nth"] == nth and c["ended_at"] is None]
         return rows[0] if rows else None
 
     def final_state(self, task: int) -> str | None:
         state = self.cluster.task_state(task)
-        return state if state in FINAL else None
+        return state if state in FINAL_TASK_STATES else None
 
     def close(self) -> None:
-        if self._ledger is not None:
-            self._ledger.close()
+        if self._books is not None:
+            self._books.close()
         self.app.close()
 
 
 @pytest.fixture
-def rig(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Rig]:
-    """The service's ledger next to the store, its path in the workers' environment, and an app
-    of the same definitions to submit with. ``Cluster.start`` runs ``itapp``, whose operations keep
-    a log of executions but no books of effects, hence this app and these workers of its own."""
-    path = cluster.tmp / "ledger.db"
-    ledgerapp.connect_ledger(str(path)).close()  # the schema, before any worker writes
-    cluster.env[ledgerapp.LEDGER_ENV] = str(path)
-    r = Rig(cluster, request, path, ledgerapp.make_app(cluster.url))
+def rig(cluster: Cluster) -> Iterator[Rig]:
+    """The service's books beside the cluster's execution log, and an app of the same definitions
+    to submit with. ``Cluster.start`` runs ``itapp`` unless told, whose operations log executions
+    but keep no books of effects: ``Rig.start`` runs this app."""
+    ledgerapp.connect_books(str(cluster.log_path)).close()  # the books, before any worker writes
+    r = Rig(cluster, ledgerapp.make_app(cluster.url))
     try:
         yield r
     finally:
@@ -137,8 +101,7 @@ def rig(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Rig]:
 
 def kill(w: WorkerProc) -> None:
     """SIGKILL, and make sure it was that and not an exit of its own that ended the worker."""
-    w.signal(signal.SIGKILL)
-    assert w.popen.wait(timeout=10) == -signal.SIGKILL
+    assert w.stop(signal.SIGKILL, 10)[0] == -signal.SIGKILL
 
 
 def attempts(rig: Rig, task: int, step: int) -> list[tuple[int, str, str | None, str | None]]:

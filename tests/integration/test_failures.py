@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 import pytest
-
-if TYPE_CHECKING:
-    from conftest import Cluster
+from harness import Cluster
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,17 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-
-if TYPE_CHECKING:
-    from conftest import Cluster
+from harness import APPS, Cluster
 
 pytestmark = pytest.mark.timeout(120)
 
-APPS = Path(__file__).resolve().parents[1] / "apps"
 LEASE = "nightly-report"
 TTL, RENEW, RETRY = 2.0, 0.5, 0.5
 SLACK = 0.5  # scheduling and transaction latency on a busy test machine

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
+from harness import Cluster, WorkerProc
 
 from stepwarden import LeaseSettings
-
-if TYPE_CHECKING:
-    from conftest import Cluster, WorkerProc
 
 pytestmark = pytest.mark.timeout(90)
 

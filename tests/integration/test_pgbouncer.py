@@ -23,18 +23,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from harness import Cluster, wait_until
 
 from stepwarden.store import open_store
 from stepwarden.store.postgres import PostgresStore
 from stepwarden.testing.pgbouncer import LocalPgBouncer, find_pgbouncer
-
-if TYPE_CHECKING:
-    from conftest import Cluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,28 +65,12 @@ def start_bouncer(tmp_path: Path, pg_admin_url: str) -> Iterator[Callable[..., L
             b.stop()
 
 
-def _conftest(request: pytest.FixtureRequest) -> Any:
-    """This directory's conftest module, as pytest loaded it: ``import conftest`` at run time
-    would find whichever conftest module pytest imported last."""
-    here = Path(__file__).with_name("conftest.py")
-    for plugin in request.config.pluginmanager.get_plugins():
-        if getattr(plugin, "__file__", None) and Path(plugin.__file__) == here:
-            return plugin
-    raise LookupError(f"{here} is not loaded")
-
-
-def _cluster_class(request: pytest.FixtureRequest) -> type[Cluster]:
-    return _conftest(request).Cluster  # type: ignore[no-any-return]
-
-
 @pytest.fixture
-def cluster(
-    request: pytest.FixtureRequest, tmp_path: Path, pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
-) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]) -> Iterator[Cluster]:
     """Worker processes, the test's submissions and its reads, all through one PgBouncer in
     transaction mode (named ``cluster`` so that a failure's report carries the workers' logs)."""
     bouncer = start_bouncer()
-    c = _cluster_class(request)(tmp_path, bouncer.url(_db_name(pg_url), "pooler=transaction"))
+    c = Cluster(tmp_path, bouncer.url(_db_name(pg_url), "pooler=transaction"))
     c.bouncer = bouncer  # type: ignore[attr-defined]
     c.direct_url = pg_url  # type: ignore[attr-defined]
     workers_and_store = c.report
@@ -165,7 +147,7 @@ def test_workers_through_pgbouncer_transaction_mode_process_every_task(cluster: 
 
 
 def test_pooled_store_leaves_nothing_in_the_server_session(
-    request: pytest.FixtureRequest, pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
+    pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
 ) -> None:
     """With ONE server session behind the bouncer, whatever our store left in a session would be
     seen by the next client: its limits hold inside our transactions and nowhere else, it
@@ -203,7 +185,7 @@ def test_pooled_store_leaves_nothing_in_the_server_session(
             return [s for s in servers if s["state"] not in ("idle", "used")]
 
         try:
-            _conftest(request).wait_until(lambda: not held(), 20, "the one server session to be free")
+            wait_until(lambda: not held(), 20, "the one server session to be free")
         except pytest.fail.Exception:
             clients = [c for c in bouncer.admin("SHOW CLIENTS") if c["database"] == db]
             pytest.fail(
@@ -224,7 +206,7 @@ def test_pooled_store_leaves_nothing_in_the_server_session(
 
 
 def test_an_idle_pooled_store_holds_no_server_session(
-    request: pytest.FixtureRequest, pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
+    pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
 ) -> None:
     """After each of many transactions, failed or committed, the bouncer's one server session is
     free again: a store idle between transactions must not keep it from every other client.
@@ -234,7 +216,6 @@ def test_an_idle_pooled_store_holds_no_server_session(
     bouncer = start_bouncer(pool_size=1)
     db = _db_name(pg_url)
     store = open_store(bouncer.url(db) + "?pooler=transaction")
-    wait_until = _conftest(request).wait_until
 
     def free() -> bool:
         servers = [s for s in bouncer.admin("SHOW SERVERS") if s["database"] == db]

@@ -10,12 +10,13 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 import pytest
+from harness import Cluster, wait_until
 
 from stepwarden.demo.app import app as demo_app
 from stepwarden.demo.ledger import OrderOutcome, check_ledger, fetch_ledger
@@ -24,21 +25,7 @@ from stepwarden.store import FINAL_TASK_STATES, open_store, views
 from stepwarden.store.core import _register
 from stepwarden.testing.postgres import LocalPostgres
 
-if TYPE_CHECKING:
-    from conftest import Cluster
-
 pytestmark = pytest.mark.timeout(240)
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > end:
-            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {got!r})")
-        time.sleep(0.05)
 
 
 def test_four_workers_2000_tasks_no_task_claimed_twice(pg_cluster: Cluster) -> None:
@@ -71,7 +58,7 @@ def test_listen_off_for_a_transaction_pooler_still_processes_by_polling(pg_clust
     pg_cluster.url += "?listen=off"
     pg_cluster.start("polling")
     task_id = pg_cluster.submit("one", {"n": 1})
-    wait_for(lambda: pg_cluster.task_state(task_id) == "processed", 30, "the task to be processed")
+    wait_until(lambda: pg_cluster.task_state(task_id) == "processed", 30, "the task to be processed")
     listening = pg_cluster.sql("SELECT COUNT(*) AS n FROM pg_stat_activity WHERE query LIKE 'LISTEN%'")
     assert listening == [{"n": 0}], "no LISTEN session with listen=off"
 
@@ -79,7 +66,7 @@ def test_listen_off_for_a_transaction_pooler_still_processes_by_polling(pg_clust
 def test_listen_on_opens_one_listening_session_per_worker(pg_cluster: Cluster) -> None:
     pg_cluster.start("a")
     pg_cluster.start("b")
-    wait_for(
+    wait_until(
         lambda: (
             pg_cluster.sql(
                 "SELECT COUNT(DISTINCT pid) AS n FROM pg_stat_activity WHERE datname = current_database() "
@@ -146,7 +133,7 @@ class DemoRun:
         return sum(v for k, v in counts.items() if k in FINAL_TASK_STATES)
 
     def check(self, n: int) -> None:
-        wait_for(lambda: self.final_count() == n, 150, f"all {n} orders to end final")
+        wait_until(lambda: self.final_count() == n, 150, f"all {n} orders to end final")
         for i, w in enumerate(self.workers):
             assert w.poll() is None, f"worker w{i} died:\n{(self.tmp / f'w{i}.log').read_text()[-3000:]}"
         tasks = self.store.transact_sync(views.list_tasks)
@@ -203,9 +190,9 @@ def test_workers_recover_when_all_their_connections_are_killed(tmp_path: Path, p
     run = DemoRun(tmp_path, pg_url)
     try:
         run.start(3)
-        wait_for(lambda: backends(pg_url) >= 6, 30, "the workers to connect")
+        wait_until(lambda: backends(pg_url) >= 6, 30, "the workers to connect")
         ids = run.submit(400)
-        wait_for(lambda: run.final_count() >= 10, 60, "the run to be under way")
+        wait_until(lambda: run.final_count() >= 10, 60, "the run to be under way")
         killed, done_before = 0, []
         for _ in range(3):  # three times, a moment apart, while orders are still in flight
             done_before.append(run.final_count())
@@ -214,7 +201,7 @@ def test_workers_recover_when_all_their_connections_are_killed(tmp_path: Path, p
         assert done_before[-1] < len(ids), f"the faults happened mid-run ({done_before})"
         assert killed >= 9
         run.check(len(ids))
-        wait_for(lambda: backends(pg_url) >= 3, 30, "the workers to be connected again")
+        wait_until(lambda: backends(pg_url) >= 3, 30, "the workers to be connected again")
     finally:
         run.close()
 
@@ -227,7 +214,7 @@ def test_workers_recover_from_a_postgres_restart_mid_run(tmp_path: Path, own_pos
     try:
         run.start(3)
         ids = run.submit(150)
-        wait_for(lambda: run.final_count() >= 20, 60, "the run to be under way")
+        wait_until(lambda: run.final_count() >= 20, 60, "the run to be under way")
         run.store.close()
         own_postgres.restart()  # every connection dies; the server is back on the same port
         run.store = open_store(url)

@@ -14,16 +14,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-
-if TYPE_CHECKING:
-    from conftest import Cluster
+from harness import APPS, Cluster
 
 pytestmark = pytest.mark.timeout(180)
 
-APPS = Path(__file__).resolve().parents[1] / "apps"
 QUEUE = "shop"
 # Workflows of tests/apps/itapp.py and the messages each task sends, in order.
 EXPECTED = {

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-
-if TYPE_CHECKING:
-    from conftest import Cluster
+from harness import Cluster
 
 pytestmark = pytest.mark.timeout(90)
 

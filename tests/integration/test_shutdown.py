@@ -5,47 +5,25 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
+import shutapp
+from harness import Cluster, WorkerProc
 
 from stepwarden import cli as stepwarden_cli
 from stepwarden.agent import AgentSettings
 
-if TYPE_CHECKING:
-    from conftest import Cluster, WorkerProc
-
 pytestmark = pytest.mark.timeout(90)
-
-APPS = Path(__file__).resolve().parents[1] / "apps"
-if str(APPS) not in sys.path:
-    sys.path.insert(0, str(APPS))
-import shutapp  # noqa: E402
 
 GRACE = AgentSettings().shutdown_grace
 EXIT_WITHIN = GRACE + 5  # the grace period, then cancelling, releasing and closing down
 
 
-def wait_for_exit(leaving: WorkerProc, within: float) -> tuple[int | None, float]:
-    """Its exit code (None if still running after ``within`` seconds: then killed, ours, by pid,
-    so the finaliser's deadline is not what ends it) and how long it took."""
-    started = time.monotonic()
-    try:
-        code: int | None = leaving.popen.wait(timeout=within)
-    except subprocess.TimeoutExpired:
-        code = None
-        leaving.signal(signal.SIGKILL)
-    return code, time.monotonic() - started
-
-
 def sigterm_and_wait_for_exit(leaving: WorkerProc, what: str, sig: signal.Signals = signal.SIGTERM) -> None:
     """SIGTERM (or ``sig``), then its exit code 0 within EXIT_WITHIN."""
-    leaving.signal(sig)
-    leaving.expect_alive = False
-    code, took = wait_for_exit(leaving, EXIT_WITHIN)
+    code, took = leaving.stop(sig, EXIT_WITHIN)
     assert code == 0, f"the {what} did not exit within {took:.1f}s of {sig.name}:\n{leaving.log_text()}"
 
 
@@ -145,22 +123,6 @@ def test_sigterm_while_another_process_holds_the_sqlite_write_lock_still_exits(t
 # failure counted and without waiting for a complete-by.
 
 
-def start_shutapp_worker(cluster: Cluster, name: str) -> WorkerProc:
-    """``Cluster.start`` for the app of ``tests/apps/shutapp.py`` (all roles): the same command,
-    environment, log and clean-up (the cluster ends it by pid), another ``--app``."""
-    cmd = [sys.executable, "-m", "stepwarden", "--db", cluster.url, "worker", "--app", "shutapp:app"]
-    cmd += ["--roles", "scheduler,agent,supervisor", "--name", name]
-    log_path = cluster.tmp / f"worker-{name}.log"
-    log = open(log_path, "ab")  # noqa: SIM115 - closed by WorkerProc.end
-    popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cluster.env, cwd=cluster.tmp)
-    # WorkerProc of the integration conftest: through the Cluster class's own globals, since
-    # several conftest modules share the name "conftest" in sys.modules.
-    w: WorkerProc = type(cluster).start.__globals__["WorkerProc"](name, popen, log_path, log)
-    cluster.workers.append(w)
-    cluster.identity(w)
-    return w
-
-
 def start_lone_worker_mid_step(cluster: Cluster, workflow: str, seconds: float) -> tuple[int, WorkerProc]:
     """Submit a two-step task whose step 1 runs ``seconds``, and start the only worker: returned
     once step 1 runs, and the worker leads the supervisors (its lease, resigned as it stops)."""
@@ -169,7 +131,7 @@ def start_lone_worker_mid_step(cluster: Cluster, workflow: str, seconds: float) 
         task = app.submit(workflow, {"sleep": {"1": seconds}})
     finally:
         app.close()
-    leaving = start_shutapp_worker(cluster, "lone")
+    leaving = cluster.start("lone", app="shutapp:app")
     cluster.wait(lambda: cluster.executions("task_id = ? AND step = 'first'", task), 20, "step 1 to start")
     cluster.wait(lambda: lease_holder(cluster) == leaving.identity, 20, "the worker to lead")
     return task, leaving
@@ -240,7 +202,7 @@ def assert_processed_without_failure(cluster: Cluster, task: int, released: tupl
 def next_worker_finishes(cluster: Cluster, task: int, released: tuple[int, int]) -> WorkerProc:
     """A fresh worker, started after the lone one stopped, ends the task (waited for until it is
     final, so an ``error`` fails at once): processed, with no failure counted."""
-    staying = start_shutapp_worker(cluster, "next")
+    staying = cluster.start("next", app="shutapp:app")
     cluster.wait(lambda: cluster.task_state(task) in ("processed", "error"), 20, "the task to end")
     assert_processed_without_failure(cluster, task, released=released)
     return staying
@@ -330,8 +292,7 @@ def test_a_second_signal_skips_the_rest_of_the_grace_period(cluster: Cluster, se
     cluster.wait(lambda: time.monotonic() - first >= AFTER_FIRST, 5, "the first signal to be past")
     assert leaving.alive(), leaving.log_text()
 
-    leaving.signal(second)
-    code, took = wait_for_exit(leaving, EXIT_WITHIN)
+    code, took = leaving.stop(second, EXIT_WITHIN)
     log = leaving.log_text()
     assert (code, took < GRACE / 2) == (0, True), f"exit {code} {took:.1f}s after the second signal:\n{log}"
     said = [line for line in log.splitlines() if "stop signal again" in line]

@@ -14,23 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from stepwarden import App, Step
+from stepwarden import App
 
 CANNOT = "cannot record its workflows in the store yet"
 
 
 @pytest.fixture
-def locked(tmp_path: Path) -> Iterator[tuple[App, sqlite3.Connection]]:
+def locked(tmp_path: Path, noop_app: Callable[..., App]) -> Iterator[tuple[App, sqlite3.Connection]]:
     """An app on a new store (busy timeout 0.1 s) and a connection holding its write lock."""
     path = tmp_path / "start.db"
-    app = App(f"sqlite:///{path}?busy_timeout=0.1")
-    ops = app.agent("ops")
-
-    @ops.operation
-    async def noop(req: object) -> None:
-        return None
-
-    app.workflow("one", [Step("a", "ops.noop", complete_by=5)])
+    app = noop_app(f"sqlite:///{path}?busy_timeout=0.1")
     app.store.transact_sync(lambda tx: None)  # created and migrated before the lock is taken
     holder = sqlite3.connect(path, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
@@ -95,7 +88,9 @@ def test_a_worker_stopped_while_it_waits_for_the_store_stops_at_once(
     assert any("stopped before it could start" in r.getMessage() for r in caplog.records)
 
 
-def test_making_a_worker_opens_no_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_making_a_worker_opens_no_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, noop_app: Callable[..., App]
+) -> None:
     """``stepwarden --db URL worker`` makes the worker, then points its app at URL: a worker that
     opened its app's store when made (for its tracer) created ``./stepwarden.db`` beside the store
     the command named. The store is the one ``run`` is given, opened then."""
@@ -103,13 +98,5 @@ def test_making_a_worker_opens_no_store(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("STEPWARDEN_DB", raising=False)
-    app = App()
-    ops = app.agent("ops")
-
-    @ops.operation
-    async def noop(req: object) -> None:
-        return None
-
-    app.workflow("one", [Step("a", "ops.noop", complete_by=5)])
-    Worker(app)
+    Worker(noop_app())
     assert list(tmp_path.iterdir()) == [], "making the worker opened the app's default store"
