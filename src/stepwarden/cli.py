@@ -16,9 +16,7 @@ import signal
 import socket
 import sys
 import threading
-import time
 from dataclasses import replace
-from types import FrameType
 from typing import Any, NoReturn
 
 import click
@@ -29,9 +27,10 @@ from .alerts import SINK_THREAD_PREFIX
 from .app import App
 from .cli_params import FiniteRange, bracketed, fail, is_loopback, open_for
 from .cli_views import COMMANDS
+from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
 from .logs import safe_text
-from .store import Store
+from .store import resolve_url
 from .supervisor import SupervisorSettings
 from .worker import ROLES, Worker, WorkerSettings, parse_list
 from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
@@ -200,8 +199,9 @@ def worker(
         )
     app = _load_app(app_ref) if app_ref else App()
     # Everything that can be refused is checked (the agents named, the metrics port) before the
-    # store is opened: a refused command must not have created or migrated it.
-    w = app.worker(settings)
+    # store is opened (by the worker, as it starts): a refused command must not have created or
+    # migrated it.
+    w = Worker(app, settings, db=resolve_url(ctx.obj["db"]))
     if metrics_port is not None:
         try:
             from .metrics import start_worker_metrics
@@ -221,32 +221,22 @@ def worker(
         click.echo(f"worker metrics on {served.url}", err=True)
         if not is_loopback(host):  # as the dashboard warns: these metrics ask for no token
             click.echo(f"warning: metrics served on {shown}, beyond this machine, to anyone", err=True)
-    early = _EarlySignals()  # from here on a stop signal stops the worker, however far it got
-    store = _open_unless_stopped(ctx, early)
-    if store is None:
-        log.info(
-            "worker %s stopped by %s before it could start (while opening the store); it took no work",
-            w.identity,
-            early.name,
-        )
-        _exit_now(0)
-    app.use_store(store)
+    ctx.call_on_close(app.close)
 
-    async def main() -> None:
+    async def main() -> bool:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         signals = _StopSignals(w, stop)
+        # Before the worker opens the store: a stop signal while it opens stops it there (the
+        # opening waits in a thread, this loop free to run the handler).
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, signals.received, sig.name)
-        if early.received is not None:  # between the store's opening and the handlers just set
-            signals.received(early.name)
-        await w.run(stop)
+        return await w.run(stop)
 
-    click.echo(f"worker {w.identity} on {app.url}", err=True)
-    asyncio.run(main())
-    if not w.started:
-        # Stopped while it recorded its workflows (it says so): that transaction may still wait
-        # for a lock, in a thread; the exit ends it, and it commits whole or not at all.
+    if not asyncio.run(main()):
+        # Stopped while it opened the store or recorded its workflows (it says so): that may
+        # still wait, for a lock or a server, in a thread; the exit ends it, and it commits whole
+        # or not at all.
         _exit_now(0)
     _exit_despite_stuck_threads()
 
@@ -256,67 +246,22 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # signals the process and then its process group. An operator's second signal comes later, or is
 # the other one (SIGINT after SIGTERM).
 REPEAT_WINDOW = 0.25
-OPEN_POLL = 0.05  # how often the main thread looks for a stop signal while the store opens
-
-
-class _EarlySignals:
-    """SIGTERM and SIGINT noted while a worker starts, before its event loop handles them: set
-    from the signal handler, looked at by the main thread at its next turn."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._note)
-
-    def _note(self, signum: int, frame: FrameType | None) -> None:
-        self.received = self.received or signum
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.received).name if self.received else "a signal"
-
-
-def _open_unless_stopped(ctx: click.Context, early: _EarlySignals) -> Store | None:
-    """``open_for(ctx, create=True)``, unless a stop signal comes first (None). Opening may wait
-    long: for SQLite's write lock held by another process (its migration's ``BEGIN IMMEDIATE``,
-    up to the busy timeout), for a PostgreSQL server that does not answer yet, or for another
-    session's migration. That wait is in the driver, where no Python signal handler runs until
-    it ends; so it runs in a thread of its own, and this one, free to see the signal, leaves
-    without it. The store's waits stay what they are for everyone else. A migration is one
-    transaction: the process's exit leaves it committed whole or not at all."""
-    opened: list[Store] = []
-    failed: list[BaseException] = []
-    done = threading.Event()
-
-    def opening() -> None:
-        try:
-            opened.append(open_for(ctx, create=True))
-        except BaseException as e:  # raised again in the main thread, as it came
-            failed.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=opening, name="stepwarden-open", daemon=True).start()
-    while not done.wait(OPEN_POLL) and early.received is None:
-        pass
-    if early.received is not None:
-        return None
-    if failed:
-        raise failed[0]
-    return opened[0]
 
 
 class _StopSignals:
-    """A running worker's SIGTERM and SIGINT: the first stops it gracefully, a second one hurries
-    it (:meth:`Worker.hurry`), unless it is the first one again within :data:`REPEAT_WINDOW`."""
+    """A worker's SIGTERM and SIGINT, from the moment it starts: the first stops it gracefully
+    (or, while it opens the store or records its workflows, at once), a second one hurries it
+    (:meth:`Worker.hurry`), unless it is the first one again within :data:`REPEAT_WINDOW` on
+    ``clock``'s monotonic time."""
 
-    def __init__(self, w: Worker, stop: asyncio.Event) -> None:
+    def __init__(self, w: Worker, stop: asyncio.Event, clock: Clock = SYSTEM_CLOCK) -> None:
         self.w = w
         self.stop = stop
+        self.clock = clock
         self.first: tuple[str, float] | None = None  # the first signal's name, and when it came
 
     def received(self, name: str) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self.first is None:
             self.first = (name, now)
             log.info(
@@ -325,6 +270,7 @@ class _StopSignals:
                 self.w.identity,
                 name,
             )
+            self.w.stopped_by = name
             self.stop.set()
         elif name != self.first[0] or now - self.first[1] >= REPEAT_WINDOW:
             self.w.hurry()

@@ -10,8 +10,12 @@ and back-off use :class:`FakeClock` and run in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
-from typing import Protocol
+from collections.abc import Awaitable
+from typing import Final, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class Clock(Protocol):
@@ -89,3 +93,35 @@ async def sleep_or_wake(clock: Clock, seconds: float, *events: asyncio.Event) ->
     finally:
         for t in (sleeper, *waiters):
             t.cancel()
+
+
+class Stopped(enum.Enum):
+    """The type of :data:`STOPPED`: an enum, so that ``is STOPPED`` narrows a result's type."""
+
+    STOPPED = "stopped"
+
+
+# What :func:`unless_stopped` returns when ``stop`` came first: not None, which the awaited call
+# may well return itself (``Store.register_workflows`` does; ``acquire_lease`` when refused).
+STOPPED: Final = Stopped.STOPPED
+
+
+async def unless_stopped(aw: Awaitable[T], stop: asyncio.Event) -> T | Stopped:
+    """``aw``'s result, or :data:`STOPPED` as soon as ``stop`` is set; ``aw`` is then cancelled.
+
+    For a wait on the store that must not hold up a stop: a lock another process holds for up to
+    the busy timeout, a server that does not answer, another session's migration. What runs in a
+    thread (a transaction) is not stopped by the cancellation, only no longer waited for: bound
+    it too (``Store.limit_lock_waits``) or leave it to its thread. A result that is ready when
+    ``stop`` is set is returned, not dropped; an error of ``aw`` is raised."""
+    job = asyncio.ensure_future(aw)
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({job, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        # Not ``job.cancelled()`` after cancelling it: a task is cancelled only once it has run
+        # again, so its result would be asked for while it has none (InvalidStateError).
+        return job.result() if job.done() else STOPPED
+    finally:
+        stopper.cancel()
+        if not job.done():
+            job.cancel()

@@ -15,9 +15,9 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from .clock import SYSTEM_CLOCK, Clock
+from .clock import STOPPED, SYSTEM_CLOCK, Clock, Stopped, unless_stopped
 from .errors import InputError
 from .policies import check_seconds, show
 from .store import Store
@@ -25,7 +25,6 @@ from .store import Store
 log = logging.getLogger("stepwarden.leader")
 LOST = "renewal refused: the lease is lost"
 MAX_FAILURE_PAUSE = 60.0  # seconds: the longest wait before campaigning again after failed work
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -144,14 +143,14 @@ class LeaseKeeper:
                 # Raced with ``stop``: an acquire stuck on a dead connection must not hold up a
                 # shutdown (if it commits after all, the lease runs out by its TTL).
                 acquire = self.store.acquire_lease(self.name, self.holder, s.ttl)
-                got = await self._unless_stopped(acquire, stop)
+                got = _none_if_stopped(await unless_stopped(acquire, stop))
             except Exception as e:  # the store is down: keep campaigning, never crash (REL3)
                 log.warning("lease %s: acquire failed: %s", self.name, e)
                 got = None
             if got is None and s.take_from_dead is not None and not stop.is_set():
                 try:
                     sent = self.clock.monotonic()
-                    got = await self._unless_stopped(self._take_from_dead(s.take_from_dead), stop)
+                    got = _none_if_stopped(await unless_stopped(self._take_from_dead(s.take_from_dead), stop))
                 except Exception as e:
                     log.warning("lease %s: takeover failed: %s", self.name, e)
             if got is None:
@@ -169,18 +168,6 @@ class LeaseKeeper:
         if not self.failures:
             return retry
         return float(min(retry * 2 ** min(self.failures - 1, 30), max(retry, MAX_FAILURE_PAUSE)))
-
-    async def _unless_stopped(self, aw: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
-        """``aw``'s result, or None as soon as ``stop`` is set (``aw`` is then cancelled)."""
-        job = asyncio.ensure_future(aw)
-        stopper = asyncio.create_task(stop.wait())
-        try:
-            await asyncio.wait({job, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopper.cancel()
-            if not job.done():
-                job.cancel()
-        return None if job.cancelled() else job.result()
 
     async def _take_from_dead(self, dead_after: float) -> tuple[int, float] | None:
         """Take the lease now if its holder is presumed dead, instead of waiting out its TTL."""
@@ -348,6 +335,12 @@ class LeaseKeeper:
             sleeper.cancel()
             if stopper is not None:
                 stopper.cancel()
+
+
+def _none_if_stopped(got: tuple[int, float] | Stopped | None) -> tuple[int, float] | None:
+    """A campaign cut short by ``stop`` got no lease, as one refused: either way there is nothing
+    to lead (a grant that commits after all runs out by its TTL)."""
+    return None if got is STOPPED else got
 
 
 async def run_while_leader(

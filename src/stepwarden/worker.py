@@ -7,25 +7,29 @@ never inherits the claims or lease of its predecessor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import secrets
 import socket
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from . import tracing
 from .agent import STOP_WRITE_WAIT, Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
+from .clock import STOPPED, sleep_or_wake, unless_stopped
 from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
 from .logs import log_raised
 from .policies import check_count, check_seconds, show
 from .scheduler import SchedulerRole, SchedulerSettings
-from .store import ApplyResult, Store
+from .store import ApplyResult, Store, open_store
 from .store.agents import hand_back_dispatched
-from .store.base import WORK_CHANNELS
+from .store.base import WORK_CHANNELS, redact_url
 from .supervisor import LEASE, Supervisor, SupervisorSettings
 from .workflow import check_ident
 
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stepwarden.worker")
 ROLES = ("scheduler", "agent", "supervisor")
+T = TypeVar("T")
 
 
 def make_identity(name: str | None = None) -> str:
@@ -136,16 +141,24 @@ def _names(field: str, value: object, kind: str) -> tuple[str, ...]:
 
 
 class Worker:
-    """Runs the chosen roles of ``app`` until ``stop`` is set."""
+    """Runs the chosen roles of ``app`` until ``stop`` is set.
 
-    def __init__(self, app: App, settings: WorkerSettings | None = None) -> None:
+    ``db`` is a store URL to run on instead of the app's own store (``stepwarden --db``): ``run``
+    opens it and points the app at it. Without it, the worker runs on ``app.store``.
+    """
+
+    def __init__(self, app: App, settings: WorkerSettings | None = None, *, db: str | None = None) -> None:
         self.app = app
         self.settings = s = settings or WorkerSettings()
         self.identity = make_identity(s.name)
+        self.db = db
+        # What set ``stop``, when whoever set it says so (the command line: the signal's name), for
+        # the line that says the worker stopped before it could start.
+        self.stopped_by: str | None = None
         # Task spans for the replies a round applies: made by run(), on the store it runs on. Not
-        # here: ``app.store`` would open the app's store, before the command line has pointed the
-        # app at the one its --db names, or has refused the command (creating stepwarden.db in
-        # the working folder), and before a stop signal can end a wait for that store's lock.
+        # here: ``app.store`` would open the app's store, not the one ``db`` names (creating
+        # stepwarden.db in the working folder), before the command line has refused or accepted
+        # the command, and on the event loop, where a stop signal cannot end a wait for its lock.
         self._spans: tracing.Tracer | tracing.NoTracer = tracing.NoTracer()
         self.agents = self._agents()
         self.wake = asyncio.Event()
@@ -156,10 +169,6 @@ class Worker:
         self.keeper: LeaseKeeper | None = None
         self.alert_dispatcher: AlertDispatcher | None = None
         self.alert_keeper: LeaseKeeper | None = None
-        # Set once its workflows are recorded and its roles start; False after ``run`` if a stop
-        # came while it was starting (it then took no work, and wrote nothing but, perhaps, that
-        # record, one transaction).
-        self.started = False
 
     def _agents(self) -> dict[str, Agent]:
         s = self.settings
@@ -180,20 +189,27 @@ class Worker:
             out[n] = a
         return out
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> bool:
+        """Open the store, record the app's workflows, then run the roles until ``stop`` is set and
+        stop them gracefully (DEP4). Whether it started: False if ``stop`` came while it opened
+        (and migrated) the store or recorded its workflows. Either can wait long for the store
+        (another process's lock, a server that does not answer yet, another session's
+        migration), and neither is waited out once ``stop`` is set: ``run`` then returns at once,
+        having taken no work and left nothing half-done (each is one transaction, committed
+        whole or not at all). An opening still in progress is left to its daemon thread; a
+        process that stops there may exit without waiting for it. An error opening the store
+        (a bad URL, a missing folder) is raised."""
         s = self.settings
         app = self.app
-        store = app.store
         clock = app.clock
+        store = await self._open(stop)
+        if store is None:
+            self._not_started("opening the store")
+            return False
         self._spans = tracing.tracer(self.identity, store)
-        if not await self._register_workflows(stop):
-            log.info(
-                "worker %s stopped before it could start (while recording its workflows in the store);"
-                " it took no work",
-                self.identity,
-            )
-            return
-        self.started = True
+        if not await self._register_workflows(store, stop):
+            self._not_started("recording its workflows in the store")
+            return False
         await _safe(self._beat())
         log.info(
             "worker %s starting: roles=%s agents=%s store=%s",
@@ -286,47 +302,68 @@ class Worker:
             if self.alert_dispatcher is not None:
                 self.alert_dispatcher.close()
             log.info("worker %s stopped", self.identity)
+        return True
 
-    async def _register_workflows(self, stop: asyncio.Event) -> bool:
+    def _not_started(self, during: str) -> None:
+        """The one line of a start cut short by ``stop``, whichever wait it cut: an operator who
+        sent the signal learns the worker took no work, and where it was."""
+        by = f" by {self.stopped_by}" if self.stopped_by else ""
+        log.info(
+            "worker %s stopped%s before it could start (while %s); it took no work", self.identity, by, during
+        )
+
+    async def _open(self, stop: asyncio.Event) -> Store | None:
+        """The store, opened and migrated, or None if ``stop`` came first. Opening may wait long
+        (for SQLite's write lock, up to the busy timeout, before the migration; for a PostgreSQL
+        server that does not answer yet, or another session's migration), in the driver, where
+        nothing can interrupt it: so it runs in a thread, the event loop free meanwhile (the
+        signal handlers that set ``stop`` run on it), and is not waited for once ``stop`` is set.
+        The store's own waits stay what they are for everyone else."""
+        if stop.is_set():  # stopped before it began: nothing to open, nor to create
+            return None
+        opened = await unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
+        if opened is STOPPED:
+            return None
+        log.info("worker %s on %s", self.identity, redact_url(opened.url))
+        return opened
+
+    def _open_store(self) -> Store:
+        """In the opening thread: ``db``'s store, which the app then uses, or the app's own."""
+        if self.db is None:
+            return self.app.store
+        store = open_store(self.db, clock=self.app.clock)
+        self.app.use_store(store)
+        return store
+
+    async def _register_workflows(self, store: Store, stop: asyncio.Event) -> bool:
         """Record the app's workflows (``submit`` without ``--app`` checks against them): the
         worker's first transaction. A store that is down or locked just then (a server
-        restarting, another process's long write) is waited out with back-off, as every role
-        waits out a failing store later (REL3), instead of ending the process, which a service
-        manager that restarts it would turn into a crash loop. False if ``stop`` came first,
-        while a try waits for the store too: that try is not waited for (once stopping, no lock
-        wait lasts more than ``STOP_LOCK_WAIT``, and it commits whole or not at all), so a worker
-        stopped while starting stops at once."""
-        store, delay = self.app.store, REGISTER_RETRY_MIN
-        stopping = asyncio.create_task(stop.wait(), name="stop")
-        attempt: asyncio.Task[None] | None = None
-        try:
-            while not stop.is_set():
-                attempt = asyncio.create_task(
-                    store.register_workflows(list(self.app.workflows.values()), self.identity),
-                    name="register-workflows",
-                )
-                await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not attempt.done():
-                    store.limit_lock_waits(STOP_LOCK_WAIT)
-                    return False
-                error = attempt.exception()
-                if error is None:
-                    return not stop.is_set()
-                if not isinstance(error, Exception):
-                    raise error
+        restarting, another process's long write) is waited out with back-off on the app's
+        Clock, as every role waits out a failing store later (REL3), instead of ending the
+        process, which a service manager that restarts it would turn into a crash loop. False if
+        ``stop`` came first, while a try waits for the store too: that try is not waited for
+        (its lock wait is bounded to ``STOP_LOCK_WAIT``, and it commits whole or not at all), so
+        a worker stopped while starting stops at once."""
+        delay = REGISTER_RETRY_MIN
+        while not stop.is_set():
+            recording = store.register_workflows(list(self.app.workflows.values()), self.identity)
+            try:
+                done = await unless_stopped(recording, stop)
+            except Exception as e:
                 log.warning(
                     "worker %s: cannot record its workflows in the store yet, trying again in %gs: %s",
                     self.identity,
                     delay,
-                    error,
+                    e,
                 )
-                await asyncio.wait({stopping}, timeout=delay)
+                await sleep_or_wake(self.app.clock, delay, stop)
                 delay = min(delay * 2, REGISTER_RETRY_MAX)
-            return False
-        finally:
-            stopping.cancel()
-            if attempt is not None and not attempt.done():
-                attempt.cancel()  # its thread gives up its lock wait, bounded as above
+                continue
+            if done is STOPPED:
+                store.limit_lock_waits(STOP_LOCK_WAIT)  # the try left waiting in its thread
+                return False
+            return not stop.is_set()
+        return False
 
     def hurry(self) -> None:
         """A second stop signal: skip what is left of the agents' grace period. The calls still
@@ -406,6 +443,31 @@ class Worker:
         )
         if role is not None:
             role.health.flush_successes()
+
+
+def _in_daemon_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """``fn()`` in a daemon thread of its own, as a future of the running loop: cancelling the
+    future abandons the call to its thread. Not ``asyncio.to_thread``: ``asyncio.run`` waits for
+    the default executor's threads when it ends, so a call abandoned at a stop (a wait for a lock,
+    for a server) would still hold the process; a daemon thread does not."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():  # else abandoned: the caller stopped waiting
+            outcome()
+
+    def call() -> None:
+        outcome: Callable[[], None]
+        try:
+            outcome = functools.partial(future.set_result, fn())
+        except BaseException as e:  # raised again where the future is awaited, as it came
+            outcome = functools.partial(future.set_exception, e)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: no one is waiting
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=call, name=name, daemon=True).start()
+    return future
 
 
 async def _bound_lock_waits(store: Store, stop: asyncio.Event) -> None:

@@ -17,35 +17,23 @@ import os
 import re
 import signal
 import sqlite3
-import subprocess
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 import pytest
+from harness import Cluster, wait_until
 
-from stepwarden import App, Step
+from stepwarden import App
 from stepwarden.store.base import Tx, read_only
 from stepwarden.store.pg_migrate import MIGRATION_LOCK
-
-if TYPE_CHECKING:
-    from conftest import Cluster, WorkerProc
 
 pytestmark = pytest.mark.timeout(90)
 
 PROMPT = 3.0  # "about a second", with room for a loaded machine; the wait it replaces was 30 s
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() >= end:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what} (last value: {got!r})")
-        time.sleep(0.02)
+# How often the waits look for what they wait for (a lock wait, a session ending).
+WATCH = 0.02
 
 
 @contextlib.contextmanager
@@ -86,7 +74,15 @@ def migration_held(cluster: Cluster) -> Iterator[Callable[[int], bool]]:
         pg.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
 
         def polling(pid: int) -> bool:
-            """A session other than ours has tried for the migration lock."""
+            """A session other than ours has tried for the migration lock, or the worker ``pid``
+            said it waits for it (as it does at its first failed try): the session's last
+            statement names the lock only from a try to its commit, about a millisecond of each
+            quarter second, which a busy machine's polls can miss for 20 s."""
+            if any(
+                w.pid == pid and "waiting for another session's migration" in w.log_text()
+                for w in cluster.workers
+            ):
+                return True
             # Its last statement: the try, or the look-up of who holds the lock that follows it.
             row = pg.execute(
                 "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
@@ -98,29 +94,15 @@ def migration_held(cluster: Cluster) -> Iterator[Callable[[int], bool]]:
         yield polling
 
 
-def signal_and_wait(w: WorkerProc, sig: signal.Signals) -> tuple[int | None, float]:
-    """Send ``sig``; the exit code (None if still running after 30 s: then killed, by pid) and
-    how long it took."""
-    sent = time.monotonic()
-    w.signal(sig)
-    w.expect_alive = False
-    try:
-        code: int | None = w.popen.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        code = None
-        w.signal(signal.SIGKILL)
-    return code, time.monotonic() - sent
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_worker_stopped_while_it_waits_to_migrate_the_store_stops_at_once(
     cluster: Cluster, sig: signal.Signals
 ) -> None:
     with migration_held(cluster) as waiting:
         w = cluster.start("starting", "scheduler,agent,supervisor", wait=False)
-        wait_for(lambda: waiting(w.pid) or not w.alive(), 20, "the worker to wait for the migration")
+        wait_until(lambda: waiting(w.pid) or not w.alive(), 20, "the worker to wait for the migration", WATCH)
         assert w.alive(), w.log_text()
-        code, took = signal_and_wait(w, sig)
+        code, took = w.stop(sig, 30)
         log = w.log_text()
         assert (code, took < PROMPT) == (0, True), f"exit {code} after {took:.1f}s of {sig.name}:\n{log}"
         assert "Traceback" not in log, log
@@ -172,27 +154,15 @@ def read(tx: Tx, query: str) -> list[dict[str, Any]]:
     return tx.sql(query)
 
 
-def small_app(url: str) -> App:
-    app = App(url)
-    ops = app.agent("ops")
-
-    @ops.operation
-    async def noop(req: object) -> None:
-        return None
-
-    app.workflow("one", [Step("a", "ops.noop", complete_by=5)])
-    app.store.transact_sync(lambda tx: None)  # opened and migrated before the lock is taken
-    return app
-
-
 def test_a_worker_stopped_while_it_records_its_workflows_stops_at_once(
-    store_url: str, caplog: pytest.LogCaptureFixture
+    store_url: str, caplog: pytest.LogCaptureFixture, noop_app: Callable[..., App]
 ) -> None:
     """``Worker.run`` itself: the stop came while the registration's transaction waits for a lock
     (up to SQLite's 30 s busy timeout; PostgreSQL's 10 s lock_timeout, then retried). That wait
     is not waited out: ``run`` returns at once, the worker not started."""
     caplog.set_level("INFO", logger="stepwarden")
-    app = small_app(store_url)
+    app = noop_app(store_url)
+    app.store.transact_sync(lambda tx: None)  # opened and migrated before the lock is taken
     try:
         with registration_held(store_url) as waiting:
             worker = app.worker(name="starting")
@@ -205,7 +175,7 @@ def test_a_worker_stopped_while_it_records_its_workflows_stops_at_once(
 
             app.store.register_workflows = spied  # type: ignore[method-assign]
 
-            async def body() -> float:
+            async def body() -> tuple[float, bool]:
                 stop = asyncio.Event()
                 run = asyncio.create_task(worker.run(stop))
                 await asyncio.wait_for(entered.wait(), 20)
@@ -215,12 +185,12 @@ def test_a_worker_stopped_while_it_records_its_workflows_stops_at_once(
                     await asyncio.sleep(0.02)
                 stop.set()
                 sent = time.monotonic()
-                await asyncio.wait_for(run, 8)
-                return time.monotonic() - sent
+                started = await asyncio.wait_for(run, 8)
+                return time.monotonic() - sent, started
 
-            took = asyncio.run(body())
+            took, started = asyncio.run(body())
             assert took < 1.0, f"run() took {took:.1f}s to return after the stop"
-            assert worker.started is False
+            assert started is False
             # Nothing written, as it returned (the lock is still held: read without waiting for it).
             assert app.store.transact_sync(read, "SELECT name FROM workflows") == []
             assert app.store.transact_sync(read, "SELECT id FROM workers") == []
@@ -243,16 +213,17 @@ def test_the_worker_command_stopped_while_it_records_its_workflows_exits_at_once
     other (the test above covers ``Worker.run`` on both stores)."""
     with registration_held(pg_cluster.url) as waiting:
         w = pg_cluster.start("starting", "scheduler,agent,supervisor", wait=False)
-        wait_for(lambda: waiting() or not w.alive(), 20, "the worker's registration to wait for its lock")
+        what = "the worker's registration to wait for its lock"
+        wait_until(lambda: waiting() or not w.alive(), 20, what, WATCH)
         assert w.alive(), w.log_text()
-        code, took = signal_and_wait(w, signal.SIGTERM)
+        code, took = w.stop(signal.SIGTERM, 30)
         log = w.log_text()
         assert (code, took < PROMPT) == (0, True), f"exit {code} after {took:.1f}s of SIGTERM:\n{log}"
         assert "Traceback" not in log, log
         said = [line for line in log.splitlines() if "before it could start" in line]
         assert len(said) == 1 and "(while recording its workflows in the store)" in said[0], log
     # The lock is free now: the worker's session, had it lived on, would commit its upsert.
-    wait_for(
+    wait_until(
         lambda: (
             not pg_cluster.sql(
                 "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE ?",
@@ -261,6 +232,7 @@ def test_the_worker_command_stopped_while_it_records_its_workflows_exits_at_once
         ),
         20,
         "the stopped worker's session to end",
+        WATCH,
     )
     assert pg_cluster.sql("SELECT name FROM workflows") == []
     assert pg_cluster.sql("SELECT id FROM workers") == []
