@@ -34,7 +34,7 @@ lint: venv
 	$(BIN)/mypy scripts
 
 test: venv lint
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 -q --durations=15
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python ../shared/contract/check.py
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/contract_on_postgres.py ../shared/contract/check.py
 
