@@ -68,13 +68,26 @@ def list_tasks(
     if not tasks:
         return []
     by_task: dict[int, list[Row]] = {t["id"]: [] for t in tasks}
-    lo, hi = tasks[0]["id"], tasks[-1]["id"]
-    for s in tx.sql(
-        f"SELECT {STEP_COLS} FROM steps WHERE task_id BETWEEN ? AND ? ORDER BY task_id, idx", (lo, hi)
-    ):
-        if s["task_id"] in by_task:
-            by_task[s["task_id"]].append(s)
+    for s in _steps_of(tx, list(by_task)):
+        by_task[s["task_id"]].append(s)
     return [_task(t, by_task[t["id"]]) for t in tasks]
+
+
+_IDS_PER_READ = 500  # well under SQLite's and PostgreSQL's limits on a statement's parameters
+
+
+def _steps_of(tx: Tx, task_ids: list[int]) -> list[Row]:
+    """The steps of exactly these tasks, read by id: a range between the first and the last
+    listed task read every step in between (``tasks --state error`` spans from the oldest error,
+    never pruned, to now: millions of rows for two tasks)."""
+    rows: list[Row] = []
+    for i in range(0, len(task_ids), _IDS_PER_READ):
+        ids = task_ids[i : i + _IDS_PER_READ]
+        marks = ", ".join("?" * len(ids))
+        rows += tx.sql(
+            f"SELECT {STEP_COLS} FROM steps WHERE task_id IN ({marks}) ORDER BY task_id, idx", tuple(ids)
+        )
+    return rows
 
 
 @read_only
