@@ -15,6 +15,12 @@ Successes are the common case, so they are written lazily: at once only when the
 (the instance or the breaker has failures counted, a trial, a probe), otherwise at most once per
 ``success_every`` seconds in the background, so that ``last_success_at`` stays fresh enough for the
 others to tell "the service is up, only I fail" from "the service is down".
+
+A half-open trial's verdict is the one report that must not be lost: the store's breaker waits
+for it (state ``half_open``, ``trial_by`` this instance) and no instance pulls the agent's
+requests until ``trial_ttl`` (60 s) passes. So a trial verdict (the call answered, it failed, or
+the trial is given back unrun) is kept until the store has recorded it, and written again with
+back-off until the store answers, or the worker stops (see :meth:`AgentHealth._repay`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from .clock import Clock
 from .policies import BreakerState
@@ -34,6 +40,13 @@ if TYPE_CHECKING:
     from .agent import Agent, AgentSettings
 
 log = logging.getLogger("stepwarden.agent")
+
+# How often a trial verdict the store did not record is written again: after REPAY_FIRST seconds,
+# doubling up to REPAY_MAX. The store's outage is short or long; a write every few seconds
+# costs nothing, and the breaker closes within REPAY_MAX of the store's return, well within the
+# trial_ttl the others would otherwise wait.
+REPAY_FIRST = 0.25
+REPAY_MAX = 4.0
 
 
 async def guard(work: Awaitable[None], agent: str) -> None:
@@ -59,8 +72,12 @@ class BreakerMirror:
     local_failures: int = 0  # failures this instance could not report (store unreachable)
 
     def rejecting(self) -> bool:
-        """Calls fail fast: the breaker is open or half-open, and the trial is not ours."""
-        return self.state != "closed" and not self.trial
+        """Calls fail fast: the breaker is open or half-open. Also on the instance that holds the
+        trial: the trial is ONE call, its request's first try, which does not ask (see
+        ``agent_attempt.py``). The other attempts running here, in their retry loop, must not
+        reach the service while it runs: their calls would be counted as no trial, and the
+        service, maybe still down, would get a burst instead of one call."""
+        return self.state != "closed"
 
     def update(self, view: sa.BreakerView | None, now: float) -> None:
         if view is None:
@@ -70,6 +87,18 @@ class BreakerMirror:
         self.retry_at = now + view.retry_in if view.retry_in is not None else 0.0
         self.opened_by = view.opened_by
         self.local_failures = 0
+
+
+@dataclass(frozen=True)
+class TrialVerdict:
+    """What this instance's half-open trial said, kept until the store has recorded it: the call
+    answered (``ok``), it failed (``failed``), or the trial is given back without a call
+    (``unrun``). ``why``: the call's error, or why the trial is given back; ``at``: the local
+    monotonic moment it was decided (a late write tells the store how long ago the call ended)."""
+
+    outcome: Literal["ok", "failed", "unrun"]
+    why: str | None
+    at: float
 
 
 @dataclass
@@ -117,6 +146,15 @@ class AgentHealth:
         # Agents whose trial a failed pull may have won in the store (its commit unconfirmed),
         # until return_unknown_trials() gives such trials back.
         self.trials_unknown: set[str] = set()
+        # Each agent's trial verdict that the store has not recorded yet (its write in flight, or
+        # failed); while there is one, this instance claims no new trial of the agent: the store
+        # tells trials apart only by their holder, so a late verdict would be taken for the new
+        # trial's. At most one per agent: the map is bounded by the agents this worker runs.
+        self.verdicts: dict[str, TrialVerdict] = {}
+        # Agents whose verdict's write failed, and the task writing it again (_repay).
+        self.owed: set[str] = set()
+        self._repaying: dict[str, asyncio.Task[None]] = {}
+        self._stopping = False
 
     def _rules(self, agent: str) -> sa.HealthRules:
         cool = self.agents[agent].breaker_cool_off
@@ -140,8 +178,25 @@ class AgentHealth:
                 self._write_later(name)
 
     async def stop(self) -> None:
+        """Record this instance's stop. A trial verdict still owed is written once more (the
+        store may be back), then given up: the trial opens to others after ``trial_ttl``."""
+        self._stopping = True
+        for t in self._repaying.values():
+            t.cancel()
         if self._background:
             await asyncio.wait(set(self._background), timeout=2)
+        if self._repaying:
+            await asyncio.wait(set(self._repaying.values()))  # cancelled: each ends at once
+        for name in sorted(self.owed):
+            try:
+                await self._write_owed(name)
+            except Exception as e:
+                log.warning(
+                    "agent %s: could not record the breaker trial's verdict on stopping (it opens "
+                    "to other instances after trial_ttl): %r",
+                    name,
+                    e,
+                )
         if self.trials_unknown:  # a stopping worker sweeps no more: give such trials back now
             try:
                 await self.return_unknown_trials()
@@ -174,7 +229,8 @@ class AgentHealth:
                 probes.add(name)
                 wants[name] = sa.Want(1, ops=self.ops[name])
                 continue
-            trial = b.state != "closed" and now >= b.retry_at
+            # Not while a verdict of ours is unrecorded: the store would take it for the new trial's.
+            trial = b.state != "closed" and now >= b.retry_at and name not in self.verdicts
             wants[name] = sa.Want(room, ops=self.ops[name], may_trial=trial)
         if not wants:
             return [], set(), set(), {}
@@ -188,7 +244,7 @@ class AgentHealth:
             b.update(got.breakers.get(name), now)
         # A trial won now is the store's only trial for the agent (a claim needs retry_at passed,
         # so it replaced any earlier one): known here, never given back as unknown, even while
-        # its report is in flight (_send clears `trial` before the report commits).
+        # its report is in flight (report_soon clears `trial` before the report commits).
         self.trials_unknown -= got.trials
         for name in got.trials:
             self.breakers[name].trial = True
@@ -203,7 +259,9 @@ class AgentHealth:
         """After a pull whose commit was not confirmed, and once the requests it may have taken
         are handed back: give back any trial it won, unrun (see ``store.agents.return_trials``).
         A trial this instance knows it holds (a later pull's, running) is left alone."""
-        agents = sorted(n for n in self.trials_unknown if not self.breakers[n].trial)
+        agents = sorted(
+            n for n in self.trials_unknown if not self.breakers[n].trial and n not in self.verdicts
+        )
         if agents:
             why = "won by a pull whose commit was not confirmed; its request was handed back unrun"
             returned = await self.store.transact(sa.return_trials, self.me, agents, why)
@@ -213,7 +271,8 @@ class AgentHealth:
 
     # -- calls ---------------------------------------------------------------------------------------
     def may_call(self, agent: str) -> str | None:
-        """None if a call may go to the service now, else why not (the try fails fast)."""
+        """None if a call may go to the service now, else why not (the try fails fast). Asked
+        before every try but the trial's first (see :meth:`BreakerMirror.rejecting`)."""
         b = self.breakers[agent]
         if b.rejecting():
             return f"circuit breaker for {agent!r} is {b.state.replace('_', '-')}"
@@ -273,6 +332,7 @@ class AgentHealth:
             return None
         if trial:
             self.breakers[agent].trial = False
+            self._decided(agent, "ok" if ok else "failed", error)
 
         async def report() -> None:
             if before is not None:  # bounded: a stuck one holds up none for long
@@ -286,13 +346,17 @@ class AgentHealth:
     async def give_back_trial(self, agent: str, why: str) -> None:
         """The trial request ended without calling the service (its operation is not in this
         worker, or its call never started before complete-by): the trial says nothing about the
-        service, so it is given back unrun, open to any instance at once, not counted failed."""
+        service, so it is given back unrun, open to any instance at once, not counted failed. A
+        give-back the store did not record is owed, as a verdict is (see :meth:`_owe`)."""
         b = self.breakers[agent]
-        if b.trial:
-            b.trial = False
-            if await self.store.transact(sa.return_trials, self.me, [agent], why):
-                b.retry_at = self.clock.monotonic()  # as in the store: this instance's next pull may try
-                log.info("agent %s: gave back the breaker trial unrun: %s", agent, why)
+        if not b.trial:
+            return
+        b.trial = False
+        self._decided(agent, "unrun", why)
+        try:
+            await self._write_owed(agent)
+        except Exception as e:
+            self._owe(agent, e)
 
     async def release_trial(self, agent: str, why: str) -> None:
         """The trial request ended without a call's verdict (complete-by passed): count it failed."""
@@ -324,31 +388,51 @@ class AgentHealth:
         return t
 
     async def _send(self, agent: str, ok: bool, error: str | None, trial: bool) -> None:
-        inst, b = self.instances[agent], self.breakers[agent]
-        a = self.agents[agent]
+        b, a = self.breakers[agent], self.agents[agent]
         now = self.clock.monotonic()
-        n = inst.unsent if ok else 0
-        ago = max(0.0, now - inst.last_ok) if ok and inst.last_ok is not None else 0.0
-        r = sa.Report(agent, ok, error, trial, ago, n)
         if trial:
             b.trial = False  # reported now, whatever the answer
+            if agent not in self.verdicts:  # release_trial's (report_soon's is kept from the call's end)
+                self._decided(agent, "ok" if ok else "failed", error)
         try:
-            verdict = await asyncio.wait_for(
-                self.store.transact(
-                    sa.report, self.me, r, a.breaker_threshold, a.breaker_cool_off, self._rules(agent)
-                ),
-                self.settings.report_timeout,
-            )
+            verdict = await self._record(agent, ok, error, trial, 0.0)
         except Exception as e:  # the store is unreachable: decide locally until it answers again
-            log.warning("agent %s: could not record a call's outcome: %r", agent, e)
+            if trial:
+                self._owe(agent, e)
+            else:
+                log.warning("agent %s: could not record a call's outcome: %r", agent, e)
             if not ok:
                 b.local_failures += 1
                 if b.local_failures >= a.breaker_threshold:
                     b.retry_at = now + a.breaker_cool_off
             return
+        if trial:
+            self._recorded(agent)
+        self._apply(agent, verdict, error)
+
+    async def _record(self, agent: str, ok: bool, error: str | None, trial: bool, ago: float) -> sa.Verdict:
+        """Write one call's outcome (a success with those held back); the store's verdict.
+        ``ago``: seconds since a failed call ended (a success's is known here)."""
+        inst, a = self.instances[agent], self.agents[agent]
+        now = self.clock.monotonic()
+        n = inst.unsent if ok else 0
+        if ok:
+            ago = max(0.0, now - inst.last_ok) if inst.last_ok is not None else 0.0
+        r = sa.Report(agent, ok, error, trial, ago, n)
+        verdict = await asyncio.wait_for(
+            self.store.transact(
+                sa.report, self.me, r, a.breaker_threshold, a.breaker_cool_off, self._rules(agent)
+            ),
+            self.settings.report_timeout,
+        )
         if ok:
             inst.unsent -= n
             inst.written_at = now
+        return verdict
+
+    def _apply(self, agent: str, verdict: sa.Verdict, error: str | None) -> None:
+        """Take the store's verdict on a reported call into the mirror and this instance's health."""
+        inst, b, a = self.instances[agent], self.breakers[agent], self.agents[agent]
         now = self.clock.monotonic()
         b.update(verdict.breaker, now)
         if verdict.opened:
@@ -369,3 +453,87 @@ class AgentHealth:
                 )
         elif not was:
             log.info("agent %s: probe succeeded, this instance is healthy again", agent)
+
+    # -- trial verdicts the store must record ------------------------------------------------------
+    def _decided(self, agent: str, outcome: Literal["ok", "failed", "unrun"], why: str | None) -> None:
+        """The trial held here has its verdict: kept until the store records it."""
+        self.verdicts[agent] = TrialVerdict(outcome, why, self.clock.monotonic())
+
+    def _recorded(self, agent: str) -> None:
+        self.verdicts.pop(agent, None)
+        self.owed.discard(agent)
+
+    def _owe(self, agent: str, e: BaseException) -> None:
+        """The write of a trial's verdict failed (or its answer was lost): left alone, the store
+        would keep the breaker half-open with this instance's trial, and no instance would call
+        the service for ``trial_ttl``, however well it answers. Written again, until the store
+        answers, by :meth:`_repay`; logged once for the whole outage, not per write."""
+        v = self.verdicts.get(agent)
+        if v is None or agent in self.owed:
+            return
+        self.owed.add(agent)
+        log.warning(
+            "agent %s: could not record the breaker trial's verdict (%s): %r; writing it again "
+            "until the store answers",
+            agent,
+            v.outcome,
+            e,
+        )
+        if not self._stopping:  # a stopping instance makes one last write itself (stop)
+            self._repaying[agent] = asyncio.create_task(self._repay(agent), name=f"health-trial-{agent}")
+
+    async def _repay(self, agent: str) -> None:
+        """Write the owed verdict again, REPAY_FIRST seconds after the failed write, then twice
+        as long after each failure, up to REPAY_MAX, on the agent's clock; until the store
+        records it, or :meth:`stop` cancels this. Harmless however late: each of its statements
+        changes the breaker only while it is half-open with this instance's trial (the trial
+        this verdict is about: no other is claimed here meanwhile, see :meth:`pull`), so once
+        ``trial_ttl`` has let another instance take the trial, or that trial reopened or closed
+        the breaker, a late verdict counts for this instance's health and changes nothing else."""
+        delay, writes = REPAY_FIRST, 1
+        try:
+            while agent in self.owed:
+                await self.clock.sleep(delay)
+                writes += 1
+                outcome = self.verdicts[agent].outcome
+                try:
+                    await self._write_owed(agent)
+                except Exception as e:
+                    log.debug("agent %s: the breaker trial's verdict is still not recorded: %r", agent, e)
+                    delay = min(2 * delay, REPAY_MAX)
+                    continue
+                log.info(
+                    "agent %s: the store answers again: the breaker trial's verdict (%s) is recorded "
+                    "(write %d)",
+                    agent,
+                    outcome,
+                    writes,
+                )
+        finally:
+            self._repaying.pop(agent, None)
+
+    async def _write_owed(self, agent: str) -> None:
+        """Write the agent's unrecorded trial verdict; raises if the store did not record it."""
+        v = self.verdicts[agent]
+        b, now = self.breakers[agent], self.clock.monotonic()
+        if v.outcome == "unrun":
+            why = v.why or "its request ended without calling the service"
+            returned = await asyncio.wait_for(
+                self.store.transact(sa.return_trials, self.me, [agent], why), self.settings.report_timeout
+            )
+            self._recorded(agent)
+            if returned:
+                b.retry_at = self.clock.monotonic()  # as in the store: this instance's next pull may try
+                log.info("agent %s: gave back the breaker trial unrun: %s", agent, why)
+            return
+        ok = v.outcome == "ok"
+        verdict = await self._record(agent, ok, v.why, True, 0.0 if ok else max(0.0, now - v.at))
+        self._recorded(agent)
+        self._apply(agent, verdict, v.why)
+        if ok and not verdict.closed:
+            log.info(
+                "agent %s: the trial call's success, recorded late, closed nothing: the breaker "
+                "was no longer half-open with this instance's trial (closed already, or another "
+                "instance took the trial after trial_ttl)",
+                agent,
+            )
