@@ -42,7 +42,7 @@ from typing import Any
 from .agent_definition import Agent, Handler, Request
 from .agent_health import AgentHealth
 from .agent_settings import MIN_TRY_LEFT, AgentSettings
-from .classify import PERMANENT, judge
+from .classify import PERMANENT, error_text, judge, shown
 from .clock import Clock
 from .errors import InputError, Permanent, Transient
 from .store import RequestMsg
@@ -62,10 +62,12 @@ class Expired(Exception):
 
 
 class Failed(Exception):
-    """The operation raised ``error``: any exception but a stop of the role's own."""
+    """The operation raised ``error``: any exception but a stop of the role's own. Its repr is
+    read safely (``shown``): one that raises would otherwise escape as a failure of the agent's,
+    and the attempt would end with no reply."""
 
     def __init__(self, error: BaseException) -> None:
-        super().__init__(repr(error))
+        super().__init__(shown(error))
         self.error = error
 
 
@@ -376,8 +378,10 @@ async def _awaited(handler: Handler, req: Request) -> Any:
 
 def describe(e: BaseException, trouble: str | None = None) -> str:
     """An operation's failure as error text the store keeps (see ``storable_text``), at most
-    1000 characters; ``trouble``: what went wrong in judging it (a bad classify)."""
-    text = storable_text(str(e) or type(e).__name__)
+    1000 characters; ``trouble``: what went wrong in judging it (a bad classify). Never raises:
+    an exception whose ``__str__`` fails is described by its type and a note saying so
+    (``error_text``), so that its attempt still replies at once."""
+    text = storable_text(error_text(e) or type(e).__name__)
     out = text if isinstance(e, Permanent | Transient) else f"{type(e).__name__}: {text}"
     if trouble is not None:
         out = f"{storable_text(trouble)} (judging {out})"

@@ -3,9 +3,11 @@
 An agent instance pulls request messages only up to its capacity (AGT6), runs each operation under
 the attempt's complete-by (AGT2, AGT4), retries transient failures inside the attempt with
 back-off and jitter, and replies once. At complete-by it cancels the work and sends nothing: the
-supervisor, not the agent, decides what happens next. A plain (non-async) function cannot be
-interrupted; it keeps running in its thread, and its late result is discarded unsent. How one
-attempt runs (async or plain, its tries, the rules at complete-by) is in ``agent_attempt.py``.
+supervisor, not the agent, decides what happens next. A reply the store fails to take is tried
+again while the store is down, but only until its complete-by, and a stop hands back only the
+attempts still in time. A plain (non-async) function cannot be interrupted; it keeps running in
+its thread, and its late result is discarded unsent. How one attempt runs (async or plain, its
+tries, the rules at complete-by) is in ``agent_attempt.py``.
 
 Kept apart from the definitions an application writes, which need none of this machinery. A test
 that patches a bound the role reads (``STOP_WRITE_WAIT``) patches it here, where the role reads it.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,10 +26,11 @@ from . import tracing
 from .agent_attempt import Attempts, AttemptState, Outcome
 from .agent_definition import Agent
 from .agent_health import AgentHealth, guard
-from .agent_settings import CANCELLED_WAIT, REPLIES_WAIT, STOP_WRITE_WAIT, AgentSettings
-from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
+from .agent_settings import CANCELLED_WAIT, MIN_TRY_LEFT, REPLIES_WAIT, STOP_WRITE_WAIT, AgentSettings
+from .clock import SYSTEM_CLOCK, Clock, Outage, sleep_or_wake
 from .errors import StoreError
 from .logs import log_raised
+from .policies import Backoff
 from .store import ApplyResult, RequestMsg, Store
 from .store.agents import Want
 from .tracing import AttemptSpan, NoAttempt
@@ -41,7 +45,15 @@ SWEEP_WAIT = 1.0
 # deadline (monotonic) and the store's clock may disagree by a little.
 UNANSWERED_MARGIN = 5.0
 UNANSWERED_KEPT = 1024  # past this many, the expired ones are forgotten at once
-SEND_TRIES = 5  # tries of each reply before it is given up (its attempt then expires)
+# A reply whose transaction fails for want of the store (a lost connection, a server restarting)
+# is tried again, SEND_BACKOFF apart, until its request's complete-by and never after (AGT4): it is
+# the result of a call that ran, and giving it up early makes the attempt wait out its complete-by
+# and count as failed. Capped at 1 s, so that a store back from an outage gets the replies within
+# about a second. A batch the store refuses for what it holds (text it cannot keep) does not heal
+# by waiting: it is split (see _send_tries) and what is still refused is given up after SEND_TRIES
+# such refusals.
+SEND_BACKOFF = Backoff(initial=0.1, multiplier=2.0, maximum=1.0, jitter=0.2)
+SEND_TRIES = 5
 # A request's end waits for its call's health reports (see AgentRole.execute) as long as a
 # report's own write may take (report_timeout), and this much more for the bookkeeping around
 # it. A report held up behind an earlier stuck one can take longer: it is not waited for to the
@@ -49,6 +61,7 @@ SEND_TRIES = 5  # tries of each reply before it is given up (its attempt then ex
 REPORT_WAIT_SLACK = 1.0
 
 ReplyItem = tuple[int, str, Any, str | None]  # (request id, outcome, result, error) of a reply
+Outgoing = tuple[ReplyItem, float]  # a reply, and its request's complete-by (local monotonic)
 
 
 def _store_down(e: BaseException) -> bool:
@@ -68,6 +81,11 @@ def _store_down(e: BaseException) -> bool:
             return True
         current = current.__cause__
     return False
+
+
+def _ids(items: list[Outgoing]) -> str:
+    """The request ids of ``items``, for a log line."""
+    return ", ".join(str(item[0]) for item, _ in items)
 
 
 class Reservation(dict[str, Want]):
@@ -122,11 +140,18 @@ class AgentRole:
             me, agents, self.health, clock, self.settings, threads=threads, busy=self._busy, free=self._free
         )
         self.tasks: dict[asyncio.Task[None], RequestMsg] = {}
+        # The complete-by of each request whose call's task runs (local monotonic): a stop hands
+        # back only the attempts still in time (past it the agent sends nothing, AGT4).
+        self._deadlines: dict[int, float] = {}
         self.completed = 0
         self.batches = 0  # reply transactions committed: completed / batches is replies per batch
         self._notes: set[asyncio.Task[None]] = set()
-        self._outbox: list[tuple[ReplyItem, asyncio.Future[None]]] = []
+        self._outbox: list[tuple[ReplyItem, float, asyncio.Future[None]]] = []  # with complete-by
         self._sender: asyncio.Task[None] | None = None
+        # Set by a stop (drain): the sender tries no reply after this moment (local monotonic),
+        # whatever time its request has left; the stop waits that long for it and no longer.
+        self._send_by: float | None = None
+        self.rng = random.Random()  # the jitter of the reply sender's back-off
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
         # Request ids whose reply committed while their call's task still runs (waiting for its
         # health report): a stop that cancels that wait has nothing to hand back for them.
@@ -157,20 +182,27 @@ class AgentRole:
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
+        outage = Outage(log, f"agent {self.me}", self.clock)
         try:
             await self._register()
             while not stop.is_set():
-                got = 0
+                swept: Exception | None = None
                 if self._takes_unknown:
                     try:
                         await self._release_unknown_takes()
                     except Exception as e:  # the flag stays: tried again next round
-                        log.warning("agent %s: could not look for lost takes: %r", self.me, e)
+                        swept = e
                 try:
                     got = await self.pull()
                 except Exception as e:  # database trouble: back off, keep going (REL3)
-                    log.warning("agent %s: pull failed: %r", self.me, e)
-                    idle = self.settings.idle_poll_max
+                    # The sweep failed with it, most likely: one outage, logged once (Outage). A
+                    # hint (a call's end, a freed slot) cuts the wait short.
+                    await sleep_or_wake(self.clock, outage.failed(e), stop, self.wake)
+                    self.wake.clear()
+                    continue
+                outage.answered()
+                if swept is not None:  # the store answers the pull: this is no outage
+                    log.warning("agent %s: could not look for lost takes: %r", self.me, swept)
                 if got:
                     idle = self.settings.poll_interval
                     continue
@@ -228,6 +260,7 @@ class AgentRole:
         self._held[msg.id] = agent.name
         span = self.tracer.attempt(msg, workflow)
         deadline = sent + msg.remaining
+        self._deadlines[msg.id] = deadline
         t = asyncio.create_task(
             self.execute(agent, msg, trial, probe, span, deadline), name=f"request-{msg.id}"
         )
@@ -311,6 +344,7 @@ class AgentRole:
                 await self._end(agent, msg, trial, probe, state)
             finally:
                 self._settled.discard(msg.id)
+                self._deadlines.pop(msg.id, None)
 
     async def _end(
         self, agent: Agent, msg: RequestMsg, trial: bool, probe: bool, state: AttemptState
@@ -370,19 +404,23 @@ class AgentRole:
                     msg.attempt,
                 )
                 return
-            await self._reply(msg, *outcome)
+            await self._reply(msg, deadline, *outcome)
             self._replied.discard(msg.id)  # sent or given up; only a cancelled wait leaves it for drain()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never let one request kill the role
             log.exception("request %s: unexpected failure: %r", msg.id, e)
 
-    async def _reply(self, msg: RequestMsg, outcome: str, result: Any, error: str | None) -> None:
-        """Queue the reply and wait until it is committed. Replies that finish while a batch is
-        being written go together in the next transaction (group commit: one fsync for many)."""
+    async def _reply(
+        self, msg: RequestMsg, deadline: float, outcome: str, result: Any, error: str | None
+    ) -> None:
+        """Queue the reply and wait until it is committed, or given up (``deadline``: its
+        complete-by, local monotonic, after which it is not sent). Replies that finish while a
+        batch is being written go together in the next transaction (group commit: one fsync for
+        many)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._replied.add(msg.id)
-        self._outbox.append(((msg.id, outcome, result, error), fut))
+        self._outbox.append(((msg.id, outcome, result, error), deadline, fut))
         self._answered(msg.id)
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_outbox(), name="agent-replies")
@@ -409,44 +447,94 @@ class AgentRole:
             await self._linger()
             batch, self._outbox = self._outbox, []
             self._young.clear()  # still running now: not waited for by the next batch
-            left = await self._send_tries([item for item, _ in batch])
-            if left:  # the attempts expire and are rescued
-                log.error(
-                    "agent %s: %d repl(ies) could not be sent after %d tries, given up: requests %s",
-                    self.me,
-                    len(left),
-                    SEND_TRIES,
-                    ", ".join(str(request_id) for request_id, *_ in left),
-                )
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_result(None)
+            try:
+                await self._send_tries([(item, deadline) for item, deadline, _ in batch])
+            finally:  # sent or given up: the calls' tasks go on to their end
+                for *_, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
 
-    async def _send_tries(self, items: list[ReplyItem]) -> list[ReplyItem]:
-        """Send ``items``, in up to ``SEND_TRIES`` tries; returns those given up. A batch that
-        failed is sent whole once more (a lost connection, a store restarting: one more
-        transaction, not one per reply). Failing again, and not for want of the store, it is
-        split in halves, and a failing half again, so that a reply the database refuses on every
-        try (text it cannot store, say) cannot take the others down with it: about log2(N)
-        transactions to single it out among N, not N."""
+    async def _send_tries(self, items: list[Outgoing]) -> None:
+        """Send ``items``, trying again after a failure, each reply until its complete-by.
+
+        Before every try the replies whose complete-by has passed are dropped (AGT4: the agent
+        sends nothing then; the attempt is the supervisor's), and so is every reply once a stop's
+        bound passes (``_send_by``); the others go on. A try after a failure needs as much time
+        to spare as the failed try took (``MIN_TRY_LEFT`` at least), as a retry of the operation
+        does: one started in the last instant would commit after complete-by. In the common
+        case, one try that commits, this costs a look at each reply's deadline and one clock
+        read: no task, no round trip.
+
+        A batch that failed is sent whole again (a lost connection, a store restarting: one more
+        transaction, not one per reply), SEND_BACKOFF apart, for as long as the store is down.
+        Failing again, and not for want of the store, it is split in halves, and a failing half
+        again, so that a reply the database refuses on every try (text it cannot store, say)
+        cannot take the others down with it: about log2(N) transactions to single it out among
+        N, not N. What the store still refuses after SEND_TRIES refusals is given up."""
         left = items
-        for n in range(1, SEND_TRIES + 1):
+        n = refused = 0
+        spare = 0.0  # the time a try needs: after a failure, at least what that try took
+        while left := self._in_time(left, spare):
+            n += 1
+            began = self.clock.monotonic()
             error = await self._send_batch(left, n)
             if error is None:
-                return []
-            if n > 1 and len(left) > 1 and not _store_down(error):
-                left = await self._split(left, n)
-                if not left:
-                    return []
-            if n < SEND_TRIES:
-                await self.clock.sleep(0.2 * n)
-        return left
+                return
+            spare = max(MIN_TRY_LEFT, self.clock.monotonic() - began)
+            if not _store_down(error):
+                refused += 1
+                if refused >= SEND_TRIES:
+                    log.error(
+                        "agent %s: %d repl(ies) refused by the store %d times, given up (their attempts"
+                        " expire): requests %s: %r",
+                        self.me,
+                        len(left),
+                        refused,
+                        _ids(left),
+                        error,
+                    )
+                    return
+                if n > 1 and len(left) > 1:
+                    left = await self._split(left, n)
+                    if not left:
+                        return
+            await self._pause(n, left)
 
-    async def _split(self, items: list[ReplyItem], n: int) -> list[ReplyItem]:
+    def _in_time(self, items: list[Outgoing], spare: float) -> list[Outgoing]:
+        """The replies of ``items`` that may still be sent: more than ``spare`` seconds before
+        their complete-by, and before a stop's bound. The others are given up, said in a log line."""
+        now = self.clock.monotonic()
+        if self._send_by is not None and now >= self._send_by:
+            self._not_sent(items, "the agent stopped before the store took them")
+            return []
+        until = now + spare
+        if all(deadline > until for _, deadline in items):
+            return items
+        self._not_sent([x for x in items if x[1] <= until], "complete-by passed before the store took them")
+        return [x for x in items if x[1] > until]
+
+    def _not_sent(self, items: list[Outgoing], why: str) -> None:
+        log.warning(
+            "agent %s: %d repl(ies) not sent: %s; their attempts expire: requests %s",
+            self.me,
+            len(items),
+            why,
+            _ids(items),
+        )
+
+    async def _pause(self, n: int, left: list[Outgoing]) -> None:
+        """Wait before try ``n + 1``: SEND_BACKOFF, but not past the last complete-by of ``left``
+        (or a stop's bound): there is nothing to wait for after it."""
+        last = max(deadline for _, deadline in left)
+        if self._send_by is not None:
+            last = min(last, self._send_by)
+        await self.clock.sleep(min(SEND_BACKOFF.delay(n, self.rng), last - self.clock.monotonic()))
+
+    async def _split(self, items: list[Outgoing], n: int) -> list[Outgoing]:
         """Send ``items`` in halves (try ``n``), each failing half split again, down to single
         replies; returns those that failed. A half that fails for want of the store is kept
         whole, for the next try."""
-        failed: list[ReplyItem] = []
+        failed: list[Outgoing] = []
         half = len(items) // 2
         for part in (items[:half], items[half:]):
             error = await self._send_batch(part, n)
@@ -458,14 +546,15 @@ class AgentRole:
                 failed += part
         return failed
 
-    async def _send_batch(self, items: list[ReplyItem], n: int) -> Exception | None:
+    async def _send_batch(self, items: list[Outgoing], n: int) -> Exception | None:
         """Send ``items`` in one transaction (try ``n``); the error if it failed."""
+        replies = [item for item, _ in items]
         try:
             if self.settings.apply_replies:
                 # One transaction records the replies, applies them (the next steps are
                 # dispatched) and refills the slots they free: one commit per cycle.
                 freeing: dict[str, int] = {}
-                for request_id, *_ in items:
+                for request_id, *_ in replies:
                     name = self._held.get(request_id)  # slots given back already don't count
                     if name is not None:
                         freeing[name] = freeing.get(name, 0) + 1
@@ -473,23 +562,26 @@ class AgentRole:
                 taken: list[RequestMsg] = []
                 sent = False
                 try:
-                    applied, taken = await self.store.send_replies_and_take(self.me, items, reserved)
+                    applied, taken = await self.store.send_replies_and_take(self.me, replies, reserved)
                     sent = True
                 finally:
                     self.accept(taken, reserved, failed=not sent)
             else:
-                applied = await self.store.send_replies(self.me, items, apply=False)
+                applied = await self.store.send_replies(self.me, replies, apply=False)
         except Exception as e:
-            log.warning("%d repl(ies) failed to send (try %d): %r", len(items), n, e)
+            # The first failure of a batch is worth a warning; the tries after it (an outage can
+            # take many, up to the replies' complete-by) are said at the end, if given up.
+            level = logging.WARNING if n == 1 else logging.DEBUG
+            log.log(level, "%d repl(ies) failed to send (try %d): %r", len(replies), n, e)
             return e
         # Committed: these slots are free now, not once each call's task next runs. A refill
         # taken with them is already counted; the next batch's reservation must not count them
         # twice, or it would take nothing.
-        for request_id, *_ in items:
+        for request_id, *_ in replies:
             self._release(request_id)
             self._settled.add(request_id)  # until its call's end (execute): nothing to hand back
         try:  # once: the batch is committed, whatever happens here
-            self._committed(len(items), applied)
+            self._committed(len(replies), applied)
         except Exception as e:
             log.exception("agent %s: after a reply batch committed: %r", self.me, e)
         return None
@@ -618,6 +710,8 @@ class AgentRole:
         # Calls whose reply committed but whose end waits for a health report: cancelling that
         # wait leaves nothing to hand back (a release now would only be recorded stale).
         answered = {running[t].id for t in pending if running[t].id in self._settled}
+        # Their complete-by, read before the cancellation ends their tasks (and forgets it).
+        deadlines = {running[t].id: self._deadlines.get(running[t].id) for t in pending}
         if running:
             for t in pending:
                 t.cancel()
@@ -626,9 +720,19 @@ class AgentRole:
             # Hand the unfinished attempts back at once, without counting a failure, instead of
             # leaving them to expire at complete-by.
             if self._sender is not None:  # replies already made are sent, not released
+                # The sender tries until then and no longer (each reply's complete-by may be far
+                # off): what it has not sent by then is left to expire, as the stop cannot wait.
+                self._send_by = self.clock.monotonic() + REPLIES_WAIT
                 await asyncio.wait({self._sender}, timeout=REPLIES_WAIT)
             answered |= self._replied
-            unsent = [running[t].id for t in pending if running[t].id not in answered]
+            # Past its complete-by an attempt is the supervisor's, and the agent sends nothing
+            # for it (AGT4), not even a release: a call that ended silent at complete-by and
+            # still waited for its health report, or whose time ran out during the grace period.
+            now = self.clock.monotonic()
+            late = [i for i, d in deadlines.items() if i not in answered and d is not None and d <= now]
+            if late:
+                log.info("requests %s: past complete-by at the stop: not released (they expire)", late)
+            unsent = [i for i in deadlines if i not in answered and i not in late]
             if unsent:
                 try:  # bounded: a stop has a deadline
                     await asyncio.wait_for(

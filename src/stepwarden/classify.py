@@ -92,6 +92,25 @@ def default_classify(exc: BaseException) -> str:
     return _along_causes(exc, MAX_CAUSES, set()) or PERMANENT
 
 
+def error_text(e: BaseException) -> str:
+    """``str(e)``, or, when that raises (a broken ``__str__``, one that returns no text), a
+    note that says so. The text of an error is read to report it; a failure to read it must not
+    become a failure of its own: the reply that reports it would never be sent, and the request
+    would stay taken until complete-by, its permanent failure retried at every attempt."""
+    try:
+        return str(e)
+    except Exception as broken:  # a BaseException (a stop) is not ours to swallow
+        return f"<its text could not be read: {type(broken).__name__} in {type(e).__name__}.__str__>"
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, or a note that it could not be read (see :func:`error_text`)."""
+    try:
+        return repr(value)
+    except Exception as broken:
+        return f"<a {type(value).__name__} whose repr raised {type(broken).__name__}>"
+
+
 def judge(classify: Callable[[BaseException], object], exc: BaseException) -> tuple[str, str | None]:
     """``(kind, trouble)``: what an agent's ``classify`` says of ``exc``. A classify that raises,
     or returns anything but ``"transient"`` or ``"permanent"``, is a bug of the agent's: the
@@ -100,10 +119,10 @@ def judge(classify: Callable[[BaseException], object], exc: BaseException) -> tu
     try:
         kind = classify(exc)
     except Exception as e:  # a BaseException (a stop) is not classify's to swallow
-        return PERMANENT, f"classify raised {type(e).__name__}: {e}"
-    if kind in (TRANSIENT, PERMANENT):
-        return str(kind), None
-    return PERMANENT, f"classify returned {kind!r}, not 'transient' or 'permanent'"
+        return PERMANENT, f"classify raised {type(e).__name__}: {error_text(e)}"
+    if isinstance(kind, str) and kind in (TRANSIENT, PERMANENT):
+        return (TRANSIENT if kind == TRANSIENT else PERMANENT), None
+    return PERMANENT, f"classify returned {shown(kind)}, not 'transient' or 'permanent'"
 
 
 def _along_causes(exc: BaseException, links: int, seen: set[int]) -> str | None:

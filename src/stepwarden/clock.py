@@ -5,15 +5,23 @@ database's clock" on SQLite (on PostgreSQL the server's ``now()`` is used instea
 ``monotonic()`` measures local trust windows such as "how long may I believe I lead". Everything
 in our code that reads time or sleeps goes through a :class:`Clock`, so tests of leases, deadlines
 and back-off use :class:`FakeClock` and run in milliseconds.
+
+The waits of the roles' loops live here too: ``sleep_or_wake`` (an idle poll cut short by a
+hint), ``unless_stopped`` (a store call that must not hold up a stop) and :class:`Outage` (the
+back-off, and the two log lines, of a loop while the store fails).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
+import random
 import time
 from collections.abc import Awaitable
 from typing import Final, Protocol, TypeVar
+
+from .policies import Backoff
 
 T = TypeVar("T")
 
@@ -125,3 +133,62 @@ async def unless_stopped(aw: Awaitable[T], stop: asyncio.Event) -> T | Stopped:
         stopper.cancel()
         if not job.done():
             job.cancel()
+
+
+# How long a role's loop waits between rounds while the store fails (REL3): a quarter second (an
+# idle poll), doubling to 5 s, each wait spread by +-20 % so that the workers one outage hit
+# together do not all come back in the same instant (an agent role that kept polling at its idle
+# rate tried 4 times a second through the whole outage).
+STORE_RETRY: Final = Backoff(initial=0.25, multiplier=2.0, maximum=5.0, jitter=0.2)
+
+
+class Outage:
+    """What a loop that polls the store does while the store fails (REL3): wait longer after each
+    failed round (``failed`` returns the wait, from ``backoff``), log the outage once when it
+    begins (a warning with the error) and once when the store answers again (``answered``: an
+    info line with how long it was down), not a line per round. A role that logged every failed
+    round (two, with its sweep for lost takes) wrote 39 warnings in a 5 s outage.
+
+    ``who`` names the loop in the log lines ("agent NAME", "scheduler NAME"); the time down is
+    measured on ``clock``'s monotonic clock."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        who: str,
+        clock: Clock,
+        backoff: Backoff = STORE_RETRY,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.log, self.who, self.clock, self.backoff = log, who, clock, backoff
+        self.rng = rng or random.Random()
+        self.failures = 0  # failed rounds in a row; 0 while the store answers
+        self.since = 0.0  # when the first of them failed (monotonic)
+
+    def failed(self, error: BaseException) -> float:
+        """A round failed with ``error``: the seconds to wait before the next one."""
+        self.failures += 1
+        if self.failures == 1:
+            self.since = self.clock.monotonic()
+            self.log.warning(
+                "%s: a round on the store failed; trying again with back-off (up to %gs), logged"
+                " again when one goes through: %r",
+                self.who,
+                self.backoff.maximum,
+                error,
+            )
+        else:
+            self.log.debug("%s: round %d on the store failed too: %r", self.who, self.failures, error)
+        return self.backoff.delay(self.failures, self.rng)
+
+    def answered(self) -> None:
+        """A round went through: the outage, if there was one, is over and the waits start again
+        from the shortest."""
+        if self.failures:
+            self.log.info(
+                "%s: the store answers again, after %.1fs of failed rounds (%d of them)",
+                self.who,
+                self.clock.monotonic() - self.since,
+                self.failures,
+            )
+            self.failures = 0

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
+from .clock import SYSTEM_CLOCK, Clock, Outage, sleep_or_wake
 from .logs import log_raised
 from .policies import check_count, check_seconds
 from .store import ApplyResult, RequestMsg, Store
@@ -120,13 +120,17 @@ class SchedulerRole:
 
     async def run(self, stop: asyncio.Event) -> None:
         idle = self.settings.poll_interval
+        outage = Outage(log, f"scheduler {self.me}", self.clock)
         while not stop.is_set():
             try:
                 did = await self.tick()
             except Exception as e:  # database trouble: back off and carry on (REL3)
-                log.warning("scheduler %s: %r", self.me, e)
-                did = 0
-                idle = self.settings.idle_poll_max
+                # A hint (a local submission, a reply committed) cuts the wait short: the store
+                # answered someone.
+                await sleep_or_wake(self.clock, outage.failed(e), stop, self.wake)
+                self.wake.clear()
+                continue
+            outage.answered()
             if did:
                 idle = self.settings.poll_interval
                 if self.settings.gather > 0:

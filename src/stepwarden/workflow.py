@@ -55,18 +55,25 @@ def check_key(kind: str, value: object) -> str:
 
 
 def encode_input(value: Any, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> str:
-    """Serialise a task input to JSON text, refusing what is not JSON or is over the size limit."""
+    """Serialise a task input to JSON text, refusing what is not JSON or is over the size limit.
+    A dict key that is not text (``{1: "x"}``) is refused as an operation's result is (see
+    :func:`encode_result`), naming where it is."""
     try:
         text, size = _compact(value)
     except UnicodeEncodeError:
         raise InputError("task input is not valid Unicode (a lone surrogate or undecodable bytes)") from None
     except (TypeError, ValueError) as e:
-        raise InputError(f"task input is not JSON-serialisable: {e}") from None
+        # json's own word for a key it refuses ("keys must be str, int, float, bool or None")
+        # would say that an int key is fine: the key's own error says it is not.
+        raise InputError(f"task input is not JSON-serialisable: {_bad_key(value) or e}") from None
     except RecursionError:
         raise InputError("task input is nested too deeply") from None
     _check_size(size, max_bytes, "task input is {} bytes")
-    if json_depth(value) > MAX_JSON_DEPTH:
+    depth, keyed = _shape(value)
+    if depth > MAX_JSON_DEPTH:
         raise InputError(f"task input is nested too deeply (more than {MAX_JSON_DEPTH} levels)")
+    if not keyed:
+        raise InputError(f"task input is not JSON-serialisable: {_bad_key(value)}")
     return text
 
 
@@ -84,12 +91,24 @@ def _check_size(size: int, max_bytes: int | None, said: str) -> None:
         raise PayloadTooLarge(f"{said.format(size)}, over the limit of {max_bytes} bytes")
 
 
-def json_depth(value: Any) -> int:
-    """How deeply lists and dicts nest in ``value`` (0 for a scalar), without recursing."""
-    deepest, stack = 0, [(value, 1)]
+def _shape(value: Any) -> tuple[int, bool]:
+    """How deeply lists and dicts nest in ``value`` (0 for a scalar), and whether every dict key
+    in it is text: one walk, without recursing, for both checks (a result's, on the path of every
+    reply). Past ``MAX_JSON_DEPTH`` levels it stops: deep enough to refuse.
+
+    A key that is not text is refused rather than written as JSON's text for it: ``json.dumps``
+    turns ``{1: "x"}`` into ``{"1": "x"}``, which reads back with another key (the next step
+    finds ``"1"``, not ``1``), and ``{1: "a", "1": "b"}`` into an object with the same key
+    twice, of which a reader keeps one."""
+    deepest, keyed, stack = 0, True, [(value, 1)]
     while stack:
         v, d = stack.pop()
         if isinstance(v, dict):
+            if keyed:
+                for k in v:
+                    if not isinstance(k, str):
+                        keyed = False
+                        break
             items: Iterable[Any] = v.values()
         elif isinstance(v, list | tuple):
             items = v
@@ -97,9 +116,50 @@ def json_depth(value: Any) -> int:
             continue
         deepest = max(deepest, d)
         if d > MAX_JSON_DEPTH:
-            return d  # deep enough to refuse: no need to walk the rest
+            return d, keyed  # deep enough to refuse: no need to walk the rest
         stack.extend((x, d + 1) for x in items)
-    return deepest
+    return deepest, keyed
+
+
+def _bad_key(value: Any) -> str | None:
+    """Where the first dict key that is not text is in ``value`` (in document order, within
+    ``MAX_JSON_DEPTH`` levels), as an error message says it: ``key 1 (int) at ["orders"][2] is
+    not text``. None if there is none. Only walked once a value is refused: the path costs."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 1)]
+    while stack:
+        v, path, d = stack.pop()
+        if d > MAX_JSON_DEPTH:
+            continue
+        if isinstance(v, dict):
+            for k in v:
+                if not isinstance(k, str):
+                    where = path or "the top level"
+                    return (
+                        f"key {_key_shown(k)} ({type(k).__name__}) at {where} is not text: JSON object"
+                        " keys are text, and nothing is turned into text for you"
+                    )
+            inner = [(x, f"{path}[{_cut(json.dumps(k, ensure_ascii=False))}]", d + 1) for k, x in v.items()]
+        elif isinstance(v, list | tuple):
+            inner = [(x, f"{path}[{i}]", d + 1) for i, x in enumerate(v)]
+        else:
+            continue
+        stack.extend(reversed(inner))  # the first key or item on top: document order
+    return None
+
+
+def _key_shown(key: object) -> str:
+    """A key as an error message shows it: its repr, cut (and a note if even that fails: an
+    object's repr may raise)."""
+    try:
+        return _cut(repr(key))
+    except Exception:
+        return f"<a {type(key).__name__}>"
+
+
+def _cut(text: str) -> str:
+    """``text`` cut at 40 characters, for one key in an error message: a path of long keys stays
+    one readable line."""
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class JsonText(str):
@@ -115,13 +175,18 @@ def encode_result(result: Any, max_bytes: int | None = None) -> JsonText | None:
 
     Nothing is turned into text behind the author's back (no ``default=str``): a set, bytes or an
     object would otherwise complete the step with ``"{1, 2}"`` or ``"<object at 0x...>"`` as its
-    result, and the next step would read that text as if it were the data. The size limit keeps
-    one result from being carried in every later step's payload and reply (the agent passes
-    ``AgentSettings.max_result_bytes``, 1 MiB by default, the same as the input limit of SUB4)."""
+    result, and the next step would read that text as if it were the data. Nor is a dict key
+    (``{1: "x"}`` would be read back as ``{"1": "x"}``): a key that is not text is refused,
+    named with where it is. The size limit keeps one result from being carried in every later
+    step's payload and reply (the agent passes ``AgentSettings.max_result_bytes``, 1 MiB by
+    default, the same as the input limit of SUB4)."""
     if result is None or isinstance(result, JsonText):
         return result
-    if json_depth(result) > MAX_JSON_DEPTH:
+    depth, keyed = _shape(result)
+    if depth > MAX_JSON_DEPTH:
         raise InputError(f"nested too deeply (more than {MAX_JSON_DEPTH} levels)")
+    if not keyed:
+        raise InputError(storable_text(f"not JSON ({_bad_key(result)})")[:300])
     try:
         text, size = _compact(result)
     except UnicodeEncodeError:

@@ -109,7 +109,22 @@ def as_json(value: Any, limit: int) -> str | None:
         size = len(text.encode())
     except (TypeError, ValueError, RecursionError, UnicodeEncodeError):
         return None
-    return text if size <= limit else None
+    return text if size <= limit and _keys_are_text(value) else None
+
+
+def _keys_are_text(value: Any) -> bool:
+    """Every dict key in ``value`` is text: one json.dumps would turn into text (``1`` -> ``"1"``)
+    is refused, not stored under another key."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                return False
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return True
 
 
 # -- strategies -------------------------------------------------------------------------------------------

@@ -1,0 +1,179 @@
+"""While the store is down, the roles' loops back off and say so twice: once when the failures
+begin (a warning with the error), once when the store answers again (REL3).
+
+They used to try again every ``idle_poll_max`` (0.25 s) for the whole outage, with a warning
+per round (two a round for the agent: its pull, and its sweep for lost takes): 39 warnings in a
+5 s outage from one agent role. Each test drives the role's fake clock by exactly the sleeps the
+role begins (``drive``), so the waits it chose can be read back, and an outage of a minute
+takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import re
+from typing import Any
+
+import pytest
+from test_agent_reply_deadline import Sleeps, drive
+from test_agent_role import WrappedStore, make_role
+
+from stepwarden.agent import Agent, Request
+from stepwarden.clock import STORE_RETRY, Outage
+from stepwarden.scheduler import SchedulerRole
+from stepwarden.store import ApplyResult, Store
+
+CAP = STORE_RETRY.maximum  # 5 s
+JITTER = STORE_RETRY.jitter  # +-20 %
+
+
+class Outages:
+    """Takes a store down and brings it back; notes, for every call refused while it is down,
+    how many sleeps the role's clock had begun: the sleep that follows a failed round is the
+    next one, whatever else the role slept before."""
+
+    def __init__(self, clock: Sleeps) -> None:
+        self.clock = clock
+        self.down = False
+        self.failed_at: set[int] = set()  # a round's calls (a pull and a sweep) share one
+        self.answered = 0  # calls that went through
+
+    def check(self) -> None:
+        if self.down:
+            self.failed_at.add(len(self.clock.slept))
+            raise ConnectionError("connection refused")
+        self.answered += 1
+
+    def waits(self) -> list[float]:
+        """The sleeps that followed failed rounds (those begun so far)."""
+        return [self.clock.slept[i] for i in sorted(self.failed_at) if i < len(self.clock.slept)]
+
+
+class Down(WrappedStore):
+    """The store, refusing every transaction while ``outages.down`` (a database unreachable)."""
+
+    def __init__(self, store: Store, outages: Outages) -> None:
+        super().__init__(store)
+        self.outages = outages
+
+    async def transact(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        self.outages.check()
+        return await self.store.transact(fn, *args, **kw)
+
+    async def requests_taken_by(self, me: str) -> Any:
+        self.outages.check()
+        return await self.store.requests_taken_by(me)
+
+
+class Rounds:
+    """A scheduler's store that has nothing to do, or is unreachable while ``outages.down``."""
+
+    def __init__(self, outages: Outages) -> None:
+        self.outages = outages
+
+    async def schedule(self, me: str, limit: int) -> tuple[ApplyResult, int]:
+        self.outages.check()
+        return ApplyResult(), 0
+
+
+def assert_backs_off(waits: list[float]) -> None:
+    """From a quarter second, doubling, to the cap (each within the jitter)."""
+    assert waits[0] <= 0.25 * (1 + JITTER), waits
+    for a, b in itertools.pairwise(waits[:5]):
+        assert b >= a * 2 * (1 - JITTER) / (1 + JITTER), waits  # grows
+    assert all(CAP * (1 - JITTER) <= w <= CAP * (1 + JITTER) for w in waits[5:]), waits  # capped
+
+
+def said(caplog: pytest.LogCaptureFixture, logger: str, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == level]
+
+
+async def outage(outages: Outages, caplog: pytest.LogCaptureFixture, logger: str) -> tuple[list[float], int]:
+    """With the loop running on ``outages.clock``: take the store down for ten failed rounds,
+    then bring it back for a few rounds. Returns the waits the loop chose while it was down, and
+    how many rounds failed; checks that it warned once, naming the error."""
+    clock = outages.clock
+    await drive(clock, lambda: len(clock.slept) >= 3)  # a few idle polls: it is up
+    outages.down = True
+    await drive(clock, lambda: len(outages.waits()) >= 10)
+    waits, failed = outages.waits(), len(outages.failed_at)
+    assert_backs_off(waits)
+    outages.down = False
+    back = outages.answered
+    await drive(clock, lambda: outages.answered >= back + 3)
+    warnings = said(caplog, logger, logging.WARNING)
+    assert len(warnings) == 1, warnings
+    assert "ConnectionError('connection refused')" in warnings[0]
+    return waits, failed
+
+
+def assert_said_back(caplog: pytest.LogCaptureFixture, logger: str, failed: int) -> None:
+    (back,) = said(caplog, logger, logging.INFO)
+    found = re.search(r"the store answers again, after [\d.]+s of failed rounds \((\d+) of them\)", back)
+    assert found and int(found[1]) == failed, back
+
+
+def test_an_agent_role_backs_off_while_the_store_is_down_and_logs_the_outage_twice(
+    rt_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stepwarden")
+    agent = Agent("svc")
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        return None
+
+    outages = Outages(Sleeps())
+
+    async def body() -> tuple[list[float], int]:
+        role = make_role(Down(rt_store, outages), agent, clock=outages.clock)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        running = asyncio.create_task(role.run(stop))
+        try:
+            return await outage(outages, caplog, "stepwarden.agent")
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 5)
+
+    _, failed = asyncio.run(body())
+    assert_said_back(caplog, "stepwarden.agent", failed)
+
+
+def test_a_scheduler_role_backs_off_while_the_store_is_down_and_starts_again_from_the_shortest_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="stepwarden")
+    outages = Outages(Sleeps())
+
+    async def body() -> tuple[list[float], int, list[float]]:
+        role = SchedulerRole(Rounds(outages), "sched", clock=outages.clock)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        running = asyncio.create_task(role.run(stop))
+        try:
+            waits, failed = await outage(outages, caplog, "stepwarden.scheduler")
+            # a second outage: its waits start again from a quarter second
+            outages.failed_at.clear()
+            outages.down = True
+            await drive(outages.clock, lambda: len(outages.waits()) >= 2)
+            return waits, failed, outages.waits()
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 5)
+
+    _, failed, second = asyncio.run(body())
+    assert_said_back(caplog, "stepwarden.scheduler", failed)
+    assert second[0] <= 0.25 * (1 + JITTER), second
+    assert len(said(caplog, "stepwarden.scheduler", logging.WARNING)) == 2  # one per outage
+
+
+def test_the_outage_waits_grow_to_the_cap_and_start_over_once_the_store_answers() -> None:
+    """The helper both loops share (and any other loop that polls the store may)."""
+    clock = Sleeps()
+    log = logging.getLogger("test.outage")
+    outage = Outage(log, "role x", clock)
+    waits = [outage.failed(ConnectionError("down")) for _ in range(8)]
+    assert_backs_off(waits)
+    outage.answered()
+    assert outage.failed(ConnectionError("down")) <= 0.25 * (1 + JITTER)
