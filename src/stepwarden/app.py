@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -68,6 +69,7 @@ class App:
         self.workflows: dict[str, Workflow] = {}
         self.alert_sinks: list[AlertSink] = []
         self._store: Store | None = None
+        self._store_lock = threading.Lock()
 
     # -- definitions ---------------------------------------------------------------------------
     def agent(
@@ -119,13 +121,24 @@ class App:
 
     # -- the store -----------------------------------------------------------------------------
     @property
+    def db(self) -> str | None:
+        """The store URL this app was made with, or None (``STEPWARDEN_DB`` or the default then).
+        The command line runs ``--app`` on it unless ``--db`` or ``STEPWARDEN_DB`` names another."""
+        return self._db
+
+    @property
     def url(self) -> str:
         return self._store.url if self._store is not None else resolve_url(self._db)
 
     @property
     def store(self) -> Store:
+        """The app's store, opened (and on SQLite migrated) when first asked for. Under a lock:
+        the threads of a web server submitting at once on a fresh app would otherwise each open
+        one, and all but one be left open, with their connections and threads, never closed."""
         if self._store is None:
-            self._store = open_store(self._db, clock=self.clock)
+            with self._store_lock:
+                if self._store is None:
+                    self._store = open_store(self._db, clock=self.clock)
         return self._store
 
     def use_store(self, store: Store) -> None:

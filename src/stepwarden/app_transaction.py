@@ -13,6 +13,7 @@ from .leader import Leadership
 from .policies import show
 from .store import transitions
 from .store.base import Tx, read_only
+from .store.sqlite import SQLiteStore
 from .store.supervision import fence
 from .workflow import Workflow
 
@@ -69,15 +70,32 @@ class AppTransaction:
     def fence(self, lead: Leadership) -> None:
         """Raise :class:`~stepwarden.errors.LostOwnership` unless ``lead``'s term still holds
         its lease on the database clock, so that the block's writes commit only under a current
-        term (LEAD4 for an application's own leader work, LEAD7). Call it first in the block. On
-        PostgreSQL the lease row stays share-locked until the block ends, so a successor's
-        acquire waits for it (and so does this process's own renewal: keep a fenced block well
-        under the lease's ``ttl - margin``); on SQLite the block's write lock orders them."""
+        term (LEAD4 for an application's own leader work, LEAD7). Call it first in the block.
+
+        The check holds until the block's transaction ends: no successor can be granted the
+        lease in between (and neither can this process's own renewal: keep a fenced block well
+        under the lease's ``ttl - margin``). On PostgreSQL the lease row stays share-locked, and
+        a successor's acquire waits for it. On SQLite the block's transaction holds the write
+        lock from the check on, and an acquire is a write: on your own ``sqlite3`` connection
+        the fence takes it (``BEGIN IMMEDIATE`` when no transaction is open, as in ``sqlite3``'s
+        default mode before the first write; else a statement that writes nothing), so the
+        block's later writes cannot land in a transaction begun after a successor took over. A
+        transaction that read before another connection's last write cannot take the lock:
+        :class:`~stepwarden.errors.StoreError`, as for a lock that stays taken. A failed check
+        rolls back the transaction the fence began, holding nothing."""
         if not isinstance(lead, Leadership):
             raise InputError(f"fence takes the Leadership your leader work was given, not {show(lead)}")
         if self._opened and not self._open_now():
             raise self._ended_error()
-        fence(self._tx, lead.holder, lead.name, lead.term)
+        store = self.app.store
+        # A lent connection holds the lock since its BEGIN IMMEDIATE.
+        began = isinstance(store, SQLiteStore) and not self._lent and store.hold_write_lock(self.connection)
+        try:
+            fence(self._tx, lead.holder, lead.name, lead.term)
+        except BaseException:
+            if began:  # only the check was in it: nothing of the caller's is undone
+                store.rollback(self.connection)
+            raise
         self._opened = self._opened or self._open_now()
 
     def submit(

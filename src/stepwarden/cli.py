@@ -25,12 +25,20 @@ from click.core import ParameterSource
 from . import __version__
 from .alerts import SINK_THREAD_PREFIX
 from .app import App
-from .cli_params import FiniteRange, bracketed, fail, is_loopback, open_for
+from .cli_params import (
+    FiniteRange,
+    ReaderGone,
+    bracketed,
+    echo,
+    fail,
+    is_loopback,
+    open_for,
+    store_url,
+)
 from .cli_views import COMMANDS
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
 from .logs import safe_text
-from .store import resolve_url
 from .supervisor import SupervisorSettings
 from .worker import ROLES, Worker, WorkerSettings, parse_list
 from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
@@ -81,7 +89,7 @@ def _load_app(ref: str) -> App:
     "--db",
     envvar="STEPWARDEN_DB",
     metavar="URL",
-    help="Store URL (default: $STEPWARDEN_DB, else sqlite:///stepwarden.db).",
+    help="Store URL (default: $STEPWARDEN_DB, else the --app's own, else sqlite:///stepwarden.db).",
 )
 @click.option(
     "--log-level",
@@ -119,7 +127,7 @@ for _command in COMMANDS:
 def init(ctx: click.Context) -> None:
     """Create or upgrade the schema (idempotent)."""
     store = open_for(ctx, create=True)
-    click.echo(f"store ready: {store.url}")
+    echo(f"store ready: {store.url}")
 
 
 @cli.command()
@@ -201,7 +209,7 @@ def worker(
     # Everything that can be refused is checked (the agents named, the metrics port) before the
     # store is opened (by the worker, as it starts): a refused command must not have created or
     # migrated it.
-    w = Worker(app, settings, db=resolve_url(ctx.obj["db"]))
+    w = Worker(app, settings, db=store_url(ctx, app))
     if metrics_port is not None:
         try:
             from .metrics import start_worker_metrics
@@ -392,8 +400,8 @@ def submit(
         # Refused before the store is opened: --app creates and migrates it, and bad input writes nothing.
         known = ", ".join(sorted(app.workflows)) or "none"
         raise UnknownWorkflow(f"unknown workflow {workflow!r}; this app defines: {known}")
-    app.use_store(open_for(ctx, create=app_ref is not None))
-    click.echo(
+    app.use_store(open_for(ctx, create=app_ref is not None, app=app))
+    echo(
         app.submit(
             workflow,
             data,
@@ -463,7 +471,33 @@ def main(argv: list[str] | None = None) -> None:
 def run(group: click.Group, argv: list[str] | None, prog_name: str) -> None:
     """Run a command line of ours with its errors as one ``error:`` line and exit codes 2 (bad
     input) or 1 (anything else), never click's ``Error:`` block or a traceback: ``stepwarden``
-    itself, and ``python -m stepwarden.dashboard``."""
+    itself, and ``python -m stepwarden.dashboard``.
+
+    A reader of standard output that went away (``| head``: :class:`ReaderGone`) ends the
+    command quietly with exit 0, whatever it was doing: what it had done stays done (a
+    submitted task is submitted), and the reader had what it wanted (docs/cli.md)."""
+    try:
+        _run(group, argv, prog_name)
+    except ReaderGone:
+        _stdout_to_devnull()
+        sys.exit(0)
+
+
+def _stdout_to_devnull() -> None:
+    """Point standard output at /dev/null: what its buffer still holds is flushed again at exit,
+    and to the closed pipe that would fail again (Python then says "Exception ignored" on stderr
+    and exits 120)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no descriptor of its own (an in-process runner)
+        pass
+
+
+def _run(group: click.Group, argv: list[str] | None, prog_name: str) -> None:
     try:
         # Outside standalone mode click hands back the code of a ``ctx.exit(N)`` instead of
         # exiting with it (the demo's failed check exits 1 that way).
@@ -476,7 +510,7 @@ def run(group: click.Group, argv: list[str] | None, prog_name: str) -> None:
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.exceptions.NoArgsIsHelpError as e:  # a group without its command: show its help
-        click.echo(e.ctx.get_help() if e.ctx is not None else e.format_message())
+        echo(e.ctx.get_help() if e.ctx is not None else e.format_message())
         sys.exit(0)
     except click.UsageError as e:
         click.echo(f"error: {_one_line(e.format_message())}", err=True)
@@ -492,6 +526,8 @@ def run(group: click.Group, argv: list[str] | None, prog_name: str) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    except ReaderGone:
+        raise  # for run(): not an error
     except Exception as e:  # one line, never a traceback, for anything we did not foresee
         click.echo(f"error: {_one_line(f'{type(e).__name__}: {e}')}", err=True)
         if os.environ.get("STEPWARDEN_DEBUG"):

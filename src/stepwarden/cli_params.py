@@ -7,12 +7,15 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from .errors import InputError
 from .store import Store, open_existing, open_store, resolve_url
+
+if TYPE_CHECKING:
+    from .app import App
 
 TABLE_ROWS = 100  # the tasks (or alerts) a table shows without --limit
 
@@ -22,10 +25,21 @@ def fail(message: str) -> NoReturn:
     raise click.ClickException(message)
 
 
-def open_for(ctx: click.Context, *, create: bool = False) -> Store:
-    """Open the store of the command's ``--db``; read and operator commands refuse to create one
-    by accident. Closed when the command ends."""
-    url = resolve_url(ctx.obj["db"])
+def store_url(ctx: click.Context, app: App | None = None) -> str:
+    """The command's store (DEP5): ``--db``, else ``STEPWARDEN_DB`` (click reads the variable for
+    ``--db``: both are ``ctx.obj["db"]``), else the URL of the ``--app`` application, if it was
+    made with one (``App("sqlite:///shop.db")``), else ``sqlite:///stepwarden.db``. The app's own
+    URL comes after the variable, as the other commands run in the same environment (``tasks``,
+    ``task retry``) know only the variable; but before the default, or a worker would run on a
+    new ``stepwarden.db`` in its folder while the app's ``app.submit`` writes elsewhere, and its
+    tasks would never run."""
+    return ctx.obj["db"] or (app.db if app is not None else None) or resolve_url(None)
+
+
+def open_for(ctx: click.Context, *, create: bool = False, app: App | None = None) -> Store:
+    """Open the command's store (:func:`store_url`); read and operator commands refuse to create
+    one by accident. Closed when the command ends."""
+    url = store_url(ctx, app)
     store = open_store(url) if create else open_existing(url)
     ctx.call_on_close(store.close)
     return store
@@ -47,8 +61,23 @@ def bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+class ReaderGone(Exception):
+    """Standard output's reader went away before the command had printed everything (``| head``,
+    ``| true``: EPIPE). Not an ``OSError``, which click would turn into exit 1 with nothing said:
+    :func:`stepwarden.cli.run` ends the command quietly, exit 0 (docs/cli.md says why)."""
+
+
+def echo(text: Any) -> None:
+    """``click.echo`` to standard output, its reader gone raised as :class:`ReaderGone`. Every
+    command prints its results through this (or :func:`print_json`, or ``cli_render``'s console)."""
+    try:
+        click.echo(text)
+    except BrokenPipeError:
+        raise ReaderGone from None
+
+
 def print_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, default=str))
+    echo(json.dumps(value, indent=2, default=str))
 
 
 def positive_id(kind: str, value: str) -> int:

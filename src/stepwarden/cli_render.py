@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .cli_params import ReaderGone
 from .durations import short as short_duration
 from .logs import safe_text
 from .store.views import iso
@@ -65,11 +66,18 @@ def _renders_safely(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away (``| head``): :class:`ReaderGone`, as for every command's output,
+        not rich's own exit 1 with nothing said."""
+        raise ReaderGone
+
+
 def _console() -> Console:
     # A pipe or a log file has no width; rich would assume 80 columns and cut ids and times short.
     # (COLUMNS, if set, still wins: rich reads it itself.)
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-    return Console(markup=False, emoji=False, highlight=False, width=width)
+    return _Console(markup=False, emoji=False, highlight=False, width=width)
 
 
 def _table(*columns: str, title: str | None = None) -> Table:

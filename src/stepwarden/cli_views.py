@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from .alerts import ack_alert
-from .cli_params import TABLE_ROWS, FiniteRange, open_for, positive_id, print_json
+from .cli_params import TABLE_ROWS, FiniteRange, echo, open_for, positive_id, print_json
 from .errors import InputError, NotFound, StepwardenError
 from .logs import safe_text
 from .replies import Replies
@@ -114,7 +114,7 @@ def task_retry(ctx: click.Context, task_id: str, step: str | None) -> None:
     """Resubmit an errored task from its failed step, after fixing the cause."""
     tid = _task_id(task_id)
     state = open_for(ctx).transact_sync(tr.retry_task, tid, step, "cli")
-    click.echo(tr.describe_retry(tid, state, step))
+    echo(tr.describe_retry(tid, state, step))
 
 
 @task.command("cancel")
@@ -124,7 +124,7 @@ def task_cancel(ctx: click.Context, task_id: str) -> None:
     """Cancel a task: it stops after its running step; the steps it started are compensated, newest first."""
     tid = _task_id(task_id)
     state = open_for(ctx).transact_sync(tr.cancel_task, tid, "cli")
-    click.echo(f"task {tid}: cancel requested (now {state})")
+    echo(f"task {tid}: cancel requested (now {state})")
 
 
 @click.group(invoke_without_command=True)
@@ -170,9 +170,9 @@ def alerts_ack(ctx: click.Context, alert_id: str, by: str | None, as_json: bool)
     if as_json:
         print_json(alert)
     elif changed:
-        click.echo(f"alert {aid} acknowledged by {alert['acked_by']}")
+        echo(f"alert {aid} acknowledged by {alert['acked_by']}")
     else:
-        click.echo(f"alert {aid} was already acknowledged by {alert['acked_by']} at {alert['acked_at']}")
+        echo(f"alert {aid} was already acknowledged by {alert['acked_by']} at {alert['acked_at']}")
 
 
 @click.command()
@@ -249,12 +249,12 @@ def watch(
             detail = json.loads(e["detail"]) if e["detail"] else {}
             shown = " ".join(f"{k}={detail_value(k, v)}" for k, v in detail.items())
             line = f"{views.iso(e['at'])} {e['kind']:<16} {shown}"
-            click.echo(safe_text(line))  # a reason or error from a service may hold ESC sequences
+            echo(safe_text(line))  # a reason or error from a service may hold ESC sequences
         state = store.transact_sync(views.task_state, tid)
         if state is None:
             raise NotFound(f"no task {tid}")
         if state in FINAL_TASK_STATES:
-            click.echo(f"task {tid} is {state}")
+            echo(f"task {tid} is {state}")
             return
         if end is not None and time.monotonic() >= end:
             raise StepwardenError(f"task {tid} is still {state} after {timeout:g}s")  # exit 1, one line
@@ -271,7 +271,7 @@ def _watch_queue(store: Store, queue: str, consumer: str | None, timeout: float 
             asyncio.get_running_loop().call_later(max(0.0, timeout), stop.set)
         async with Replies(store, queue, consumer, stop=stop) as replies:
             async for msg in replies:
-                click.echo(msg.raw)
+                echo(msg.raw)
 
     asyncio.run(follow())
 

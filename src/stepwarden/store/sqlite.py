@@ -351,6 +351,50 @@ class SQLiteStore(Store):
         conn.create_function("sw_now", 0, self.clock.wall)
         return SqliteTx(conn, self.queries, caller_managed=True)
 
+    def hold_write_lock(self, conn: sqlite3.Connection) -> bool:
+        """Make the caller's transaction on ``conn`` hold SQLite's write lock, for ``tx.fence``
+        (LEAD4, LEAD7): checked under it, the term cannot change before the block ends, because
+        a successor's acquire is a write and SQLite has one writer. True if this began the
+        transaction (``BEGIN IMMEDIATE``), for the fence to roll back if the check fails.
+
+        Without it the fence's check is a read, which holds nothing. ``sqlite3`` in its default
+        mode begins a transaction only before the first write, so the check ran on its own and
+        the block's writes in a transaction begun after it: a successor could take the lease in
+        between and the deposed leader's writes commit under the new term. Out of a transaction,
+        then, this begins one that holds the lock; the caller commits it as usual. Inside a
+        deferred one (``BEGIN``; or Python 3.12's ``autocommit=False``, which always has one
+        open) that has not written yet, a read would hold only a snapshot: a successor could
+        take the lease after it, and the block would learn that only from its first write's
+        ``SQLITE_BUSY_SNAPSHOT``. :data:`_TAKE_WRITE_LOCK` takes the lock there, writing
+        nothing. A transaction that read before another connection's last commit can never take
+        it (SQLite writes only from the newest state): :class:`StoreError`, saying to fence
+        before reading. A lock another writer keeps for the connection's own busy timeout is a
+        :class:`StoreError` too; nothing of the block was written in either case."""
+        began = not conn.in_transaction
+        started = time.monotonic()
+        try:
+            conn.execute("BEGIN IMMEDIATE" if began else _TAKE_WRITE_LOCK)
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_BUSY_SNAPSHOT:
+                raise StoreError(
+                    "tx.fence: the block's transaction read the SQLite store"
+                    f" {shown(self.path)} before another connection's last write, so it cannot take"
+                    " the write lock the fence holds until the block ends (SQLite writes only from"
+                    " the newest state); call tx.fence before the transaction reads anything, or"
+                    " begin it with BEGIN IMMEDIATE"
+                ) from e
+            if _busy(e):
+                raise StoreError(
+                    f"tx.fence: the SQLite store {shown(self.path)} stayed locked by another writer"
+                    f" for {time.monotonic() - started:.1f} s (the connection's busy timeout), so"
+                    " the fence could not take the write lock; nothing was checked"
+                ) from e
+            explained = self._explained(e, time.monotonic() - started)
+            if explained is None:
+                raise
+            raise explained from e
+        return began
+
     def begin(self, conn: Any) -> None:
         """Take the write lock, retrying every fraction of a millisecond while another writer holds it.
 
@@ -521,6 +565,9 @@ class SQLiteStore(Store):
 
 
 CALLER_IDLE_MAX = 4  # connections kept for callers' transactions between their blocks
+# The write lock inside a deferred transaction, for tx.fence (hold_write_lock): an UPDATE opens
+# the write transaction before it looks at a row, and this one matches none, so nothing is written.
+_TAKE_WRITE_LOCK = "UPDATE leases SET term = term WHERE 0"
 # Per thread, the SQLite files (real paths) on which it has an app.transaction() block open.
 _BLOCKS = threading.local()
 

@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import LostOwnership
+from ..errors import LostOwnership, StoreError
 from ..policies import Decision, stored_policy
 from ..workflow import Step, Workflow, encode_result
 from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx
@@ -50,17 +50,28 @@ def submit(
         "priority": priority,
     }
     steps, steps_json = _step_rows(wf)
-    if tx.dialect == "postgres":
-        detail = json.dumps({"workflow": wf.name, "correlation_id": correlation_id})
-        row = tx.one("submit_task", **task, steps=steps_json, detail=detail, may_skip=not tx.caller_managed)
-    else:
-        row = tx.one("insert_task", **task)
-    if row is None:
+    # Twice at most: the task holding the key may be deleted between the insert that met it and
+    # the look-up (the leader pruning it at the end of its retention, on PostgreSQL, where the
+    # look-up is a statement of its own). The key is free then, and a second insert takes it.
+    for _ in range(2):
+        if tx.dialect == "postgres":
+            detail = json.dumps({"workflow": wf.name, "correlation_id": correlation_id})
+            skip = not tx.caller_managed
+            row = tx.one("submit_task", **task, steps=steps_json, detail=detail, may_skip=skip)
+        else:
+            row = tx.one("insert_task", **task)
+        if row is not None:
+            break
         # The key exists, committed by another submitter (Postgres waited for it to commit), so
-        # this statement's fresh snapshot sees it.
+        # this statement's fresh snapshot sees it, unless it was deleted since.
         found = tx.one("task_by_key", key=idempotency_key)
-        assert found is not None
-        return int(found["id"]), False
+        if found is not None:
+            return int(found["id"]), False
+    else:
+        raise StoreError(
+            f"idempotency key {idempotency_key!r}: its task was deleted while this submission"
+            " looked for it, twice; nothing was submitted: submit it again"
+        )
     task_id = int(row["id"])
     if tx.dialect != "postgres":
         for step in steps:
