@@ -301,3 +301,102 @@ def test_a_store_newer_than_the_code_is_refused(store_url: str) -> None:
         s.close()
     with pytest.raises(MigrationError, match="newer"):
         open_store(store_url)
+
+
+def empty_database(store_url: str, tmp_path: Path) -> str:
+    """A database with no table at all: a new SQLite file, or the fixture's PostgreSQL database
+    with its schema dropped."""
+    if store_url.startswith("sqlite"):
+        return f"sqlite:///{tmp_path / 'empty.db'}"
+    empty = open_store(store_url, migrate=False)
+    empty.transact_sync(lambda tx: (tx.sql("DROP SCHEMA public CASCADE"), tx.sql("CREATE SCHEMA public")))
+    empty.close()
+    return store_url
+
+
+def raw(url: str, *statements: str) -> list[tuple[Any, ...]]:
+    """Run the application's own SQL on ``url`` outside stepwarden; the last statement's rows."""
+    if url.startswith("sqlite"):
+        import sqlite3
+
+        conn = sqlite3.connect(url.removeprefix("sqlite:///"))
+        try:
+            out: list[tuple[Any, ...]] = []
+            for s in statements:
+                out = conn.execute(s).fetchall()
+            conn.commit()
+            return out
+        finally:
+            conn.close()
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as pg:
+        rows: list[tuple[Any, ...]] = []
+        for s in statements:
+            cur = pg.execute(s)
+            rows = cur.fetchall() if cur.description else []
+        return rows
+
+
+def tables_of(url: str) -> set[str]:
+    if url.startswith("sqlite"):
+        return {r[0] for r in raw(url, "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    return {
+        r[0]
+        for r in raw(url, "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'")
+    }
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [
+        # golang-migrate's table: its version would have read as "schema 20240101, newer than this code"
+        (
+            "CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, dirty BOOLEAN NOT NULL)",
+            "INSERT INTO schema_migrations VALUES (20240101, false)",
+        ),
+        # Rails' and dbmate's: a text version
+        (
+            "CREATE TABLE schema_migrations (version VARCHAR(128) PRIMARY KEY)",
+            "INSERT INTO schema_migrations VALUES ('3')",
+        ),
+        # our columns, another tool's rows: its version 2 would have skipped our migrations 1 and 2
+        (
+            "CREATE TABLE schema_migrations"
+            " (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL)",
+            "INSERT INTO schema_migrations VALUES (2, 'add_users', 0)",
+        ),
+    ],
+    ids=["golang-migrate", "rails", "same-columns"],
+)
+def test_another_tools_schema_migrations_is_not_read_as_ours(
+    store_url: str, tmp_path: Path, foreign: tuple[str, str]
+) -> None:
+    url = empty_database(store_url, tmp_path)
+    raw(url, *foreign)
+    before = raw(url, "SELECT * FROM schema_migrations")
+
+    with pytest.raises(MigrationError, match="schema_migrations that stepwarden did not write"):
+        open_store(url)
+
+    assert tables_of(url) == {"schema_migrations"}, "nothing of stepwarden's was created"
+    assert raw(url, "SELECT * FROM schema_migrations") == before, "the other tool's table is as it was"
+
+
+def test_a_database_with_a_table_of_one_of_our_names_is_refused_whole(store_url: str, tmp_path: Path) -> None:
+    url = empty_database(store_url, tmp_path)
+    raw(
+        url,
+        "CREATE TABLE events (id INTEGER PRIMARY KEY, what TEXT)",
+        "INSERT INTO events VALUES (7, 'signup')",
+    )
+    raw(url, "CREATE TABLE orders (id INTEGER PRIMARY KEY)")  # a name of the application's own: fine
+
+    with pytest.raises(MigrationError, match=r"already has table\(s\) named events, which"):
+        open_store(url)
+
+    assert tables_of(url) == {"events", "orders"}, "nothing of stepwarden's was created"
+    assert raw(url, "SELECT id, what FROM events") == [(7, "signup")]
+    raw(url, "DROP TABLE events")
+    open_store(url).close()  # once the name is free, the store installs beside the application's tables
+    assert {"tasks", "events", "orders", "schema_migrations"} <= tables_of(url)

@@ -26,7 +26,7 @@ from .base import (
     shorten,
 )
 from .core import Store
-from .sql import pending_migrations
+from .sql import pending_migrations, schema_version
 from .sqlite import SQLiteStore
 from .sqlite_files import primary_code, refuse_foreign_read
 from .sqlite_files import sqlite_why as _sqlite_why
@@ -122,7 +122,7 @@ def _sqlite_version(path: str, where: str) -> int | None:
     try:
         if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_migrations'").fetchone() is None:
             return None
-        return int(conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
+        return schema_version("sqlite", lambda q: [tuple(r) for r in conn.execute(q).fetchall()])
     except sqlite3.OperationalError as e:
         if primary_code(e) in (sqlite3.SQLITE_ERROR, None):
             raise StoreError(f"{where} is not a stepwarden store: {e}") from None
@@ -136,7 +136,7 @@ def _sqlite_version(path: str, where: str) -> int | None:
 def _pg_version(tx: Tx) -> int | None:
     if not tx.sql("SELECT to_regclass('schema_migrations') IS NOT NULL AS present")[0]["present"]:
         return None
-    return int(tx.sql("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations")[0]["v"])
+    return schema_version("postgres", lambda q: [tuple(r.values()) for r in tx.sql(q)])
 
 
 MAX_BUSY_TIMEOUT = 86400.0

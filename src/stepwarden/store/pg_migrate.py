@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MigrationError
-from .sql import pending_migrations
+from .sql import pending_migrations, schema_version
 
 try:
     import psycopg
@@ -91,12 +91,12 @@ def _migrate_once(store: PostgresStore, target: int | None, lock_wait: float) ->
 
 
 def _apply_migrations(conn: Any, target: int | None) -> int:
+    version = schema_version("postgres", lambda q: [tuple(r.values()) for r in conn.execute(q).fetchall()])
     conn.execute(
         "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
         " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
     )
-    row: Any = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
-    todo = pending_migrations("postgres", int(row["v"]), target)
+    todo = pending_migrations("postgres", version, target)
     for version, name, statements in todo:
         for stmt in statements:
             conn.execute(stmt)

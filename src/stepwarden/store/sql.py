@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Collection, Sequence
 from importlib import resources
+from typing import Any
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
 
@@ -63,3 +65,79 @@ def pending_migrations(
         for version, name, script in known
         if version > current and (target is None or version <= target)
     ]
+
+
+_CREATED = re.compile(r"\bCREATE TABLE (?:IF NOT EXISTS )?(\w+)", re.I)
+
+
+def our_tables(dialect: str) -> list[str]:
+    """The tables stepwarden's migrations create, ``schema_migrations`` first: the names a
+    database must not already use for something else."""
+    names = ["schema_migrations"]
+    for _, _, script in load_migrations(dialect):
+        names += [n for n in _CREATED.findall(script) if n not in names]
+    return names
+
+
+def check_history(dialect: str, recorded: Sequence[tuple[Any, Any]] | None, existing: Collection[str]) -> int:
+    """The store's schema version, from the ``(version, name)`` rows of its ``schema_migrations``
+    (None: the table has no such columns), once it is clear that the database's tables named as
+    ours are ours. The names are plain (SUB2 puts the store in the application's own database),
+    and ``schema_migrations`` is also what Rails, golang-migrate and dbmate call their own table:
+    read as ours, its highest version would have made stepwarden skip migrations it never
+    applied, and a fresh install stopped at the first table of ours the database already had.
+    ``existing``: the database's tables whose names are ours (migrations not yet applied)."""
+    from ..errors import MigrationError
+
+    known = {version: name for version, name, _ in load_migrations(dialect)}
+    foreign = recorded is None or any(
+        not isinstance(v, int)
+        or (v in known and known[v] != n)
+        or (v <= max(known, default=0) and v not in known)
+        for v, n in recorded
+    )
+    if foreign:
+        raise MigrationError(
+            "this database has a table schema_migrations that stepwarden did not write (another"
+            " migration tool's, such as Rails', golang-migrate's or dbmate's): stepwarden's tables"
+            " have plain names and cannot share a database with it; give stepwarden a database"
+            " of its own"
+        )
+    version = max((int(v) for v, _ in recorded or ()), default=0)
+    made = {t for v, _, script in load_migrations(dialect) if v <= version for t in _CREATED.findall(script)}
+    clash = [t for t in our_tables(dialect) if t in existing and t not in made and t != "schema_migrations"]
+    if clash:
+        raise MigrationError(
+            f"this database already has table(s) named {', '.join(clash)}, which stepwarden's own"
+            " tables are called: rename yours, or give stepwarden a database of its own (nothing"
+            " was changed)"
+        )
+    return version
+
+
+# Per dialect: the tables of the schema the store's SQL uses, and the columns of schema_migrations.
+_CATALOGUE = {
+    "sqlite": (
+        "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')",
+        "SELECT name FROM pragma_table_info('schema_migrations')",
+    ),
+    "postgres": (
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
+        "SELECT column_name FROM information_schema.columns"
+        " WHERE table_schema = current_schema() AND table_name = 'schema_migrations'",
+    ),
+}
+
+
+def schema_version(dialect: str, rows: Callable[[str], list[tuple[Any, ...]]]) -> int:
+    """The store's schema version (0: none), read through ``rows`` (run a query, return its rows
+    as tuples) in the transaction that will migrate it, after :func:`check_history`."""
+    tables_sql, columns_sql = _CATALOGUE[dialect]
+    existing = {str(r[0]) for r in rows(tables_sql)} & set(our_tables(dialect))
+    recorded: list[tuple[Any, ...]] | None = []
+    if "schema_migrations" in existing:
+        columns = {str(r[0]) for r in rows(columns_sql)}
+        recorded = (
+            rows("SELECT version, name FROM schema_migrations") if {"version", "name"} <= columns else None
+        )
+    return check_history(dialect, recorded, existing)

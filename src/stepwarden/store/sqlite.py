@@ -28,7 +28,7 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError, MigrationError, StoreError
 from .base import DEFERRED, WORK_CHANNELS, AtCommit, Row
 from .core import Store
-from .sql import load_queries, pending_migrations
+from .sql import load_queries, pending_migrations, schema_version
 from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
 
 log = logging.getLogger("stepwarden.sqlite")
@@ -463,12 +463,14 @@ class SQLiteStore(Store):
         conn = self._conn()
         conn.execute("BEGIN IMMEDIATE")
         try:
+            version = schema_version(
+                "sqlite", lambda q: [tuple(r.values()) for r in conn.execute(q).fetchall()]
+            )
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
                 " name TEXT NOT NULL, applied_at REAL NOT NULL)"
             )
-            row = conn.execute("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations").fetchone()
-            todo = pending_migrations("sqlite", int(row["v"]), target)
+            todo = pending_migrations("sqlite", version, target)
             for version, name, statements in todo:
                 for stmt in statements:
                     conn.execute(stmt)
