@@ -42,7 +42,7 @@ from .leader import Leadership
 from .policies import Backoff, check_count, check_seconds, show
 from .store import Store
 from .store.base import Row, Tx
-from .store.supervision import fence
+from .store.supervision import leader_fence
 from .store.transitions import event
 from .store.views import iso, show_alert
 from .workflow import check_key, check_name
@@ -336,8 +336,11 @@ class Fence:
 
     def check(self, tx: Tx) -> None:
         """Raise :class:`~stepwarden.errors.LostOwnership` unless the term is still held, before
-        the transaction writes anything: the supervisor's own fence (``supervision.fence``)."""
-        fence(tx, self.holder, self.lease, self.term)
+        the transaction writes anything: the supervisor's own fence (``supervision.leader_fence``).
+        Its lock waits (``alert_hold``, ``alerts_expired``: only on the supervisor's prune, which
+        itself never waits) are cut at 1 s on PostgreSQL, as the supervisor's are: the share lock
+        on the lease holds up this dispatcher's own renewal meanwhile."""
+        leader_fence(tx, self.holder, self.lease, self.term)
 
 
 def _fence(tx: Tx, fence: Fence | None) -> None:
@@ -518,9 +521,12 @@ class AlertDispatcher:
                 return
             except Exception as e:  # the store is down: try again next round (REL3)
                 log.warning("alert delivery round failed: %r", e)
-            leadership.progress()
-            # A wait of known length is not a stall: an interval longer than the lease's
-            # stall_after made every idle round give the lease up.
+            else:
+                # Progress only for a round that did its work: one that failed (the store's pool
+                # unreachable, say) marked it too, and a dispatcher that could deliver nothing
+                # kept its lease forever (LEAD6). After a failed round the wait below counts
+                # towards stall_after; after one that worked it is idle, however long.
+                leadership.progress()
             await leadership.sleep(self.settings.interval)
 
     async def tick(self, leadership: Leadership | None = None) -> int:

@@ -79,21 +79,33 @@ class Leadership:
         self.term = term
         self._clock = clock
         self.last_progress = clock.monotonic()
+        # Progress reported since the last sleep (the term's start counts): only then is the next
+        # sleep idle rather than part of a stall.
+        self._progressed = True
 
     def progress(self) -> None:
         self.last_progress = self._clock.monotonic()
+        self._progressed = True
 
     async def sleep(self, seconds: float) -> None:
-        """Wait ``seconds`` without the wait counting as a stall (LEAD6): a loop that waits
-        between its rounds is idle, not stuck, whatever ``stall_after`` is. The stall clock
-        starts again when the sleep ends (the lease is still renewed meanwhile, and the sleep is
-        cancelled with the work if the lease is lost)."""
+        """Wait ``seconds`` between rounds. After a round that reported progress the wait does
+        not count as a stall (LEAD6): the loop is idle, not stuck, whatever ``stall_after`` is,
+        and the stall clock starts again when the sleep ends. After a round that reported none
+        (its work failed) the wait counts: a leader whose every round fails used to mark
+        progress at the end of each wait, and so kept its lease forever while doing nothing; now
+        it gives the lease up once ``stall_after`` has passed since its last progress, so that a
+        healthier process can lead. The lease is renewed meanwhile either way, and the sleep is
+        cancelled with the work if the lease is lost."""
         seconds = max(0.0, float(seconds))
+        idle, self._progressed = self._progressed, False
+        if not idle:
+            await self._clock.sleep(seconds)
+            return
         self.last_progress = max(self.last_progress, self._clock.monotonic() + seconds)
         try:
             await self._clock.sleep(seconds)
         finally:
-            self.progress()
+            self.last_progress = self._clock.monotonic()
 
 
 Work = Callable[[Leadership], Coroutine[Any, Any, None]]

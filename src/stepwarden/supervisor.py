@@ -104,10 +104,11 @@ class Supervisor:
                 r = await self.store.sweep_expired(self.me, LEASE, term, self.settings.batch)
                 total.rescued += r.rescued
                 total.escalated += r.escalated
+                total.examined += r.examined
                 total.alerts.extend(r.alerts)
                 if leadership is not None:
                     leadership.progress()
-                if r.rescued < self.settings.batch:
+                if not self._more(r):
                     break
         finally:
             self.rescued += total.rescued
@@ -139,6 +140,7 @@ class Supervisor:
                 )
                 total.rescued += r.rescued
                 total.escalated += r.escalated
+                total.examined += r.examined
                 total.alerts.extend(r.alerts)
                 if leadership is not None:
                     leadership.progress()
@@ -150,8 +152,17 @@ class Supervisor:
                         verdict.worker,
                         verdict.reason,
                     )
-                if r.rescued < self.settings.batch:
+                if not self._more(r):
                     break
+
+    def _more(self, r: SweepResult) -> bool:
+        """Whether another batch may find more: this one read a full batch (on PostgreSQL some may
+        have been skipped, their task or request held by another transaction, so counting the
+        rescued ones ended a sweep with a backlog left behind a single held row) and rescued at
+        least one. The skipped rows are read again by the next batch, so one that read nothing
+        but them ends the sweep rather than reading them over and over: they wait for the next
+        sweep, an interval later."""
+        return r.examined >= self.settings.batch and r.rescued > 0
 
     async def prune(self, term: int, leadership: Leadership | None = None) -> int:
         """Delete finished tasks past their retention, a bounded number of batches per call; once
@@ -201,7 +212,13 @@ class Supervisor:
             )
 
     async def lead(self, leadership: Leadership) -> None:
-        """The leader's loop: one sweep per interval, reporting progress so a stall gives up the lease."""
+        """The leader's loop: one sweep per interval, reporting progress so a stall gives up the lease.
+
+        Progress is reported only by work done: each committed batch, and a round that ended
+        without an error. A sweep that fails (this process's pool cannot reach the store, while
+        its lease connection can) reports none, and the wait after it counts towards
+        ``stall_after`` (``Leadership.sleep``): the leader that rescued nothing kept its lease
+        forever, since the wait after each failed sweep marked progress (LEAD6)."""
         while True:
             try:
                 started = self.clock.monotonic()
@@ -219,6 +236,7 @@ class Supervisor:
                 log.warning("supervisor %s: sweep failed: %r", self.me, e)
             else:
                 leadership.progress()
-            # Not a stall: an interval at or above the lease's stall_after gave the lease up
-            # after every sweep (LEAD6 judges the sweeps, not the wait between them).
+            # After a round that worked, not a stall: an interval at or above the lease's
+            # stall_after gave the lease up after every sweep (LEAD6 judges the sweeps, not the
+            # wait between them). After one that failed, part of the stall.
             await leadership.sleep(self.settings.interval)

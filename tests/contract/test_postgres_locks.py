@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 from typing import Any
@@ -430,4 +431,295 @@ def test_an_own_reply_is_recorded_as_received_when_the_batch_read_it_not_when_it
             received, applied = row
         assert applied - received >= 0.3, (received, applied)
     finally:
+        store.close()
+
+
+# -- the leader's fenced transactions never wait on another transaction's rows ---------------------
+# A fenced transaction share-locks the lease row until it ends (supervision.fence): the holder's
+# own renewal, an UPDATE of that row, waits for it, and so does the heartbeat queued behind the
+# renewal on the lease lane. A fenced transaction that waits on a row lock costs the leader its
+# lease (trust ends 3-4 s after a renewal is sent, with the default settings) and gets its process
+# presumed dead (3 s without a heartbeat).
+
+SUP = "sup-1:1:c"
+AGENT = "agent-1:1:x"
+REPLIED = "UPDATE requests SET state = 'replied' WHERE id = %s AND state = 'taken'"  # request_replied
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    """``fn()`` started on a thread of its own; its result (or exception) lands in the list."""
+    out: list[Any] = []
+
+    def call() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+
+    th = threading.Thread(target=call, daemon=True)
+    th.start()
+    return th, out
+
+
+def _ends_before_it_waits(pg_url: str, th: threading.Thread, within: float = 10.0) -> bool:
+    """Wait until ``th`` has ended (True) or a session of the database waits on a lock (False)."""
+    end = time.monotonic() + within
+    with psycopg.connect(pg_url, autocommit=True) as watch:
+        while th.is_alive():
+            if watch.execute(
+                "SELECT 1 FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone():
+                return False
+            assert time.monotonic() < end, "the transaction neither ended nor waited on a lock"
+            th.join(0.01)
+    return True
+
+
+def _lease_work_is_prompt(store: Any, term: int) -> None:
+    """The leader's renewal and its process's heartbeat each answer within 2 s."""
+    for what, call in (
+        ("renewal", lambda: asyncio.run(store.renew_lease("supervisor", SUP, term, 1e6))),
+        ("heartbeat", lambda: asyncio.run(store.worker_beat(SUP, ["supervisor"], []))),
+    ):
+        th, out = _in_thread(call)
+        th.join(2.0)
+        assert not th.is_alive(), f"the leader's {what} waited for its own fenced transaction"
+        assert not isinstance(out[0], BaseException), out
+
+
+def _two_taken_attempts(store: Any, clock: FakeClock, wf: Any) -> tuple[list[int], int, Any, float]:
+    """Two one-step tasks whose requests agent ``AGENT`` has taken, then let their attempts
+    expire; the supervisor's lease and heartbeat. Returns the task ids, the term, the request of
+    the first task and its attempt's complete-by."""
+    ids = _submit(store, wf, 2)
+    assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2
+    taken = asyncio.run(store.claim_requests(AGENT, ["svc"], 10))
+    first = next(m for m in taken if m.task_id == ids[0])
+    term, _ = asyncio.run(store.acquire_lease("supervisor", SUP, 1e6)) or (0, 0.0)
+    asyncio.run(store.worker_beat(SUP, ["supervisor"], []))
+    [row] = store.transact_sync(
+        lambda tx: tx.sql("SELECT complete_by FROM steps WHERE task_id = ?", (ids[0],))
+    )
+    complete_by = float(row["complete_by"])
+    clock.advance(6)  # both attempts are past complete-by (budget 5 s)
+    return ids, term, first, complete_by
+
+
+def _rescue(kind: str, term: int) -> Any:
+    """The supervisor's transition that closes an attempt: the sweep of expired attempts, or the
+    rescue of those of a worker presumed dead (``AGENT``)."""
+    if kind == "sweep_expired":
+        return lambda tx: t.sweep_expired(tx, SUP, "supervisor", term, 10, random.Random(0))
+    return lambda tx: t.rescue_orphans(tx, SUP, "supervisor", term, AGENT, "gone", 10, random.Random(0))
+
+
+@pytest.mark.parametrize("kind", ["sweep_expired", "rescue_orphans"])
+def test_a_reply_being_recorded_holds_up_neither_the_sweep_nor_the_leader_s_renewal_and_heartbeat(
+    pg_url: str, clock: FakeClock, make_workflow: Any, kind: str
+) -> None:
+    """An agent's reply transaction has marked its request replied and not committed yet (a
+    paused agent, a slow commit). The sweep (and the rescue of a dead worker's attempts) waited
+    for that request row inside its fenced transaction: the leader's renewal and heartbeat
+    waited behind it, for as long as the agent took (up to the 5-10 s session limits). Now the
+    attempt is passed by at once, the other one rescued, and the next sweep takes it if the
+    reply never commits."""
+    store = open_store(pg_url, clock=clock)
+    th: threading.Thread | None = None
+    try:
+        ids, term, first, _ = _two_taken_attempts(store, clock, make_workflow("a", budget=5))
+        with psycopg.connect(pg_url) as agent:
+            agent.execute(REPLIED, (first.id,))
+            th, out = _in_thread(lambda: store.transact_sync(_rescue(kind, term)))
+            ended = _ends_before_it_waits(pg_url, th)
+            _lease_work_is_prompt(store, term)
+            assert ended, "the rescue waited for the request row an agent holds"
+            [done] = out
+            assert not isinstance(done, BaseException), done
+            assert done.rescued == 1  # the other task's attempt
+            agent.rollback()  # the reply never commits (the agent died)
+        held = store.transact_sync(
+            lambda tx: tx.sql("SELECT state, failure_count FROM steps WHERE task_id = ?", (ids[0],))
+        )
+        assert [(r["state"], r["failure_count"]) for r in held] == [("running", 0)], "left untouched"
+        assert store.transact_sync(_rescue(kind, term)).rescued == 1, "the next round takes it"
+    finally:
+        if th is not None:
+            th.join(15)
+        store.close()
+
+
+def test_a_reply_received_in_time_and_committed_during_the_sweep_is_accepted_not_made_stale(
+    pg_url: str, clock: FakeClock, make_workflow: Any
+) -> None:
+    """The reply is inserted a second before complete-by, and its transaction commits while the
+    sweep runs. The sweep's re-check ran before it waited for the request row, so once the reply
+    committed it expired the attempt anyway: the reply was recorded stale, FailureCount rose to
+    1 and the step ran again. Now the sweep passes the attempt by, and the reply completes it."""
+    store = open_store(pg_url, clock=clock)
+    th: threading.Thread | None = None
+    try:
+        ids, term, first, complete_by = _two_taken_attempts(store, clock, make_workflow("a", budget=5))
+        with psycopg.connect(pg_url) as agent:  # the agent's reply transaction, its commit delayed
+            agent.execute(
+                "INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, result, sent_by,"
+                " received_at) VALUES (%s, %s, 0, 1, 'do', 'ok', '{\"paid\": true}', %s, %s)",
+                (first.id, ids[0], AGENT, complete_by - 1),
+            )
+            agent.execute(REPLIED, (first.id,))
+            th, out = _in_thread(
+                lambda: store.transact_sync(t.sweep_expired, SUP, "supervisor", term, 10, random.Random(0))
+            )
+            _ends_before_it_waits(pg_url, th)
+            agent.commit()  # while the sweep runs, or once it has passed the attempt by
+            th.join(15)
+        assert not isinstance(out[0], BaseException), out
+        applied = store.transact_sync(t.apply_replies, "sched", 50, random.Random(0))
+        assert (applied.accepted, applied.stale) == (1, 0)
+        rows = store.transact_sync(
+            lambda tx: tx.sql("SELECT state, attempt, failure_count FROM steps WHERE task_id = ?", (ids[0],))
+        )
+        assert [(r["state"], r["attempt"], r["failure_count"]) for r in rows] == [("completed", 1, 0)]
+    finally:
+        if th is not None:
+            th.join(15)
+        store.close()
+
+
+def test_a_task_held_in_a_full_batch_does_not_end_the_sweep_with_a_backlog_left(
+    pg_url: str, clock: FakeClock, make_workflow: Any
+) -> None:
+    """Eight expired attempts, a batch of five, one task held by another transaction (a reply
+    being applied). The first batch rescued four of five; the sweep took that for the end of
+    the backlog and left three expired attempts for the next interval (250 expired, batch 200:
+    51 left). Now it goes on while a batch reads a full batch, and leaves only the held one."""
+    from stepwarden.supervisor import Supervisor, SupervisorSettings
+
+    store = open_store(pg_url, clock=clock)
+    try:
+        wf = make_workflow("a", budget=5)
+        ids = _submit(store, wf, 8)
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 8
+        term, _ = asyncio.run(store.acquire_lease("supervisor", SUP, 1e6)) or (0, 0.0)
+        clock.advance(6)
+        sup = Supervisor(store, SUP, clock=clock, settings=SupervisorSettings(batch=5))
+        with psycopg.connect(pg_url) as other:
+            other.execute("SELECT id FROM tasks WHERE id = %s FOR UPDATE", (ids[3],))
+            assert asyncio.run(sup.sweep(term)).rescued == 7
+            other.rollback()
+        running = store.transact_sync(lambda tx: tx.sql("SELECT task_id FROM steps WHERE state = 'running'"))
+        assert [r["task_id"] for r in running] == [ids[3]]
+    finally:
+        store.close()
+
+
+def test_a_sweep_whose_batch_is_all_held_ends_instead_of_reading_it_again(
+    pg_url: str, clock: FakeClock, make_workflow: Any
+) -> None:
+    """The first expired attempts (by complete-by) fill a batch and every task of it is held:
+    going on while batches are full must not read the same held rows over and over. The sweep
+    ends after that batch; the next one, once they are free, rescues them and the rest."""
+    from stepwarden.supervisor import Supervisor, SupervisorSettings
+
+    store = open_store(pg_url, clock=clock)
+    try:
+        wf = make_workflow("a", budget=5)
+        first = _submit(store, wf, 2)
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2
+        clock.advance(1)
+        later = _submit(store, wf, 2)
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2
+        term, _ = asyncio.run(store.acquire_lease("supervisor", SUP, 1e6)) or (0, 0.0)
+        clock.advance(6)
+        sup = Supervisor(store, SUP, clock=clock, settings=SupervisorSettings(batch=2))
+        batches: list[int] = []
+        real = store.sweep_expired
+
+        async def counted(*args: Any) -> Any:
+            batches.append(1)
+            assert len(batches) <= 5, "the sweep keeps reading the held batch"
+            return await real(*args)
+
+        store.sweep_expired = counted  # type: ignore[method-assign,assignment]
+        with psycopg.connect(pg_url) as other:
+            other.execute("SELECT id FROM tasks WHERE id = ANY (%s) FOR UPDATE", (first,))
+            assert asyncio.run(sup.sweep(term)).rescued == 0 and len(batches) == 1
+            other.rollback()
+        assert asyncio.run(sup.sweep(term)).rescued == 4
+        running = store.transact_sync(lambda tx: tx.sql("SELECT task_id FROM steps WHERE state = 'running'"))
+        assert running == [] and len(first + later) == 4
+    finally:
+        store.close()
+
+
+def test_prune_skips_a_task_whose_messages_a_reply_queue_reader_holds(
+    pg_url: str, clock: FakeClock, make_workflow: Any
+) -> None:
+    """A reader numbering a reply queue's messages (``reply_sequence``) holds them until it
+    commits. The prune of their finished task waited for it in its DELETE, inside its fenced
+    transaction. Now the task is left for a later round, and the others are pruned at once."""
+    store = open_store(pg_url, clock=clock)
+    try:
+        wf = make_workflow("a", budget=5)
+        ids = [
+            store.transact_sync(
+                t.submit, wf, "{}", correlation_id=None, idempotency_key=None, priority=0, reply_to="orders"
+            )[0]
+            for _ in range(2)
+        ]
+        for task_id in ids:
+            store.transact_sync(t.cancel_task, task_id, "operator")
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2  # both end cancelled
+        term, _ = asyncio.run(store.acquire_lease("supervisor", SUP, 1e6)) or (0, 0.0)
+        clock.advance(100)
+        with psycopg.connect(pg_url) as reader:
+            reader.execute("UPDATE messages SET seq = id WHERE task_id = %s", (ids[0],))
+            th, out = _in_thread(lambda: store.transact_sync(t.prune, SUP, "supervisor", term, 10.0, 100))
+            ended = _ends_before_it_waits(pg_url, th)
+            _lease_work_is_prompt(store, term)
+            assert ended, "the prune waited for the messages a reader holds"
+            assert out == [1]
+            reader.rollback()
+        left = store.transact_sync(lambda tx: tx.sql("SELECT id FROM tasks ORDER BY id"))
+        assert [r["id"] for r in left] == [ids[0]]
+        assert store.transact_sync(t.prune, SUP, "supervisor", term, 10.0, 100) == 1  # next round
+    finally:
+        store.close()
+
+
+def test_a_lock_wait_left_in_a_leader_s_transaction_is_cut_at_a_second(
+    pg_url: str, clock: FakeClock, make_workflow: Any
+) -> None:
+    """The net under any wait the leader's transactions still have: the alert dispatcher's record
+    of a delivery holds the alert against the prune, and waits if the prune has it. With a prune
+    paused there, the record waited the session's lock_timeout (10 s), and the dispatcher's
+    renewal with it. Now the record fails after 1 s, writing nothing (the next round sends the
+    alert again), and the renewal goes through."""
+    from stepwarden.alerts import ALERT_LEASE, Fence, record_delivered
+    from stepwarden.store.records import alert
+
+    store = open_store(pg_url, clock=clock)
+    th: threading.Thread | None = None
+    try:
+        made = store.transact_sync(lambda tx: alert(tx, "task_error", None, "charge", "declined"))
+        store.transact_sync(lambda tx: tx.run("alert_sink_register", name="pager"))
+        term, _ = asyncio.run(store.acquire_lease(ALERT_LEASE, SUP, 1e6)) or (0, 0.0)
+        fence = Fence(ALERT_LEASE, SUP, term)
+        with psycopg.connect(pg_url) as prune:
+            prune.execute("SELECT id FROM alerts WHERE id = %s FOR UPDATE", (made["id"],))
+            started = time.monotonic()
+            record = lambda: store.transact_sync(record_delivered, "pager", made["id"], SUP, fence)  # noqa: E731
+            th, out = _in_thread(record)
+            th.join(4.0)
+            assert not th.is_alive(), "the record still waits for the alert the prune holds"
+            assert 0.9 < time.monotonic() - started < 4.0
+            assert isinstance(out[0], psycopg.errors.LockNotAvailable), out
+            renewed = asyncio.run(store.renew_lease(ALERT_LEASE, SUP, term, 1e6))
+            assert renewed
+            prune.rollback()
+        [left] = store.transact_sync(lambda tx: tx.sql("SELECT count(*) AS n FROM alert_deliveries"))
+        assert left["n"] == 0
+    finally:
+        if th is not None:
+            th.join(15)
         store.close()

@@ -5,11 +5,13 @@ Read from the server's own count of sequential scans per table."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from test_store import ME, Factory, room, run, submit
 
 from stepwarden.clock import FakeClock
@@ -175,3 +177,108 @@ def test_a_take_for_the_operations_a_worker_has_walks_the_queued_index(
     plan = one_connection_store.transact_sync(explain)
     assert "requests_queued" in plan, plan
     assert "Seq Scan on requests" not in plan, plan
+
+
+# The supervisor's anti-joins: an attempt with a reply waiting to be applied is not expired. They
+# must look for that reply by its attempt (one probe of replies_attempt per step), whatever the
+# planner believes about how many replies wait: it read all of replies_new for every expired step,
+# expired x waiting replies (200 x 20,000: 4,000,000 rows filtered, half a second a sweep), just
+# when the schedulers have fallen behind.
+ANTI_JOINS: dict[str, dict[str, Any]] = {
+    "expired_steps": {"limit": 200},
+    "still_expired": {"task_id": 1, "idx": 0, "attempt": 1},
+    "orphaned_steps": {"worker": "w", "limit": 200},
+    "still_orphaned": {"task_id": 1, "idx": 0, "attempt": 1, "worker": "w"},
+}
+
+
+def _grow_a_backlog_of_replies(conn: Any, *, analyze: bool) -> None:
+    """300 attempts long expired, taken by worker ``w``, and 20,000 running ones each with a reply
+    waiting to be applied (the schedulers are down). With ``analyze``, the statistics are taken
+    while those replies were still applied (the normal state), before the backlog built up."""
+    conn.execute(
+        "INSERT INTO tasks (workflow, workflow_version, input, state, run_at, created_at, updated_at)"
+        " SELECT 'w', 1, '{}', 'processing', 0, 0, 0 FROM generate_series(1, 20300)"
+    )
+    conn.execute(
+        "INSERT INTO steps (task_id, idx, name, agent, operation, budget, policy, on_error, state, attempt,"
+        " complete_by) SELECT id, 0, 'a', 'svc', 'op', 30, '{}', 'error', 'running', 1,"
+        " CASE WHEN id <= 300 THEN 1.0 ELSE 9e12 END FROM tasks"
+    )
+    conn.execute(
+        "INSERT INTO requests (task_id, step_idx, attempt, kind, agent, operation, payload, policy,"
+        " idempotency_key, priority, complete_by, state, taken_by, dispatched_by, dispatched_at)"
+        " SELECT id, 0, 1, 'do', 'svc', 'op', '{}', '{}', 'k' || id, 0, 1.0, 'taken', 'w', 'x', 0"
+        " FROM tasks WHERE id <= 300"
+    )
+    conn.execute(
+        "INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, received_at, sent_by,"
+        " status) SELECT id, id, 0, 1, 'do', 'ok', 0, 'x', 'accepted' FROM tasks WHERE id > 300"
+    )
+    if analyze:
+        conn.execute("ANALYZE")
+    conn.execute("UPDATE replies SET status = 'new'")
+
+
+def _assert_probes_by_attempt(plans: dict[str, str]) -> None:
+    """Each plan reaches replies through replies_attempt, never reads replies_new, and filters no
+    join rows (the sign of every waiting reply read per expired step)."""
+    probes = {
+        name: "replies_attempt" in plan and "replies_new" not in plan and "Removed by Join Filter" not in plan
+        for name, plan in plans.items()
+    }
+    assert probes == dict.fromkeys(ANTI_JOINS, True), "\n\n".join(f"{n}:\n{p}" for n, p in plans.items())
+
+
+def _positional(text: str, order: list[str]) -> str:
+    """A query's ``%(name)s`` parameters as ``$1, $2...`` in ``order``, for PREPARE."""
+    return re.sub(r"%\((\w+)\)s", lambda m: f"${order.index(m.group(1)) + 1}", text)
+
+
+def test_the_supervisor_s_anti_joins_probe_replies_by_attempt_when_replies_pile_up(
+    one_connection_store: PostgresStore, pg_url: str
+) -> None:
+    """Statistics taken while few replies wait (the normal state); then 20,000 pile up."""
+    store = one_connection_store
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        _grow_a_backlog_of_replies(conn, analyze=True)
+
+    def explain(tx: Any) -> dict[str, str]:
+        out = {}
+        for name, params in ANTI_JOINS.items():
+            rows = tx.conn.execute("EXPLAIN (ANALYZE, COSTS off) " + store.queries[name], params).fetchall()
+            out[name] = "\n".join(str(r["QUERY PLAN"]) for r in rows)
+        return out
+
+    _assert_probes_by_attempt(store.transact_sync(explain))
+
+
+def test_the_supervisor_s_anti_joins_planned_on_an_empty_store_probe_replies_by_attempt(
+    one_connection_store: PostgresStore, pg_url: str
+) -> None:
+    """A worker's statements are prepared on their first uses, on a store that may be empty, and
+    a generic plan is kept (forced here) until an ANALYZE: it must still probe by attempt once
+    20,000 replies wait."""
+    store = one_connection_store
+
+    def execute(name: str) -> sql.Composed:
+        args = sql.SQL(", ").join(sql.Literal(v) for v in ANTI_JOINS[name].values())
+        return sql.SQL("EXECUTE {} ({})").format(sql.Identifier(name), args)
+
+    def prepare(tx: Any) -> None:
+        tx.conn.execute("SET plan_cache_mode = force_generic_plan")  # for the session: kept
+        for name, params in ANTI_JOINS.items():
+            tx.conn.execute(f"PREPARE {name} AS {_positional(store.queries[name], list(params))}")
+            tx.conn.execute(execute(name))  # its generic plan, made on the empty store
+
+    def explain(tx: Any) -> dict[str, str]:
+        out = {}
+        for name in ANTI_JOINS:
+            rows = tx.conn.execute(sql.SQL("EXPLAIN (ANALYZE, COSTS off) ") + execute(name)).fetchall()
+            out[name] = "\n".join(str(r["QUERY PLAN"]) for r in rows)
+        return out
+
+    store.transact_sync(prepare)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        _grow_a_backlog_of_replies(conn, analyze=False)
+    _assert_probes_by_attempt(store.transact_sync(explain))

@@ -9,6 +9,7 @@ after 3 s); the keeper starts at monotonic 1000.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -277,3 +278,154 @@ def test_stop_ends_a_campaign_whose_acquire_never_answers(
         assert not keeper.is_leader
 
     run(body())
+
+
+class MainPoolDown:
+    """The store as a process sees it whose roles' pool cannot reach the database while its lease
+    lane's own connection can (on PostgreSQL lease transactions have a connection of their own):
+    once ``down``, every transaction but the lease lane's raises."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.down = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)  # acquire, renew, resign: the lease lane
+
+    def _check(self, fn: Any = None) -> None:
+        if self.down and getattr(fn, "stepwarden_lane", "main") != "lease":
+            raise ConnectionError("couldn't get a connection after 5.00 sec")
+
+    async def transact(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check(fn)
+        return await self.store.transact(fn, *args, **kwargs)
+
+    async def sweep_expired(self, *args: Any) -> Any:
+        self._check()
+        return await self.store.sweep_expired(*args)
+
+
+def test_a_supervisor_whose_sweeps_all_fail_gives_its_lease_to_one_that_can_sweep(
+    tracked_store: Any, clock: FakeClock, fake_time: Any, dispatch_requests: Any
+) -> None:
+    """A's pool cannot reach the store, its lease connection can. Each failed sweep was followed
+    by ``lead.sleep``, which marked progress: A kept the lease for good (still leading after 60 s,
+    B never led) and the expired attempt was never rescued. Now A gives the lease up once
+    stall_after (3 s) has passed since it last did any work, and B rescues the attempt."""
+    [task_id] = dispatch_requests(tracked_store, 1, budget=2.0)  # complete-by: 1002 (monotonic)
+    sick = MainPoolDown(tracked_store)
+    sick.down = True
+    every_second = SupervisorSettings(interval=1.0, retention=None)
+    sup_a = Supervisor(sick, "A", clock=clock, settings=every_second)  # type: ignore[arg-type]
+    sup_b = Supervisor(tracked_store, "B", clock=clock, settings=every_second)
+    a = LeaseKeeper(sick, "supervisor", "A", sup_a.lead, settings=S, clock=clock)  # type: ignore[arg-type]
+    b = LeaseKeeper(tracked_store, "supervisor", "B", sup_b.lead, settings=S, clock=clock)
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            ks.start(b)
+            await fake_time.run_for(3.0)
+            assert a.is_leader and not b.is_leader  # within stall_after: A still leads
+            await fake_time.run_for(7.0)
+            assert not a.is_leader and b.is_leader
+            assert a.terms_held == 1 and b.terms_held == 1
+        finally:
+            await ks.close()
+
+    run(body())
+    start = 1_700_000_000.0  # the FakeClock's wall time at monotonic 1000
+    # A's first sweep fails at +0; the wait after it is idle (the term's start counts as
+    # progress), the ones after the next failures are not: the renewal at +5 finds 4 s without
+    # progress and A resigns; B, campaigning every second, leads from +6.
+    [(term_a, holder_a, got_a, ended_a), (term_b, holder_b, got_b, _)] = terms(tracked_store)
+    assert (term_a, holder_a, got_a, ended_a) == (1, "A", start, start + 5.0)
+    assert (term_b, holder_b, got_b) == (2, "B", start + 6.0)
+    assert sup_a.rescued == 0 and sup_b.rescued == 1
+    rescued = tracked_store.transact_sync(
+        lambda tx: tx.sql("SELECT actor FROM events WHERE task_id = ? AND kind = 'rescued'", (task_id,))
+    )
+    assert [r["actor"] for r in rescued] == ["B"]
+
+
+def test_an_alert_dispatcher_whose_rounds_all_fail_gives_its_lease_to_one_that_can_deliver(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    """The dispatcher reported progress after every round, failed or not: a dispatcher whose pool
+    could not reach the store kept the alerts lease and nothing was delivered. Now its lease
+    goes to B, which delivers the alert."""
+    from stepwarden.alerts import ALERT_LEASE, Alert, AlertDispatcher, AlertSettings, CallableSink
+    from stepwarden.store.records import alert
+
+    got: list[tuple[str, int]] = []
+
+    def sink(who: str) -> CallableSink:
+        async def send(a: Alert) -> None:
+            got.append((who, a.id))
+
+        return CallableSink(send, name="pager")
+
+    sick = MainPoolDown(tracked_store)
+    every_second = AlertSettings(interval=1.0)
+    d_a = AlertDispatcher(sick, [sink("A")], "A", clock=clock, settings=every_second)  # type: ignore[arg-type]
+    d_b = AlertDispatcher(tracked_store, [sink("B")], "B", clock=clock, settings=every_second)
+    a = LeaseKeeper(sick, ALERT_LEASE, "A", d_a.lead, settings=S, clock=clock)  # type: ignore[arg-type]
+    b = LeaseKeeper(tracked_store, ALERT_LEASE, "B", d_b.lead, settings=S, clock=clock)
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        try:
+            ks.start(a)
+            await fake_time.settle()  # A leads, has registered its sink and done a round
+            sick.down = True
+            made = tracked_store.transact_sync(lambda tx: alert(tx, "task_error", None, "charge", "declined"))
+            ks.start(b)
+            await fake_time.run_for(3.0)
+            assert a.is_leader and got == []
+            await fake_time.run_for(7.0)
+            assert not a.is_leader and b.is_leader and a.terms_held == 1
+            assert got == [("B", made["id"])]
+        finally:
+            await ks.close()
+            d_a.close()
+            d_b.close()
+
+    run(body())
+
+
+def test_a_wait_after_a_round_without_progress_counts_towards_a_stall(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    """An application's loop that catches its errors and waits with ``lead.sleep``, as the docs
+    show: the wait after a failed round restarted the stall clock, so a loop that never got
+    anything done kept its lease. The wait after a round that reported progress is still idle
+    (``test_a_leader_that_sleeps_between_rounds_is_not_a_stall``)."""
+    rounds: list[float] = []
+
+    async def failing(lead: Leadership) -> None:
+        while True:
+            rounds.append(clock.monotonic())
+            with contextlib.suppress(ConnectionError):
+                raise ConnectionError("the service is down")
+            await lead.sleep(1.0)
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        keeper = LeaseKeeper(tracked_store, LEASE, "A", failing, settings=S, clock=clock)
+        try:
+            ks.start(keeper)
+            # The term's start counts as progress (a loop may wait before its first round), so
+            # the wait that ends at 1001 is idle; the failed rounds from then on report none.
+            await fake_time.run_for(4.5)
+            assert keeper.is_leader and keeper.terms_held == 1
+            await fake_time.run_for(1.0)  # the renewal at +5 finds 4 s without progress (> 3 s)
+            assert not keeper.is_leader
+            assert rounds[:5] == [1000.0, 1001.0, 1002.0, 1003.0, 1004.0]
+        finally:
+            await ks.close()
+
+    run(body())
+    [(term, holder, _, ended)] = terms(tracked_store)[:1]
+    assert (term, holder) == (1, "A") and ended is not None

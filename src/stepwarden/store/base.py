@@ -176,3 +176,6 @@ class SweepResult:
     rescued: int = 0
     escalated: int = 0
     alerts: list[Row] = field(default_factory=list)
+    # Candidates the batch read, those it skipped (held by another transaction) too: a batch that
+    # read its limit may have left more behind, however few it rescued (SUP6).
+    examined: int = 0

@@ -15,13 +15,16 @@ from .transitions import fail_attempt
 
 
 def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: random.Random) -> SweepResult:
-    """The supervisor's sweep (SUP1-3), fenced by the leader's term (LEAD4) and bounded (SUP6)."""
-    fence(tx, me, lease, term)
+    """The supervisor's sweep (SUP1-3), fenced by the leader's term (LEAD4) and bounded (SUP6).
+    ``examined`` counts the candidates read, skipped ones too: a full batch means more may wait."""
+    leader_fence(tx, me, lease, term)
     out = SweepResult()
     # Lock tasks in id order (no deadlocks between concurrent transitions), skipping any another
     # transaction holds, then re-check each candidate under the lock: a reply may have been
     # applied since the scan.
-    for x in sorted(tx.all("expired_steps", limit=limit), key=lambda r: (r["task_id"], r["idx"])):
+    found = tx.all("expired_steps", limit=limit)
+    out.examined = len(found)
+    for x in sorted(found, key=lambda r: (r["task_id"], r["idx"])):
         _rescue(tx, x, me, term, rng, out, "still_expired", {}, f"attempt {x['attempt']} passed complete-by")
     return out
 
@@ -41,11 +44,13 @@ def rescue_orphans(
     for their complete-by: the same fenced transition as an expiry, counted as a failure (a step
     that kills its worker must not loop forever), but retried without back-off: the remote
     service did nothing wrong, so there is nothing to spare it from."""
-    fence(tx, me, lease, term)
+    leader_fence(tx, me, lease, term)
     out = SweepResult()
     if not _still_silent(tx, worker, silent_for):
         return out  # it beat again since it was judged: alive after all
-    for x in tx.all("orphaned_steps", worker=worker, limit=limit):
+    found = tx.all("orphaned_steps", worker=worker, limit=limit)
+    out.examined = len(found)
+    for x in found:
         why = f"attempt {x['attempt']} was taken by worker {worker}, presumed dead: {reason}"
         _rescue(tx, x, me, term, rng, out, "still_orphaned", {"worker": worker}, why, immediate=True)
     return out
@@ -64,9 +69,26 @@ def fence(tx: Tx, me: str, lease: str, term: int) -> None:
     database clock (LEAD4), before the transaction writes anything. On PostgreSQL ``lease_holds``
     also share-locks the lease row until commit, so a successor's acquire waits for this
     transaction (SQLite's ``BEGIN IMMEDIATE`` serialises them). Every leader's writes use it: the
-    supervisor's here, the alert dispatcher's (``alerts.Fence``)."""
+    supervisor's and the alert dispatcher's through :func:`leader_fence`, an application's
+    through ``tx.fence(lead)``."""
     if tx.one("lease_holds", name=lease, holder=me, term=term) is None:
         raise LostOwnership(f"lease {lease!r} term {term} is no longer held by {me}")
+
+
+def leader_fence(tx: Tx, me: str, lease: str, term: int) -> None:
+    """:func:`fence` for the transactions of stepwarden's own leader work (the supervisor's, the
+    alert dispatcher's). The share lock on the lease row also holds up the holder's own renewal
+    (an UPDATE of that row) until this transaction ends, and the heartbeat that queues behind the
+    renewal on the lease lane: a wait of a few seconds here cost the leader its lease and got
+    its process presumed dead. So the supervisor's transactions take the rows others may hold
+    with SKIP LOCKED and leave them to the next round (``task_for_sweep``, ``request_for_sweep``,
+    ``prune_held_tasks``); the dispatcher's wait only on the supervisor's prune, which never
+    waits itself. On PostgreSQL any wait that remains is cut at 1 s (``leader_lock_timeout``),
+    which fails the transaction and writes nothing. An application's ``tx.fence`` keeps its
+    session's limits: its block runs the application's own SQL."""
+    if tx.dialect == "postgres":
+        tx.put("leader_lock_timeout")
+    fence(tx, me, lease, term)
 
 
 def _rescue(
@@ -82,7 +104,17 @@ def _rescue(
     *,
     immediate: bool = False,
 ) -> None:
-    task = tx.one("task_for_sweep", task_id=x["task_id"])
+    if tx.dialect == "postgres":  # SQLite's single writer holds no row locks to wait on
+        # The task, then the attempt's request, each skipped if held (in one round trip), before
+        # the re-check: a reply whose transaction holds the request commits after the check of a
+        # sweep that waited for it, which then expired an attempt answered in time.
+        key = {"task_id": x["task_id"], "idx": x["idx"], "attempt": x["attempt"]}
+        tasks, request = tx.both(("task_for_sweep", {"task_id": x["task_id"]}), ("request_for_sweep", key))
+        if tasks and request and request[0]["held"]:
+            return  # its reply is being recorded: next sweep, which sees it if it commits
+        task = tasks[0] if tasks else None
+    else:
+        task = tx.one("task_for_sweep", task_id=x["task_id"])
     if task is None:
         return  # held by another transaction: next sweep
     steps = tx.all("steps_of_task", task_id=x["task_id"])
@@ -115,7 +147,7 @@ def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) 
     """Delete up to ``limit`` tasks finished more than ``retention`` seconds ago, with every row
     they own, so the hot tables stay the size of the live work. Leader-only and term-fenced, so
     two supervisors never prune at once; bounded, so a large backlog is many small transactions."""
-    fence(tx, me, lease, term)
+    leader_fence(tx, me, lease, term)
     found = [int(r["id"]) for r in tx.all("prunable_tasks", retention=retention, limit=limit)]
     ids = found
     if found and tx.dialect == "postgres":  # SQLite's single writer holds no row locks to wait on
@@ -152,7 +184,7 @@ def prune_records(tx: Tx, me: str, lease: str, term: int, retention: float, limi
     workers long silent (and their agent instances), events with no task, ended lease terms, and
     alerts no one needs (acknowledged, or their task pruned). Without it these grow for as long as
     the store lives, however small the live work. Leader-only and term-fenced, as ``prune``."""
-    fence(tx, me, lease, term)
+    leader_fence(tx, me, lease, term)
     out: dict[str, int] = {}
     for name in AGED_RECORDS:
         if name == "taskless_events":  # counted as they go, as a task's events are (see prune)

@@ -108,9 +108,35 @@ SELECT pg_notify(:channel, '') WHERE EXISTS (
 
 -- name: lease_holds
 -- FOR SHARE: a successor's acquire (an UPDATE of this row) waits until this fenced transaction
--- has committed, so two terms never write at the same time.
+-- has committed, so two terms never write at the same time. The holder's own renewal (an UPDATE
+-- too) waits as well: a fenced transaction must never wait long on anything (see
+-- leader_lock_timeout, request_for_sweep).
 SELECT 1 AS ok FROM leases
 WHERE name = :name AND holder = :holder AND term = :term AND expires_at > {now} FOR SHARE;
+
+-- name: leader_lock_timeout
+-- Sent (pipelined, no round trip of its own) before lease_holds by every transaction of a
+-- leader's own work (supervision.leader_fence): its FOR SHARE on the lease row holds up the
+-- holder's renewal, and the heartbeat queued behind it on the lease lane, for as long as the
+-- transaction runs. Its statements take rows with SKIP LOCKED instead of waiting for them; this
+-- is the net under any wait that is missed: 1 s, where the session's own limit is 10 s, well
+-- inside the 3 s a renewal has before the trust window ends with the default lease settings
+-- (ttl - margin - renew_every) and the 3 s after which a silent worker is presumed dead. A wait
+-- that runs out fails the transaction (nothing written): the next round tries again.
+SELECT set_config('lock_timeout', '1s', true);
+
+-- name: request_for_sweep
+-- The request of an expired attempt, locked before the supervisor re-checks the attempt, or
+-- skipped: `held` when another transaction holds it. That is most likely the agent's reply
+-- being recorded right now (request_replied); waiting for it would hold the fenced FOR SHARE on
+-- the lease, and with it the leader's own renewal, for as long as that transaction takes, and
+-- then expire an attempt whose reply came in time, since the re-check ran before the wait. The
+-- attempt is left to the next sweep, which sees the reply if it committed.
+WITH mine AS MATERIALIZED (
+    SELECT id FROM requests WHERE task_id = :task_id AND step_idx = :idx AND attempt = :attempt
+    FOR UPDATE SKIP LOCKED)
+SELECT EXISTS (SELECT 1 FROM requests WHERE task_id = :task_id AND step_idx = :idx AND attempt = :attempt
+                                        AND id <> ALL (ARRAY(SELECT id FROM mine))) AS held;
 
 -- name: prune_steps
 DELETE FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
@@ -128,16 +154,36 @@ DELETE FROM replies WHERE id = ANY (ARRAY(
     FOR UPDATE SKIP LOCKED));
 
 -- name: prune_held_tasks
--- The tasks among :ids (locked by this prune) with a reply that another transaction holds: a
--- reply batch that locked a late reply and now waits for its task. The prune leaves them for a
--- later round instead of waiting for the reply, which would be a deadlock.
-WITH mine AS MATERIALIZED (
+-- The tasks among :ids (locked by this prune) with a reply, a request or a message that another
+-- transaction holds: a reply batch that locked a late reply and now waits for its task (waiting
+-- for the reply would be a deadlock), a reply-queue reader numbering the task's messages
+-- (reply_sequence), an agent's late write to its request. The prune leaves them for a later
+-- round instead of waiting: it is fenced, and its FOR SHARE on the lease would hold up the
+-- leader's own renewal for as long as it waited. The rows of the other tasks stay locked by it
+-- until it deletes them.
+WITH mine_r AS MATERIALIZED (
     SELECT id FROM replies
     WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+    FOR UPDATE SKIP LOCKED),
+mine_q AS MATERIALIZED (
+    SELECT id FROM requests
+    WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+    FOR UPDATE SKIP LOCKED),
+mine_m AS MATERIALIZED (
+    SELECT id FROM messages
+    WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
     FOR UPDATE SKIP LOCKED)
-SELECT DISTINCT task_id FROM replies
+SELECT task_id FROM replies
 WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
-  AND id <> ALL (ARRAY(SELECT id FROM mine));
+  AND id <> ALL (ARRAY(SELECT id FROM mine_r))
+UNION
+SELECT task_id FROM requests
+WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+  AND id <> ALL (ARRAY(SELECT id FROM mine_q))
+UNION
+SELECT task_id FROM messages
+WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+  AND id <> ALL (ARRAY(SELECT id FROM mine_m));
 
 -- name: prune_events
 -- Counted by kind in the same statement (exactly the rows deleted): the prune adds them to
@@ -239,3 +285,21 @@ SELECT id, (SELECT pg_notify('stepwarden_tasks', '') WHERE NOT (:may_skip::boole
     WHERE state = 'pending' AND created_at = updated_at AND run_at = created_at
       AND created_at > {now} - 1.0))) AS hint
 FROM t;
+
+-- name: prune_workers
+-- As the common query, with the rows taken SKIP LOCKED: the prune is fenced, and a worker that
+-- comes back after the retention (its heartbeat holding its row) must not hold up the leader.
+DELETE FROM workers WHERE id IN (
+    SELECT id FROM workers
+    WHERE heartbeat_at < {now} - :retention
+      AND id NOT IN (SELECT taken_by FROM requests WHERE state = 'taken' AND taken_by IS NOT NULL)
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED);
+
+-- name: prune_agent_instances
+-- As the common query, row by row and SKIP LOCKED, as prune_workers.
+DELETE FROM agent_instances WHERE (worker, agent) IN (
+    SELECT worker, agent FROM agent_instances
+    WHERE heartbeat_at < {now} - :retention AND worker NOT IN (SELECT id FROM workers)
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED);
