@@ -512,6 +512,7 @@ class AlertDispatcher:
     async def lead(self, leadership: Leadership) -> None:
         await self.register()
         while True:
+            failed = False
             try:
                 await self.tick(leadership)
             except LostOwnership as e:
@@ -521,13 +522,13 @@ class AlertDispatcher:
                 return
             except Exception as e:  # the store is down: try again next round (REL3)
                 log.warning("alert delivery round failed: %r", e)
+                failed = True
             else:
-                # Progress only for a round that did its work: one that failed (the store's pool
-                # unreachable, say) marked it too, and a dispatcher that could deliver nothing
-                # kept its lease forever (LEAD6). After a failed round the wait below counts
-                # towards stall_after; after one that worked it is idle, however long.
                 leadership.progress()
-            await leadership.sleep(self.settings.interval)
+            # After a failed round (the store's pool unreachable, say) the wait counts towards
+            # stall_after: a dispatcher that could deliver nothing kept its lease for ever (LEAD6).
+            # After one that worked, idle or not, it does not, however long.
+            await leadership.sleep(self.settings.interval, failed=failed)
 
     async def tick(self, leadership: Leadership | None = None) -> int:
         """One round: send what is due to every sink; returns how many deliveries succeeded."""

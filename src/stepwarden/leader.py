@@ -79,33 +79,32 @@ class Leadership:
         self.term = term
         self._clock = clock
         self.last_progress = clock.monotonic()
-        # Progress reported since the last sleep (the term's start counts): only then is the next
-        # sleep idle rather than part of a stall.
-        self._progressed = True
 
     def progress(self) -> None:
         self.last_progress = self._clock.monotonic()
-        self._progressed = True
 
-    async def sleep(self, seconds: float) -> None:
-        """Wait ``seconds`` between rounds. After a round that reported progress the wait does
-        not count as a stall (LEAD6): the loop is idle, not stuck, whatever ``stall_after`` is,
-        and the stall clock starts again when the sleep ends. After a round that reported none
-        (its work failed) the wait counts: a leader whose every round fails used to mark
-        progress at the end of each wait, and so kept its lease forever while doing nothing; now
-        it gives the lease up once ``stall_after`` has passed since its last progress, so that a
-        healthier process can lead. The lease is renewed meanwhile either way, and the sleep is
-        cancelled with the work if the lease is lost."""
+    async def sleep(self, seconds: float, *, failed: bool = False) -> None:
+        """Wait ``seconds`` between rounds without the wait counting as a stall (LEAD6): a loop
+        that waits between its rounds is idle, not stuck, whatever ``stall_after`` is. The stall
+        clock starts again when the sleep ends (the lease is still renewed meanwhile, and the
+        sleep is cancelled with the work if the lease is lost).
+
+        ``failed=True``: the round before the wait failed (an error the loop caught and logged),
+        so the wait is not idle and counts towards ``stall_after``: a leader whose every round
+        fails (its pool cannot reach the store while its lease connection can) gives the lease up
+        ``stall_after`` after its last progress, for a process that can do the work. Without it,
+        the wait after each failed round marked progress, and such a leader kept its lease for
+        ever. The supervisor and the alert dispatcher pass it after a round that raised; a loop
+        that reports nothing either way keeps the plain, idle wait."""
         seconds = max(0.0, float(seconds))
-        idle, self._progressed = self._progressed, False
-        if not idle:
+        if failed:
             await self._clock.sleep(seconds)
             return
         self.last_progress = max(self.last_progress, self._clock.monotonic() + seconds)
         try:
             await self._clock.sleep(seconds)
         finally:
-            self.last_progress = self._clock.monotonic()
+            self.progress()
 
 
 Work = Callable[[Leadership], Coroutine[Any, Any, None]]

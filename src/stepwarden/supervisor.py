@@ -214,12 +214,13 @@ class Supervisor:
     async def lead(self, leadership: Leadership) -> None:
         """The leader's loop: one sweep per interval, reporting progress so a stall gives up the lease.
 
-        Progress is reported only by work done: each committed batch, and a round that ended
-        without an error. A sweep that fails (this process's pool cannot reach the store, while
-        its lease connection can) reports none, and the wait after it counts towards
-        ``stall_after`` (``Leadership.sleep``): the leader that rescued nothing kept its lease
-        forever, since the wait after each failed sweep marked progress (LEAD6)."""
+        Progress is reported by work done: each committed batch, and a round that ended without
+        an error. The wait after a sweep that failed (this process's pool cannot reach the store,
+        while its lease connection can) counts towards ``stall_after`` (``sleep(failed=True)``):
+        a leader that rescued nothing kept its lease for ever, since every wait marked progress
+        (LEAD6)."""
         while True:
+            failed = False
             try:
                 started = self.clock.monotonic()
                 r = await self.sweep(leadership.term, leadership)
@@ -234,9 +235,10 @@ class Supervisor:
                     log.warning("supervisor %s: %s", self.me, e)
                     return
                 log.warning("supervisor %s: sweep failed: %r", self.me, e)
+                failed = True
             else:
                 leadership.progress()
             # After a round that worked, not a stall: an interval at or above the lease's
             # stall_after gave the lease up after every sweep (LEAD6 judges the sweeps, not the
             # wait between them). After one that failed, part of the stall.
-            await leadership.sleep(self.settings.interval)
+            await leadership.sleep(self.settings.interval, failed=failed)

@@ -66,6 +66,31 @@ def test_a_leader_that_sleeps_between_rounds_is_not_a_stall(
     run(body())
 
 
+def test_a_loop_that_only_sleeps_keeps_one_term(tracked_store: Any, clock: FakeClock, fake_time: Any) -> None:
+    """A loop that polls and waits with a plain ``lead.sleep``, never calling ``lead.progress``:
+    its waits are idle, so it keeps its term (a version that counted every wait after a round
+    with no progress reported gave the lease up every ``stall_after`` and campaigned again)."""
+    polls: list[float] = []
+
+    async def poll(lead: Leadership) -> None:
+        while True:
+            polls.append(clock.monotonic())
+            await lead.sleep(1.0)
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        keeper = LeaseKeeper(tracked_store, LEASE, "A", poll, settings=S, clock=clock)
+        try:
+            ks.start(keeper)
+            await fake_time.run_for(20.5)
+            assert keeper.is_leader and keeper.terms_held == 1
+            assert len(polls) == 21
+        finally:
+            await ks.close()
+
+    run(body())
+
+
 def test_a_supervisor_interval_above_stall_after_keeps_one_term(
     tracked_store: Any, clock: FakeClock, fake_time: Any
 ) -> None:
@@ -337,12 +362,12 @@ def test_a_supervisor_whose_sweeps_all_fail_gives_its_lease_to_one_that_can_swee
 
     run(body())
     start = 1_700_000_000.0  # the FakeClock's wall time at monotonic 1000
-    # A's first sweep fails at +0; the wait after it is idle (the term's start counts as
-    # progress), the ones after the next failures are not: the renewal at +5 finds 4 s without
-    # progress and A resigns; B, campaigning every second, leads from +6.
+    # A's sweeps fail from +0 on and the waits after them count: the term's start is its last
+    # progress, so the renewal at +4 finds 4 s without any and A resigns; B, campaigning every
+    # second, leads from +5.
     [(term_a, holder_a, got_a, ended_a), (term_b, holder_b, got_b, _)] = terms(tracked_store)
-    assert (term_a, holder_a, got_a, ended_a) == (1, "A", start, start + 5.0)
-    assert (term_b, holder_b, got_b) == (2, "B", start + 6.0)
+    assert (term_a, holder_a, got_a, ended_a) == (1, "A", start, start + 4.0)
+    assert (term_b, holder_b, got_b) == (2, "B", start + 5.0)
     assert sup_a.rescued == 0 and sup_b.rescued == 1
     rescued = tracked_store.transact_sync(
         lambda tx: tx.sql("SELECT actor FROM events WHERE task_id = ? AND kind = 'rescued'", (task_id,))
@@ -395,13 +420,12 @@ def test_an_alert_dispatcher_whose_rounds_all_fail_gives_its_lease_to_one_that_c
     run(body())
 
 
-def test_a_wait_after_a_round_without_progress_counts_towards_a_stall(
+def test_a_wait_after_a_failed_round_counts_towards_a_stall(
     tracked_store: Any, clock: FakeClock, fake_time: Any
 ) -> None:
-    """An application's loop that catches its errors and waits with ``lead.sleep``, as the docs
-    show: the wait after a failed round restarted the stall clock, so a loop that never got
-    anything done kept its lease. The wait after a round that reported progress is still idle
-    (``test_a_leader_that_sleeps_between_rounds_is_not_a_stall``)."""
+    """An application's loop that catches its errors and waits with ``lead.sleep(s, failed=True)``
+    after each failed round, as the docs show: the wait restarted the stall clock, so a loop that
+    never got anything done kept its lease."""
     rounds: list[float] = []
 
     async def failing(lead: Leadership) -> None:
@@ -409,20 +433,20 @@ def test_a_wait_after_a_round_without_progress_counts_towards_a_stall(
             rounds.append(clock.monotonic())
             with contextlib.suppress(ConnectionError):
                 raise ConnectionError("the service is down")
-            await lead.sleep(1.0)
+            await lead.sleep(1.0, failed=True)
 
     async def body() -> None:
         ks = Keepers(fake_time)
         keeper = LeaseKeeper(tracked_store, LEASE, "A", failing, settings=S, clock=clock)
         try:
             ks.start(keeper)
-            # The term's start counts as progress (a loop may wait before its first round), so
-            # the wait that ends at 1001 is idle; the failed rounds from then on report none.
-            await fake_time.run_for(4.5)
+            # The term's start (1000) is its last progress: the renewal at +3 finds 3 s, not
+            # more than stall_after; the one at +4 finds 4 s.
+            await fake_time.run_for(3.5)
             assert keeper.is_leader and keeper.terms_held == 1
-            await fake_time.run_for(1.0)  # the renewal at +5 finds 4 s without progress (> 3 s)
+            await fake_time.run_for(1.0)
             assert not keeper.is_leader
-            assert rounds[:5] == [1000.0, 1001.0, 1002.0, 1003.0, 1004.0]
+            assert rounds[:4] == [1000.0, 1001.0, 1002.0, 1003.0]
         finally:
             await ks.close()
 
