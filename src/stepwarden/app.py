@@ -123,7 +123,7 @@ class App:
     @property
     def db(self) -> str | None:
         """The store URL this app was made with, or None (``STEPWARDEN_DB`` or the default then).
-        The command line runs ``--app`` on it unless ``--db`` or ``STEPWARDEN_DB`` names another."""
+        The command line runs ``--app`` on it too, unless ``--db`` names another."""
         return self._db
 
     @property

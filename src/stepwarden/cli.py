@@ -89,7 +89,7 @@ def _load_app(ref: str) -> App:
     "--db",
     envvar="STEPWARDEN_DB",
     metavar="URL",
-    help="Store URL (default: $STEPWARDEN_DB, else the --app's own, else sqlite:///stepwarden.db).",
+    help="Store URL (default: the --app's own, else $STEPWARDEN_DB, else sqlite:///stepwarden.db).",
 )
 @click.option(
     "--log-level",
@@ -115,6 +115,7 @@ def cli(ctx: click.Context, db: str | None, log_level: str, log_format: str) -> 
     if db == "" and ctx.get_parameter_source("db") == ParameterSource.COMMANDLINE:
         raise InputError("--db is empty: give a store URL, or leave the option out for the default")
     ctx.obj["db"] = db or None  # an empty STEPWARDEN_DB counts as unset
+    ctx.obj["db_given"] = ctx.get_parameter_source("db") == ParameterSource.COMMANDLINE
     configure_logging(log_level, log_format)
 
 

@@ -26,14 +26,15 @@ def fail(message: str) -> NoReturn:
 
 
 def store_url(ctx: click.Context, app: App | None = None) -> str:
-    """The command's store (DEP5): ``--db``, else ``STEPWARDEN_DB`` (click reads the variable for
-    ``--db``: both are ``ctx.obj["db"]``), else the URL of the ``--app`` application, if it was
-    made with one (``App("sqlite:///shop.db")``), else ``sqlite:///stepwarden.db``. The app's own
-    URL comes after the variable, as the other commands run in the same environment (``tasks``,
-    ``task retry``) know only the variable; but before the default, or a worker would run on a
-    new ``stepwarden.db`` in its folder while the app's ``app.submit`` writes elsewhere, and its
-    tasks would never run."""
-    return ctx.obj["db"] or (app.db if app is not None else None) or resolve_url(None)
+    """The command's store (DEP5): ``--db`` on the command line, else the URL of the ``--app``
+    application if it was made with one (``App("sqlite:///shop.db")``), else ``STEPWARDEN_DB``,
+    else ``sqlite:///stepwarden.db``. The app's URL comes before the variable and the default as
+    it does in the app itself (``App(db)`` opens ``db`` whatever the variable says), so that a
+    worker started with ``--app`` runs the tasks the application's ``app.submit`` writes: before,
+    it ran on the variable's store, or on a new ``stepwarden.db`` in its folder, and they never ran."""
+    if app is not None and app.db and not ctx.obj.get("db_given"):
+        return app.db
+    return ctx.obj["db"] or resolve_url(None)
 
 
 def open_for(ctx: click.Context, *, create: bool = False, app: App | None = None) -> Store:

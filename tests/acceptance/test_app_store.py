@@ -1,8 +1,8 @@
-"""Which store ``submit --app`` and ``worker --app`` use (DEP5): ``--db``, else ``STEPWARDEN_DB``,
-else the store the application was made with (``App("sqlite:///shop.db")``), else
-``sqlite:///stepwarden.db``. The app's own store used to be ignored: the command line made a
-``stepwarden.db`` in the working folder, and the tasks the web process submitted with
-``app.submit`` were never run by the command line's workers."""
+"""Which store ``submit --app`` and ``worker --app`` use (DEP5): ``--db``, else the store the
+application was made with (``App("sqlite:///shop.db")``), as the app itself does, else
+``STEPWARDEN_DB``, else ``sqlite:///stepwarden.db``. The app's own store used to be ignored:
+the command line made a ``stepwarden.db`` in the working folder, and the tasks the web process
+submitted with ``app.submit`` were never run by the command line's workers."""
 
 from __future__ import annotations
 
@@ -48,16 +48,32 @@ def test_submit_with_app_writes_to_the_apps_own_store(tmp_path: Path) -> None:
     assert own.task(task_id)["workflow"] == "order"
 
 
-def test_db_and_the_environment_variable_come_before_the_apps_own_store(tmp_path: Path) -> None:
+def test_db_comes_before_the_apps_own_store_and_the_app_before_the_variable(tmp_path: Path) -> None:
+    """The app's ``app.submit`` writes to its own URL whatever ``STEPWARDEN_DB`` says, so the
+    command line with ``--app`` does too: a worker that followed the variable never ran the tasks
+    the web process submitted. ``--db`` still chooses."""
     own = shop(tmp_path)
     by_env = Db(tmp_path / "env.db", tmp_path)
     by_option = Db(tmp_path / "option.db", tmp_path)
     env = clean_env(STEPWARDEN_DB=by_env.url)
     first = submitted(tmp_path, env)
     second = submitted(tmp_path, env, "--db", by_option.url)
-    assert by_env.task(first)["workflow"] == "order"
+    assert own.task(first)["workflow"] == "order"
     assert by_option.task(second)["workflow"] == "order"
-    assert not own.path.exists() and not (tmp_path / "stepwarden.db").exists()
+    assert not by_env.path.exists() and not (tmp_path / "stepwarden.db").exists()
+    in_code = App(own.url)
+    try:
+        assert in_code.store.url == own.url, "the app itself opens its own URL, as the command line did"
+    finally:
+        in_code.close()
+
+
+def test_an_app_made_without_a_url_follows_the_variable(tmp_path: Path) -> None:
+    (tmp_path / "shop.py").write_text(SHOP.format(url=None))
+    by_env = Db(tmp_path / "env.db", tmp_path)
+    task_id = submitted(tmp_path, clean_env(STEPWARDEN_DB=by_env.url))
+    assert by_env.task(task_id)["workflow"] == "order"
+    assert not (tmp_path / "stepwarden.db").exists()
 
 
 def test_a_worker_with_app_runs_the_tasks_of_the_apps_own_store(tmp_path: Path, procs: Procs) -> None:
