@@ -472,6 +472,15 @@ class AgentHealth:
         if v is None or agent in self.owed:
             return
         self.owed.add(agent)
+        if self._stopping:  # stop makes one last write of what is owed, if it has not passed that yet
+            log.warning(
+                "agent %s: could not record the breaker trial's verdict (%s) while stopping: %r; "
+                "the trial opens to other instances after trial_ttl",
+                agent,
+                v.outcome,
+                e,
+            )
+            return
         log.warning(
             "agent %s: could not record the breaker trial's verdict (%s): %r; writing it again "
             "until the store answers",
@@ -479,8 +488,7 @@ class AgentHealth:
             v.outcome,
             e,
         )
-        if not self._stopping:  # a stopping instance makes one last write itself (stop)
-            self._repaying[agent] = asyncio.create_task(self._repay(agent), name=f"health-trial-{agent}")
+        self._repaying[agent] = asyncio.create_task(self._repay(agent), name=f"health-trial-{agent}")
 
     async def _repay(self, agent: str) -> None:
         """Write the owed verdict again, REPAY_FIRST seconds after the failed write, then twice

@@ -505,7 +505,7 @@ def test_a_reply_the_store_refuses_does_not_drop_the_others_of_its_batch(
         return "fine"
 
     spy = RefusesPoison(rt_store)
-    # fewer tries: the refused reply is given up sooner (a try waits 0.2 s x its number first)
+    # fewer tries: the refused reply is given up sooner (a try waits SEND_BACKOFF first: 0.1 s doubling)
     monkeypatch.setattr("stepwarden.agent_role.SEND_TRIES", 3)
     run_requests(spy, agent, pulled=3, timeout=10.0, settings=AgentSettings(reply_linger=1.0))  # type: ignore[arg-type]
     assert spy.sent[0] == 3  # one batch first

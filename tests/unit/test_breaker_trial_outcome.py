@@ -389,3 +389,44 @@ def test_while_the_trial_runs_the_other_attempts_of_its_instance_fail_fast(
         "breaker_trial",
         "breaker_closed",
     ]
+
+
+def test_a_verdict_whose_write_fails_after_the_stop_passed_says_it_is_given_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The trial's verdict was still being written when the worker stopped, and the write failed
+    after ``stop`` had made its last one: the warning promised to write it again until the store
+    answered, but nothing would. It now says what happens instead: the trial opens to the other
+    instances after ``trial_ttl``."""
+    from stepwarden.agent import Agent
+    from stepwarden.agent_health import AgentHealth
+    from stepwarden.agent_settings import AgentSettings
+    from stepwarden.clock import SYSTEM_CLOCK
+
+    class SlowThenLost:
+        def __init__(self) -> None:
+            self.release = asyncio.Event()
+            self.calls: list[str] = []
+
+        async def transact(self, fn: Any, *args: Any, **kw: Any) -> Any:
+            self.calls.append(fn.__name__)
+            if fn is sa.report:
+                await self.release.wait()
+                raise ConnectionError("server closed the connection unexpectedly")
+            return None
+
+    async def body() -> None:
+        store = SlowThenLost()
+        health = AgentHealth(store, "me:1:x", {"svc": Agent("svc")}, SYSTEM_CLOCK, AgentSettings())  # type: ignore[arg-type]
+        health.breakers["svc"].trial = True
+        health.report_soon("svc", True, None, trial=True)  # the trial call answered
+        await health.stop()  # waits 2 s for the write in flight, then goes on without it
+        store.release.set()
+        await asyncio.sleep(0)
+        for t in [t for t in asyncio.all_tasks() if t.get_name().startswith("health-report")]:
+            await t
+        assert not health._repaying, "nothing writes it again after the stop"
+
+    asyncio.run(body())
+    assert warnings_of(caplog, "the trial opens to other instances after trial_ttl") == 1
+    assert warnings_of(caplog, "writing it again until the store answers") == 0
