@@ -400,3 +400,39 @@ def test_a_database_with_a_table_of_one_of_our_names_is_refused_whole(store_url:
     raw(url, "DROP TABLE events")
     open_store(url).close()  # once the name is free, the store installs beside the application's tables
     assert {"tasks", "events", "orders", "schema_migrations"} <= tables_of(url)
+
+
+# Every store records the names of the migrations it applied, and a recorded name that differs
+# from the file's is read as another tool's table (``sql.check_history``): a migration, once
+# released, is never renamed, renumbered or removed. Add new ones after these.
+RELEASED = [
+    (1, "initial"),
+    (2, "replies_and_alert_delivery"),
+    (3, "agents"),
+    (4, "liveness_and_pruning"),
+    (5, "record_retention"),
+    (6, "waiting_tasks"),
+    (7, "exact_metrics"),
+    (8, "store_identity"),
+]
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgres"])
+def test_released_migrations_keep_their_numbers_and_names(dialect: str) -> None:
+    known = [(version, name) for version, name, _ in load_migrations(dialect)]
+    assert known[: len(RELEASED)] == RELEASED
+
+
+def test_a_store_in_a_later_schema_of_the_search_path_is_still_read_as_the_store(pg_url: str) -> None:
+    """PostgreSQL: the store's tables in ``public``, then a schema named after the user created,
+    which comes first in the default search_path (``"$user", public``). The store's statements
+    still find its tables by the path; reading its version only in the first schema took it for
+    no store at all."""
+    from stepwarden.store import open_existing
+
+    raw(pg_url, "CREATE SCHEMA IF NOT EXISTS AUTHORIZATION CURRENT_USER")
+    try:
+        store = open_existing(pg_url)
+        store.close()
+    finally:
+        raw(pg_url, "DROP SCHEMA IF EXISTS " + raw(pg_url, "SELECT current_user")[0][0] + " CASCADE")

@@ -121,10 +121,13 @@ _CATALOGUE = {
         "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')",
         "SELECT name FROM pragma_table_info('schema_migrations')",
     ),
+    # The tables an unqualified name finds (the search_path), as the store's statements do: a
+    # store in a later schema of the path still reads as the store, not as none.
     "postgres": (
-        "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
-        "SELECT column_name FROM information_schema.columns"
-        " WHERE table_schema = current_schema() AND table_name = 'schema_migrations'",
+        "SELECT c.relname FROM pg_catalog.pg_class c"
+        " WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f') AND pg_catalog.pg_table_is_visible(c.oid)",
+        "SELECT attname FROM pg_catalog.pg_attribute"
+        " WHERE attrelid = to_regclass('schema_migrations') AND attnum > 0 AND NOT attisdropped",
     ),
 }
 
