@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import ApplyResult, RequestMsg, Row, Tx, read_only
+from .base import ApplyResult, RequestMsg, Row, Tx, hot, read_only
 from .core import Want as Want
 from .core import _record_replies, _requests
 from .core import ops_json as ops_json
@@ -141,6 +141,7 @@ def breakers(tx: Tx) -> dict[str, BreakerView]:
     return {str(r["agent"]): BreakerView.of(r) for r in tx.all("agent_breakers_all")}
 
 
+@hot
 def pull(
     tx: Tx, me: str, wants: dict[str, Want], rules: HealthRules, with_workflows: bool = False
 ) -> PullResult:

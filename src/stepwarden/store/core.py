@@ -22,7 +22,7 @@ from ..errors import StoreError, UnknownWorkflow
 from ..policies import stored_policy
 from ..workflow import Workflow, encode_result
 from . import transitions as t
-from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx
+from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx, hot
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -194,6 +194,7 @@ class Store:
         replies free are refilled (often with the very steps the replies just dispatched)
         without a transaction of their own."""
 
+        @hot
         def send_all(tx: Tx) -> tuple[ApplyResult | None, Callable[[], list[RequestMsg]]]:
             return _record_replies(tx, me, replies, apply, self.rng), _take(tx, me, take)
 
@@ -207,6 +208,7 @@ class Store:
         for those agents (up to ``take[agent].room``, for their operations) in the same
         transaction, no second round trip."""
 
+        @hot
         def round_(tx: Tx) -> tuple[ApplyResult, int, Callable[[], list[RequestMsg]]]:
             applied, claimed = t.schedule(tx, me, limit, self.rng)
             return applied, claimed, _take(tx, me, take)
@@ -278,6 +280,7 @@ def read_identity(tx: Tx) -> str:
     return str(rows[0]["id"])
 
 
+@hot
 def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[RequestMsg]:
     """Any queued request of ``agents``, whatever its operation: for a tool or a test acting as
     an agent that knows no operations (the agent role takes only its own: ``claim_agent_requests``
@@ -363,6 +366,7 @@ def _taken_by(tx: Tx, me: str) -> list[int]:
     return [int(r["id"]) for r in tx.all("requests_taken_by", me=me)]
 
 
+@hot
 def _record_replies(
     tx: Tx, me: str, replies: Sequence[tuple[int, str, Any, str | None]], apply: bool, rng: random.Random
 ) -> ApplyResult | None:

@@ -36,6 +36,10 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 DEFAULT_BUSY_TIMEOUT = 30.0  # seconds a writer waits for the write lock (``?busy_timeout=``)
+# Seconds the event loop waits for the write lock, blocked, before a hot transaction polls it
+# between the loop's other work instead (SQLiteStore.transact): longer than another process's usual
+# transaction (a submission holds the lock ~0.4 ms), short enough for the loop's other work.
+INLINE_SPIN = 0.002
 
 
 def _dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
@@ -138,6 +142,7 @@ class SQLiteStore(Store):
         busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
         watch_interval: float = 0.005,
         migrate: bool = True,
+        inline: bool = True,
     ) -> None:
         super().__init__()
         if synchronous.upper() not in ("FULL", "NORMAL", "EXTRA"):
@@ -152,6 +157,7 @@ class SQLiteStore(Store):
         self.synchronous = synchronous.upper()
         self.busy_timeout = busy_timeout
         self.watch_interval = watch_interval
+        self.inline = inline  # hot transactions on the event loop's thread: see transact()
         self.queries = load_queries("sqlite", "sw_now()")
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
@@ -323,6 +329,16 @@ class SQLiteStore(Store):
                     " thread, would wait for the block's own write lock: use the block's tx.submit"
                 )
             self.begin(conn)
+        return self._run(conn, fn, *args, **kwargs)
+
+    def _run(
+        self,
+        conn: sqlite3.Connection,
+        fn: Callable[Concatenate[Any, P], R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        """``fn`` in the transaction begun on ``conn``: commit on return, roll back on error."""
         try:
             tx = SqliteTx(conn, self.queries)
             out = fn(tx, *args, **kwargs)
@@ -332,6 +348,65 @@ class SQLiteStore(Store):
             raise
         conn.execute("COMMIT")
         return out
+
+    async def transact(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """A transaction of the hot path (:func:`~stepwarden.store.base.hot`) runs here, on the
+        event loop's own thread; any other on the store's thread (:meth:`Store.transact`).
+
+        Why: on the store's thread each statement gives Python's interpreter lock back while
+        SQLite works and must take it again from the loop, which is often running the roles
+        meanwhile, and SQLite's write lock, shared by every process on the file, stayed held
+        through those waits (a ``PRAGMA`` that takes 10 µs took 170-330 µs there). Here the
+        statements and the commit run back to back, with no ``await`` between ``BEGIN`` and
+        ``COMMIT``: the loop is blocked for the transaction (a batch: about a millisecond, the
+        commit's fsync included) and for at most ``INLINE_SPIN`` of waiting for the lock before
+        it; a longer wait polls the lock every millisecond between the loop's other work, up to
+        ``busy_timeout`` (or the bound a stopping worker sets) as :meth:`begin` does. Inside an
+        ``app.transaction()`` block open in this thread it goes to the store's thread, which
+        waits for the block's lock instead of refusing."""
+        if not (self.inline and getattr(fn, "stepwarden_hot", False)) or self._in_block():
+            return await super().transact(fn, *args, **kwargs)
+        conn = self._inline_conn()
+        with self._explaining():
+            await self._lock_inline(conn)
+            return self._run(conn, fn, *args, **kwargs)
+
+    def _inline_conn(self) -> sqlite3.Connection:
+        """The connection of the hot transactions run on this thread's event loop: its own, with
+        SQLite's busy handler off for good (:meth:`_lock_inline` waits instead, and every
+        statement after ``BEGIN IMMEDIATE`` holds the lock), so no ``PRAGMA`` goes with each
+        transaction as with the others. The loop's coroutines share it safely: each one's
+        transaction runs from ``BEGIN`` to ``COMMIT`` without giving the loop back."""
+        conn: sqlite3.Connection | None = getattr(self._local, "inline", None)
+        if conn is None:
+            conn = self.connect()
+            conn.execute("PRAGMA busy_timeout = 0")
+            self._local.inline = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    async def _lock_inline(self, conn: sqlite3.Connection) -> None:
+        """``BEGIN IMMEDIATE`` on ``conn``: retried every 0.1 ms growing to 2 ms for
+        ``INLINE_SPIN`` (the loop blocked: another process's transaction is usually shorter),
+        then every millisecond between the loop's other work; ``SQLITE_BUSY`` raised at
+        ``busy_timeout`` or at the bound of :meth:`limit_lock_waits`."""
+        started = time.monotonic()
+        delay = 0.0001
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as e:
+                now = time.monotonic()
+                capped = max(started, self._wait_cap_since) + self._wait_cap
+                if not _busy(e) or now >= min(started + self.busy_timeout, capped):
+                    raise
+            if now - started < INLINE_SPIN:
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.002)
+            else:
+                await asyncio.sleep(0.001)
 
     def tx_on(self, conn: Any) -> SqliteTx:
         """A :class:`Tx` over a connection whose transaction the caller manages (SUB2)."""

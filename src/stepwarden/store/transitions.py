@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import LostOwnership, StoreError
 from ..policies import Decision, stored_policy
 from ..workflow import Step, Workflow, encode_result
-from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx
+from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx, hot
 
 # The records a change writes beside it; other modules reach them here too (``transitions.event``).
 from .records import _now, alert, event, message
@@ -108,6 +108,7 @@ def _step_row(idx: int, s: Step) -> dict[str, Any]:
     }
 
 
+@hot
 def claim_and_dispatch(tx: Tx, me: str, limit: int) -> int:
     """Claim claimable tasks (SCH1) and dispatch each one's next step, all in this transaction.
 
@@ -260,6 +261,7 @@ def _results(steps: list[Row]) -> dict[str, Any]:
     return {s["name"]: json.loads(s["result"]) for s in steps if s["state"] == "completed" and s["result"]}
 
 
+@hot
 def apply_replies(
     tx: Tx,
     me: str,
@@ -451,6 +453,7 @@ def release_attempt(tx: Tx, task: Row, step: Row, me: str, why: str) -> None:
     task["state"] = back_to
 
 
+@hot
 def schedule(tx: Tx, me: str, limit: int, rng: random.Random) -> tuple[ApplyResult, int]:
     """The scheduler's whole round in one transaction: apply replies, then claim and dispatch."""
     applied = apply_replies(tx, me, limit, rng)

@@ -1,0 +1,222 @@
+"""SQLite runs the hot path's transactions on the event loop's own thread (SQLiteStore.transact):
+what that must not change. A wait for the write lock never freezes the loop, and it is bounded
+as on the store's thread; an error rolls back; a cancelled wait leaves nothing open; a block of
+``app.transaction()`` in the same thread is waited for, not refused."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stepwarden.errors import StoreError
+from stepwarden.store import SQLiteStore
+from stepwarden.store.base import Tx, hot
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SQLiteStore]:
+    s = SQLiteStore(str(tmp_path / "sw.db"), busy_timeout=5)
+    s.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def holder(store: SQLiteStore) -> Iterator[sqlite3.Connection]:
+    """Another connection to the file, as another process would have, that can hold the lock."""
+    conn = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
+    yield conn
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+    conn.close()
+
+
+@hot
+def mark(tx: Tx, value: str) -> int:
+    """Writes a row and says on which thread it ran."""
+    tx.sql("INSERT INTO marks (v) VALUES (?)", (value,))
+    return threading.get_ident()
+
+
+def not_hot(tx: Tx) -> int:
+    return threading.get_ident()
+
+
+def marks(store: SQLiteStore) -> list[str]:
+    return [r["v"] for r in store.transact_sync(lambda tx: tx.sql("SELECT v FROM marks ORDER BY rowid"))]
+
+
+async def ticking(until: asyncio.Event, ticks: list[float]) -> None:
+    while not until.is_set():
+        ticks.append(time.monotonic())
+        await asyncio.sleep(0.005)
+
+
+def test_a_hot_transaction_runs_on_the_loop_thread_and_others_on_the_store_thread(store: SQLiteStore) -> None:
+    async def main() -> tuple[int, int, int]:
+        return threading.get_ident(), await store.transact(mark, "a"), await store.transact(not_hot)
+
+    loop_thread, hot_thread, other_thread = asyncio.run(main())
+    assert hot_thread == loop_thread
+    assert other_thread != loop_thread
+    assert marks(store) == ["a"]
+
+
+def test_with_inline_off_every_transaction_runs_on_the_store_thread(tmp_path: Path) -> None:
+    s = SQLiteStore(str(tmp_path / "off.db"), inline=False)
+    try:
+        s.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
+
+        async def main() -> tuple[int, int]:
+            return threading.get_ident(), await s.transact(mark, "a")
+
+        loop_thread, ran_on = asyncio.run(main())
+        assert ran_on != loop_thread
+    finally:
+        s.close()
+
+
+def test_waiting_for_a_lock_another_process_holds_does_not_freeze_the_loop(
+    store: SQLiteStore, holder: sqlite3.Connection
+) -> None:
+    holder.execute("BEGIN IMMEDIATE")
+
+    async def main() -> tuple[list[float], float, float]:
+        ticks: list[float] = []
+        done = asyncio.Event()
+        ticker = asyncio.create_task(ticking(done, ticks))
+        started = time.monotonic()
+        tx = asyncio.create_task(store.transact(mark, "after"))
+        await asyncio.sleep(0.4)
+        assert not tx.done(), "the transaction ran while another connection held the write lock"
+        released = time.monotonic()
+        holder.execute("COMMIT")
+        await asyncio.wait_for(tx, 5)
+        done.set()
+        await ticker
+        return [t for t in ticks if started <= t <= released], released - started, time.monotonic()
+
+    during, waited, _ = asyncio.run(main())
+    # The loop ran its other work every ~5 ms while the transaction waited (it spins blocked
+    # for at most INLINE_SPIN, 2 ms, then polls between the loop's turns).
+    assert waited >= 0.4
+    assert len(during) >= 30, f"the loop ticked {len(during)} times in {waited:.2f} s of waiting"
+    assert max(b - a for a, b in itertools.pairwise(during)) < 0.1
+    assert marks(store) == ["after"]
+
+
+def test_a_lock_held_past_busy_timeout_is_a_store_error_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    s = SQLiteStore(str(tmp_path / "short.db"), busy_timeout=0.3)
+    other = sqlite3.connect(s.path, isolation_level=None)
+    try:
+        s.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
+        other.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="stayed locked by another writer"):
+            asyncio.run(s.transact(mark, "never"))
+        assert 0.25 <= time.monotonic() - started < 3
+        other.execute("COMMIT")
+        assert marks(s) == []
+    finally:
+        other.close()
+        s.close()
+
+
+def test_a_stopping_worker_bound_cuts_a_wait_in_progress(
+    store: SQLiteStore, holder: sqlite3.Connection
+) -> None:
+    holder.execute("BEGIN IMMEDIATE")
+
+    async def main() -> float:
+        tx = asyncio.create_task(store.transact(mark, "never"))
+        await asyncio.sleep(0.1)
+        cut = time.monotonic()
+        store.limit_lock_waits(0.2)  # busy_timeout is 5 s: the bound, not the timeout, ends it
+        with pytest.raises(StoreError, match="stayed locked"):
+            await asyncio.wait_for(tx, 3)
+        return time.monotonic() - cut
+
+    assert asyncio.run(main()) < 1.0
+    holder.execute("COMMIT")
+    assert marks(store) == []
+
+
+def test_an_error_in_a_hot_transaction_rolls_it_back_and_the_next_one_runs(store: SQLiteStore) -> None:
+    @hot
+    def half(tx: Tx) -> None:
+        tx.sql("INSERT INTO marks (v) VALUES ('half')")
+        raise ValueError("boom")
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="boom"):
+            await store.transact(half)
+        await store.transact(mark, "next")
+
+    asyncio.run(main())
+    assert marks(store) == ["next"]
+
+
+def test_a_wait_cancelled_leaves_no_transaction_open(store: SQLiteStore, holder: sqlite3.Connection) -> None:
+    holder.execute("BEGIN IMMEDIATE")
+
+    async def main() -> bool:
+        tx = asyncio.create_task(store.transact(mark, "cancelled"))
+        await asyncio.sleep(0.1)
+        tx.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tx
+        holder.execute("COMMIT")
+        await store.transact(mark, "later")
+        return store._inline_conn().in_transaction
+
+    assert asyncio.run(main()) is False
+    assert marks(store) == ["later"]
+
+
+def test_inside_an_app_transaction_block_in_the_same_thread_it_waits_for_the_block(tmp_path: Path) -> None:
+    from stepwarden import App
+
+    app = App(f"sqlite:///{tmp_path / 'app.db'}")
+    store = app.store
+    assert isinstance(store, SQLiteStore)
+    store.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
+
+    async def main() -> tuple[int, int]:
+        with app.transaction() as block:
+            block.execute("INSERT INTO marks (v) VALUES ('block')")
+            tx = asyncio.create_task(store.transact(mark, "after block"))
+            await asyncio.sleep(0.2)
+            assert not tx.done()  # waiting for the block's lock on the store's thread, not refused
+        return threading.get_ident(), await asyncio.wait_for(tx, 5)
+
+    try:
+        loop_thread, ran_on = asyncio.run(main())
+        assert ran_on != loop_thread
+        assert marks(store) == ["block", "after block"]
+    finally:
+        app.close()
+
+
+def test_coroutines_of_one_loop_share_its_connection_without_mixing_transactions(
+    store: SQLiteStore, holder: sqlite3.Connection
+) -> None:
+    holder.execute("BEGIN IMMEDIATE")
+
+    async def main() -> list[Any]:
+        waiting = [asyncio.create_task(store.transact(mark, str(i))) for i in range(20)]
+        await asyncio.sleep(0.05)
+        holder.execute("COMMIT")
+        return await asyncio.gather(*waiting)
+
+    asyncio.run(main())
+    assert sorted(marks(store), key=int) == [str(i) for i in range(20)]
