@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from stepwarden.store import sqlite as sqlite_store
+from stepwarden.store import sqlite_watch
 from stepwarden.store.base import WORK_CHANNELS
 from stepwarden.store.sqlite import SQLiteStore
 
@@ -116,7 +116,7 @@ def _logged(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str
 def test_the_watch_comes_back_after_an_error_and_wakes_for_the_next_commit(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, refuse: int
 ) -> None:
-    monkeypatch.setattr(sqlite_store, "WATCH_SETTLED", 0.2)
+    monkeypatch.setattr(sqlite_watch, "WATCH_SETTLED", 0.2)
     path = tmp_path / "store.db"
     store = _store(_FlakyStore(str(path), refuse))
     woken: list[str] = []

@@ -26,10 +26,12 @@ from urllib.parse import urlencode
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError, MigrationError, StoreError
-from .base import DEFERRED, WORK_CHANNELS, AtCommit, Row
+from .base import DEFERRED, AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
 from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
+from .sqlite_lent import CALLER_IDLE_MAX, caller_pragmas, open_blocks
+from .sqlite_watch import watch_data_version
 
 log = logging.getLogger("stepwarden.sqlite")
 P = ParamSpec("P")
@@ -163,7 +165,7 @@ class SQLiteStore(Store):
         self._all: list[sqlite3.Connection] = []
         self._idle: list[sqlite3.Connection] = []  # kept for callers' transactions (lend)
         self._pristine: tuple[Any, ...] | None = None  # CALLER_PRAGMAS of a new connection
-        # The file as lend() knows it in _BLOCKS (one file may have several stores, one per App).
+        # The file as lend() knows it in sqlite_lent.open_blocks() (one file may have several stores, one per App).
         self._file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._closed = False
         self._lock = threading.Lock()
@@ -214,8 +216,8 @@ class SQLiteStore(Store):
         if conn is None:
             conn = self.connect()
             if self._pristine is None:
-                self._pristine = _pragmas(conn)
-        file, blocks = self._file, _blocks()
+                self._pristine = caller_pragmas(conn)
+        file, blocks = self._file, open_blocks()
         if file is not None:
             blocks.add(file)
         try:
@@ -242,7 +244,7 @@ class SQLiteStore(Store):
             if (
                 conn.execute("SELECT 1 FROM temp.sqlite_master LIMIT 1").fetchone()
                 or [r for r in conn.execute("PRAGMA database_list") if r["name"] not in ("main", "temp")]
-                or _pragmas(conn) != self._pristine  # our synchronous and foreign_keys among them
+                or caller_pragmas(conn) != self._pristine  # our synchronous and foreign_keys among them
             ):
                 return False
         except sqlite3.Error:  # closed by the caller, or broken: not lent again
@@ -515,7 +517,7 @@ class SQLiteStore(Store):
 
     def _in_block(self) -> bool:
         """This thread has an app.transaction() block open on this store's file (the write lock)."""
-        return self._file is not None and self._file in _blocks()
+        return self._file is not None and self._file in open_blocks()
 
     def limit_lock_waits(self, seconds: float) -> None:
         # Only BEGIN waits for the write lock (every statement after it holds it), and that wait
@@ -560,65 +562,9 @@ class SQLiteStore(Store):
         self, wake: Callable[[str], None], stop: asyncio.Event, channels: Sequence[str] | None = None
     ) -> None:
         """SQLite's wake-up hint: ``PRAGMA data_version`` changes whenever another connection
-        commits. A thread reads it every ``watch_interval`` seconds (a read of shared memory, no
-        disk I/O) and wakes the roles when it moves, so idle workers pick up new work in
-        milliseconds without polling the tables."""
-        if self.watch_interval <= 0:
-            await stop.wait()
-            return
-        loop = asyncio.get_running_loop()
-        done = threading.Event()
-
-        # Failed connections (or reads) in the current outage; 0 while the watch works.
-        outage = 0
-
-        def watch() -> None:
-            nonlocal outage
-            while not done.is_set():
-                try:
-                    conn = self._watch_connection()
-                    try:
-                        follow(conn)
-                    finally:
-                        conn.close()
-                except sqlite3.Error as e:
-                    if outage == 0:  # once per outage: the roles still poll, work only starts later
-                        log.warning("data_version watcher failed, the roles poll until it is back: %r", e)
-                    outage += 1
-                except RuntimeError:  # the event loop closed under us: the worker is leaving
-                    return
-                # Until the watch works again the roles poll at their idle interval (as with
-                # watch_interval=0); retried on a fresh connection, 0.05 s apart, doubling to 2 s.
-                done.wait(min(WATCH_RETRY_MAX, 0.05 * 2 ** min(outage - 1, 10)))
-
-        def follow(conn: sqlite3.Connection) -> None:
-            """Wake the roles whenever ``data_version`` moves, until ``done``; raises on an error."""
-            nonlocal outage
-            last = conn.execute("PRAGMA data_version").fetchone()[0]
-            opened = time.monotonic()
-            if outage:
-                wake_all()  # a commit may have come while it was down
-            while not done.wait(self.watch_interval):
-                now = conn.execute("PRAGMA data_version").fetchone()[0]
-                if now != last:
-                    last = now
-                    wake_all()
-                if outage and time.monotonic() - opened >= WATCH_SETTLED:
-                    # Only a connection that keeps working ends the outage: one that fails again
-                    # after a few reads must not restart the back-off or the warnings.
-                    log.info("data_version watcher: working again")
-                    outage = 0
-
-        def wake_all() -> None:
-            for channel in WORK_CHANNELS if channels is None else channels:
-                loop.call_soon_threadsafe(wake, channel)
-
-        thread = threading.Thread(target=watch, name="stepwarden-sqlite-watch", daemon=True)
-        thread.start()
-        try:
-            await stop.wait()
-        finally:
-            done.set()
+        commits; a thread watches it every ``watch_interval`` seconds and wakes the roles when it
+        moves (:func:`~stepwarden.store.sqlite_watch.watch_data_version`)."""
+        await watch_data_version(self._watch_connection, self.watch_interval, wake, stop, channels)
 
     def _watch_connection(self) -> sqlite3.Connection:
         """The watcher's own connection: ``data_version`` moves only for other connections' commits.
@@ -641,51 +587,6 @@ class SQLiteStore(Store):
         self._local = threading.local()
 
 
-CALLER_IDLE_MAX = 4  # connections kept for callers' transactions between their blocks
 # The write lock inside a deferred transaction, for tx.fence (hold_write_lock): an UPDATE opens
 # the write transaction before it looks at a row, and this one matches none, so nothing is written.
 _TAKE_WRITE_LOCK = "UPDATE leases SET term = term WHERE 0"
-# Per thread, the SQLite files (real paths) on which it has an app.transaction() block open.
-_BLOCKS = threading.local()
-
-
-def _blocks() -> set[str]:
-    files: set[str] = _BLOCKS.__dict__.setdefault("files", set())
-    return files
-
-
-# The settings that live on a connection and that a caller's block could change (locking_mode
-# EXCLUSIVE would keep the write lock; ignore_check_constraints would let the next block break a
-# CHECK): read back when it is given back, each must be as on a new connection of ours (~70 µs
-# for all; reading them through their table-valued forms in one statement saved only ~20).
-CALLER_PRAGMAS = (
-    "automatic_index",
-    "busy_timeout",
-    "cache_size",
-    "cache_spill",
-    "cell_size_check",
-    "foreign_keys",
-    "ignore_check_constraints",
-    "journal_size_limit",
-    "legacy_alter_table",
-    "locking_mode",
-    "mmap_size",
-    "query_only",
-    "recursive_triggers",
-    "reverse_unordered_selects",
-    "secure_delete",
-    "synchronous",
-    "temp_store",
-    "threads",
-    "trusted_schema",
-    "wal_autocheckpoint",
-    "writable_schema",
-)
-
-
-def _pragmas(conn: sqlite3.Connection) -> tuple[Any, ...]:
-    return tuple(tuple(conn.execute(f"PRAGMA {name}").fetchone().values()) for name in CALLER_PRAGMAS)
-
-
-WATCH_RETRY_MAX = 2.0  # seconds between the watcher's attempts to come back after an error
-WATCH_SETTLED = 1.0  # seconds a new watch connection must keep working to end an outage
