@@ -165,7 +165,7 @@ class SQLiteStore(Store):
         self._all: list[sqlite3.Connection] = []
         self._idle: list[sqlite3.Connection] = []  # kept for callers' transactions (lend)
         self._pristine: tuple[Any, ...] | None = None  # CALLER_PRAGMAS of a new connection
-        # The file as lend() knows it in sqlite_lent.open_blocks() (one file may have several stores, one per App).
+        # The file as lend() knows it in open_blocks() (one file may have several stores, one per App).
         self._file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._closed = False
         self._lock = threading.Lock()
