@@ -72,7 +72,7 @@ from stepwarden.errors import InputError, LostOwnership, NotFound
 from stepwarden.policies import Backoff, Retry
 from stepwarden.store import STEP_STATES, TASK_STATES, SQLiteStore, Store, open_store
 from stepwarden.store import transitions as t
-from stepwarden.store.sqlite import SqliteTx
+from stepwarden.store.sqlite_tx import SqliteTx
 from stepwarden.workflow import Step, Workflow, encode_input
 
 BUDGET = 10.0  # complete-by budget of every step

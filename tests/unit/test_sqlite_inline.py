@@ -108,8 +108,9 @@ def test_waiting_for_a_lock_another_process_holds_does_not_freeze_the_loop(
     # The loop ran its other work every ~5 ms while the transaction waited (it spins blocked
     # for at most INLINE_SPIN, 2 ms, then polls between the loop's turns).
     assert waited >= 0.4
-    assert len(during) >= 30, f"the loop ticked {len(during)} times in {waited:.2f} s of waiting"
-    assert max(b - a for a, b in itertools.pairwise(during)) < 0.1
+    # (A frozen loop ticks not at all for the 0.4 s; bounds loose for a loaded machine.)
+    assert len(during) >= 10, f"the loop ticked {len(during)} times in {waited:.2f} s of waiting"
+    assert max(b - a for a, b in itertools.pairwise(during)) < 0.25
     assert marks(store) == ["after"]
 
 
@@ -175,9 +176,11 @@ def test_a_wait_cancelled_leaves_no_transaction_open(store: SQLiteStore, holder:
         tx.cancel()
         with pytest.raises(asyncio.CancelledError):
             await tx
+        with store._inline_use() as conn:
+            left_open = conn.in_transaction  # checked while the other writer still holds the lock
         holder.execute("COMMIT")
         await store.transact(mark, "later")
-        return store._inline_conn().in_transaction
+        return left_open
 
     assert asyncio.run(main()) is False
     assert marks(store) == ["later"]
@@ -220,3 +223,71 @@ def test_coroutines_of_one_loop_share_its_connection_without_mixing_transactions
 
     asyncio.run(main())
     assert sorted(marks(store), key=int) == [str(i) for i in range(20)]
+
+
+def test_close_from_another_thread_waits_for_a_hot_transaction_running_on_a_loop(tmp_path: Path) -> None:
+    """Closing a connection under a running statement can crash the process: close() waits for
+    the loop's transaction as it waits for the store's threads."""
+    s = SQLiteStore(str(tmp_path / "close.db"))
+    s.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
+    running = threading.Event()
+    outcome: list[Any] = []
+
+    @hot
+    def slow(tx: Tx) -> str:
+        running.set()
+        time.sleep(0.3)  # the loop's thread is inside the transaction
+        tx.sql("INSERT INTO marks (v) VALUES ('slow')")
+        return "committed"
+
+    def loop_thread() -> None:
+        try:
+            outcome.append(asyncio.run(s.transact(slow)))
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=loop_thread)
+    t.start()
+    assert running.wait(5)
+    began = time.monotonic()
+    s.close()
+    waited = time.monotonic() - began
+    t.join(5)
+    assert outcome == ["committed"]
+    assert waited >= 0.15, "close() returned while the transaction was still running"
+    again = SQLiteStore(str(tmp_path / "close.db"))
+    try:
+        assert marks(again) == ["slow"]
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("path", ["inline", "store thread"])
+def test_a_commit_that_fails_leaves_no_transaction_open_and_writes_nothing(
+    store: SQLiteStore, path: str
+) -> None:
+    """A deferred foreign key is checked at COMMIT, which fails and leaves SQLite's transaction
+    open: it must be rolled back, or the connection would hold the write lock for good."""
+    store.transact_sync(lambda tx: tx.sql("CREATE TABLE parent (id INTEGER PRIMARY KEY)"))
+    store.transact_sync(
+        lambda tx: tx.sql(
+            "CREATE TABLE child (pid INTEGER REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)"
+        )
+    )
+
+    @hot
+    def orphan(tx: Tx) -> None:
+        tx.sql("INSERT INTO marks (v) VALUES ('orphan')")
+        tx.sql("INSERT INTO child (pid) VALUES (42)")  # no parent 42: refused at COMMIT
+
+    async def main() -> None:
+        with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
+            if path == "inline":
+                await store.transact(orphan)
+            else:
+                store.transact_sync(orphan)
+        await store.transact(mark, "next")  # inline: the connection is free again
+        store.transact_sync(mark, "sync")  # and so is the store thread's
+
+    asyncio.run(main())
+    assert marks(store) == ["next", "sync"]

@@ -26,11 +26,11 @@ from urllib.parse import urlencode
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError, MigrationError, StoreError
-from .base import DEFERRED, AtCommit, Row
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
 from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
 from .sqlite_lent import CALLER_IDLE_MAX, caller_pragmas, open_blocks
+from .sqlite_tx import SqliteTx, dict_row
 from .sqlite_watch import watch_data_version
 
 log = logging.getLogger("stepwarden.sqlite")
@@ -44,92 +44,9 @@ DEFAULT_BUSY_TIMEOUT = 30.0  # seconds a writer waits for the write lock (``?bus
 INLINE_SPIN = 0.002
 
 
-def _dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
-    return {d[0]: v for d, v in zip(cur.description, row, strict=True)}
-
-
 def _busy(e: sqlite3.OperationalError) -> bool:
     """Another connection holds the lock ("database is locked", or a table's lock)."""
     return primary_code(e) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-
-
-class SqliteTx:
-    dialect = "sqlite"
-
-    def __init__(
-        self, conn: sqlite3.Connection, queries: dict[str, str], *, caller_managed: bool = False
-    ) -> None:
-        self.conn = conn
-        self.caller_managed = caller_managed
-        self.q = queries
-        self.kept: dict[str, list[dict[str, Any]]] = {}
-        self.deferred: dict[str, list[dict[str, Any]]] = {}  # hot writes: run at the next read
-        self.tail: list[tuple[str, dict[str, Any], AtCommit]] = []
-        self.dispatched: list[str] = []
-
-    def _cur(self) -> sqlite3.Cursor:
-        if self.deferred:
-            self._run_deferred()
-        cur = self.conn.cursor()
-        cur.row_factory = _dict_row  # whatever the connection's own row factory (SUB2)
-        return cur
-
-    def _run_deferred(self) -> None:
-        """The deferred writes (``DEFERRED``: why they may wait and be reordered), each query's
-        rows through one prepared statement, in the order they came."""
-        deferred, self.deferred = self.deferred, {}
-        for query, rows in deferred.items():
-            self.conn.executemany(self.q[query], rows)
-
-    def one(self, query: str, /, **params: Any) -> Row | None:
-        rows = self._cur().execute(self.q[query], params).fetchall()
-        return rows[0] if rows else None
-
-    def all(self, query: str, /, **params: Any) -> list[Row]:
-        return self._cur().execute(self.q[query], params).fetchall()
-
-    def both(
-        self, first: tuple[str, dict[str, Any]], second: tuple[str, dict[str, Any]]
-    ) -> tuple[list[Row], list[Row]]:
-        return self.all(first[0], **first[1]), self.all(second[0], **second[1])
-
-    def run(self, query: str, /, **params: Any) -> int:
-        return self._cur().execute(self.q[query], params).rowcount
-
-    def put(self, query: str, /, **params: Any) -> None:
-        if query in DEFERRED:
-            self.deferred.setdefault(query, []).append(params)
-            return
-        if self.deferred:
-            self._run_deferred()
-        self.conn.execute(self.q[query], params)
-
-    def sql(self, text: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[Row]:
-        return self._cur().execute(text, params).fetchall()
-
-    def quiet(self, channel: str) -> None:
-        pass  # SQLite's hints come from PRAGMA data_version, not from channels
-
-    def later(self, query: str, /, **params: Any) -> None:
-        self.kept.setdefault(query, []).append(params)
-
-    def flush(self) -> None:
-        if self.deferred:
-            self._run_deferred()
-        kept, self.kept = self.kept, {}
-        for query, rows in kept.items():
-            self.conn.executemany(self.q[query], rows)
-        tail, self.tail = self.tail, []
-        for query, params, out in tail:
-            out.set(self.all(query, **params))
-
-    def at_commit(self, query: str, /, **params: Any) -> AtCommit:
-        out = AtCommit()
-        self.tail.append((query, params, out))
-        return out
-
-    def notify_if_queued(self, agents: list[str]) -> None:
-        pass  # as quiet()
 
 
 class SQLiteStore(Store):
@@ -169,6 +86,8 @@ class SQLiteStore(Store):
         self._file = None if path in ("", ":memory:") else os.path.realpath(path)
         self._closed = False
         self._lock = threading.Lock()
+        self._inline_busy = 0  # hot transactions using their connection now (see _inline_use)
+        self._inline_idle = threading.Condition(self._lock)
         # limit_lock_waits(): how long any one wait for the write lock may last, and since when
         # (a wait already in progress counts from then).
         self._wait_cap = math.inf
@@ -182,7 +101,7 @@ class SQLiteStore(Store):
         conn = sqlite3.connect(
             self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
         )
-        conn.row_factory = _dict_row
+        conn.row_factory = dict_row
         conn.create_function("sw_now", 0, self.clock.wall)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
@@ -234,7 +153,7 @@ class SQLiteStore(Store):
         try:
             if conn.in_transaction:  # first: setting isolation_level would COMMIT it
                 return False
-            conn.row_factory = _dict_row
+            conn.row_factory = dict_row
             conn.text_factory = str
             if conn.isolation_level is not None:
                 conn.isolation_level = None
@@ -256,10 +175,15 @@ class SQLiteStore(Store):
         return True
 
     def _conn(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        return self._thread_conn("conn")
+
+    def _thread_conn(self, name: str) -> sqlite3.Connection:
+        """This thread's connection ``name`` (``conn``: transactions on the calling thread;
+        ``inline``: hot transactions on its event loop), made at first use, closed by close()."""
+        conn: sqlite3.Connection | None = getattr(self._local, name, None)
         if conn is None:
             conn = self.connect()
-            self._local.conn = conn
+            setattr(self._local, name, conn)
             with self._lock:
                 self._all.append(conn)
         return conn
@@ -345,10 +269,15 @@ class SQLiteStore(Store):
             tx = SqliteTx(conn, self.queries)
             out = fn(tx, *args, **kwargs)
             tx.flush()
+            conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            # A COMMIT that fails (a deferred constraint, a full disk) may leave the transaction
+            # open, and one SQLite already ended (SQLITE_FULL) cannot be rolled back: either way
+            # the connection leaves without a transaction, and with the error that ended it.
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
         return out
 
     async def transact(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -368,47 +297,56 @@ class SQLiteStore(Store):
         waits for the block's lock instead of refusing."""
         if not (self.inline and getattr(fn, "stepwarden_hot", False)) or self._in_block():
             return await super().transact(fn, *args, **kwargs)
-        conn = self._inline_conn()
-        with self._explaining():
-            await self._lock_inline(conn)
-            return self._run(conn, fn, *args, **kwargs)
-
-    def _inline_conn(self) -> sqlite3.Connection:
-        """The connection of the hot transactions run on this thread's event loop: its own, with
-        SQLite's busy handler off for good (:meth:`_lock_inline` waits instead, and every
-        statement after ``BEGIN IMMEDIATE`` holds the lock), so no ``PRAGMA`` goes with each
-        transaction as with the others. The loop's coroutines share it safely: each one's
-        transaction runs from ``BEGIN`` to ``COMMIT`` without giving the loop back."""
-        conn: sqlite3.Connection | None = getattr(self._local, "inline", None)
-        if conn is None:
-            conn = self.connect()
-            conn.execute("PRAGMA busy_timeout = 0")
-            self._local.inline = conn
-            with self._lock:
-                self._all.append(conn)
-        return conn
-
-    async def _lock_inline(self, conn: sqlite3.Connection) -> None:
-        """``BEGIN IMMEDIATE`` on ``conn``: retried every 0.1 ms growing to 2 ms for
-        ``INLINE_SPIN`` (the loop blocked: another process's transaction is usually shorter),
-        then every millisecond between the loop's other work; ``SQLITE_BUSY`` raised at
-        ``busy_timeout`` or at the bound of :meth:`limit_lock_waits`."""
         started = time.monotonic()
         delay = 0.0001
-        while True:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as e:
-                now = time.monotonic()
-                capped = max(started, self._wait_cap_since) + self._wait_cap
-                if not _busy(e) or now >= min(started + self.busy_timeout, capped):
-                    raise
-            if now - started < INLINE_SPIN:
-                time.sleep(delay)
-                delay = min(delay * 1.5, 0.002)
-            else:
-                await asyncio.sleep(0.001)
+        with self._explaining():
+            while True:
+                with self._inline_use() as conn:  # a new one after close(), as _conn() gives
+                    if self._lock_inline(conn, started):
+                        return self._run(conn, fn, *args, **kwargs)
+                if time.monotonic() - started < INLINE_SPIN:
+                    time.sleep(delay)
+                    delay = min(delay * 1.5, 0.002)
+                else:
+                    await asyncio.sleep(0.001)
+
+    @contextmanager
+    def _inline_use(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection for hot transactions, counted as in use until the block ends,
+        so that :meth:`close` waits for it as it waits for the store's threads (closing a
+        connection while a statement runs on it can crash the process). The loop's coroutines
+        share it safely: each one's transaction runs from ``BEGIN`` to ``COMMIT`` without giving
+        the loop back."""
+        with self._lock:
+            self._inline_busy += 1
+        try:
+            yield self._thread_conn("inline")
+        finally:
+            with self._lock:
+                self._inline_busy -= 1
+                self._inline_idle.notify_all()
+
+    def _lock_inline(self, conn: sqlite3.Connection, started: float) -> bool:
+        """One try at ``BEGIN IMMEDIATE`` on ``conn``, SQLite's busy handler off for it as in
+        :meth:`begin`; False if another writer holds the lock. ``SQLITE_BUSY`` is raised once
+        ``busy_timeout`` has passed since ``started``, or the bound of :meth:`limit_lock_waits`."""
+        if conn.in_transaction:  # only an interrupt between a BEGIN and its try could leave one
+            log.warning("a hot transaction's connection was left in a transaction; rolled back")
+            conn.execute("ROLLBACK")
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return True
+        except sqlite3.OperationalError as e:
+            now = time.monotonic()
+            capped = max(started, self._wait_cap_since) + self._wait_cap
+            if not _busy(e) or now >= min(started + self.busy_timeout, capped):
+                raise
+            return False
+        finally:
+            # The busy handler back for the transaction's statements: a store that could not
+            # enter WAL mode (a file system without shared memory) waits at COMMIT for readers.
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
 
     def tx_on(self, conn: Any) -> SqliteTx:
         """A :class:`Tx` over a connection whose transaction the caller manages (SUB2)."""
@@ -576,8 +514,9 @@ class SQLiteStore(Store):
         return sqlite3.connect(uri, uri=True, timeout=self.busy_timeout, check_same_thread=False)
 
     def close(self) -> None:
-        super().close()
+        super().close()  # waits for the transactions running on the store's threads
         with self._lock:
+            self._inline_idle.wait_for(lambda: self._inline_busy == 0)  # and on event loops
             self._closed = True
             for conn in self._all + self._idle:
                 with contextlib.suppress(sqlite3.ProgrammingError):
