@@ -40,6 +40,7 @@ ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 sys.path.insert(0, str(HERE))
 
+import calibrate  # noqa: E402
 import cpu  # noqa: E402
 import floor  # noqa: E402
 from peers.common import stop as stop_process  # noqa: E402 - by pid: SIGTERM, SIGKILL after a grace
@@ -1000,6 +1001,7 @@ def markdown(res: Results, data: dict[str, Any]) -> str:
         f"- {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB memory, {m['platform']}",
         f"- Python {m['python']}; SQLite {m['sqlite']}; PostgreSQL {m.get('postgres') or '—'}",
         f"- load average at start {m['load_start']}, at end {m.get('load_end', '—')}",
+        *([probed] if (probed := calibrate.line(m)) else []),
         f"- {m['note']}",
         "",
         f"stepwarden measured: commit {data.get('source', {}).get('commit', '?')}"
@@ -1237,7 +1239,7 @@ def source() -> dict[str, Any]:
     return {}
 
 
-def machine(dbs: Databases | None) -> dict[str, Any]:
+def machine(dbs: Databases | None, work: Path | None = None) -> dict[str, Any]:
     cpu = "?"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -1258,6 +1260,7 @@ def machine(dbs: Databases | None) -> dict[str, Any]:
         "postgres": dbs.pg_version() if dbs else None,
         "platform": platform.platform(),
         "load_start": [round(x, 2) for x in os.getloadavg()],
+        **(calibrate.probe(work / "calibrate") if work else {}),
         "note": "a shared 2-core machine: other work (test suites, other sessions) was running "
         "during the run, "
         "so absolute figures are noisy; compare by the ratios, which are taken within each repetition",
@@ -1376,7 +1379,7 @@ def main() -> int:
     meta = {
         "date": date,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine(dbs),
+        "machine": machine(dbs, work),
         "source": source(),
         "settings": settings,
         "workloads": workloads,

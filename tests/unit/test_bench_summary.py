@@ -339,3 +339,19 @@ def test_metrics_urls_are_read_from_what_each_worker_printed(bench: ModuleType, 
         "http://127.0.0.1:40001/metrics",
         "http://127.0.0.1:40002/metrics",
     ]
+
+
+def test_the_machine_section_carries_the_calibration_probes(bench: ModuleType, tmp_path: Path) -> None:
+    """Runs on different machines (s37's EPYC, s39's Xeon) differ by more than the CPU's name:
+    each run records how fast plain Python runs and what a durable SQLite commit costs."""
+    m = bench.machine(None, tmp_path)
+    assert 0 < m["python_loop_s"] < 30
+    assert 0 < m["sqlite_commit_us"] < 1_000_000
+    assert not list((tmp_path / "calibrate").iterdir())  # the probe's database is removed
+    res = results(bench, tmp_path, [])
+    res.meta.update(date="d", command="c", settings={}, machine={**m, "note": ""})
+    text = str(bench.markdown(res, {**res.meta, "summary": bench.summarise(res)}))
+    assert f"took {m['python_loop_s']} s; a one-row SQLite commit" in text
+    assert f"{m['sqlite_commit_us']} µs" in text
+    # A run recorded before the probes existed renders without the line.
+    assert "calibration" not in render(bench, results(bench, tmp_path, []))
