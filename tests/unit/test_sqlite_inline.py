@@ -291,3 +291,61 @@ def test_a_commit_that_fails_leaves_no_transaction_open_and_writes_nothing(
 
     asyncio.run(main())
     assert marks(store) == ["next", "sync"]
+
+
+@pytest.mark.parametrize("path", ["inline", "store thread"])
+def test_a_connection_an_interrupt_left_inside_a_transaction_is_rolled_back_before_the_next(
+    store: SQLiteStore, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A KeyboardInterrupt between a BEGIN and the try that ends it leaves the connection in its
+    transaction, holding the write lock; the next BEGIN on it would fail for good."""
+
+    async def main() -> None:
+        if path == "inline":
+            with store._inline_use() as conn:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("INSERT INTO marks (v) VALUES ('interrupted')")
+            await store.transact(mark, "next")
+        else:
+            conn = store._conn()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO marks (v) VALUES ('interrupted')")
+            store.transact_sync(mark, "next")
+
+    with caplog.at_level("WARNING", logger="stepwarden.sqlite"):
+        asyncio.run(main())
+    assert marks(store) == ["next"]
+    assert any("left inside a transaction" in r.getMessage() for r in caplog.records)
+
+
+def test_the_roles_transactions_are_the_ones_run_on_the_loop(
+    store: SQLiteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's round, the reply batch (with or without the take) and the agent's pull
+    are marked hot; losing a mark would quietly put them back on the store's thread."""
+    from stepwarden.store import agents
+
+    ran_on: dict[str, int] = {}
+    real = SQLiteStore._run
+
+    def recording(self: SQLiteStore, conn: sqlite3.Connection, fn: Any, *a: Any, **k: Any) -> Any:
+        ran_on[fn.__name__] = threading.get_ident()
+        return real(self, conn, fn, *a, **k)
+
+    monkeypatch.setattr(SQLiteStore, "_run", recording)
+
+    async def main() -> int:
+        await store.schedule("me", 10)
+        await store.schedule_and_take("me", 10, {})
+        await store.send_replies("me", [], apply=True)
+        await store.send_replies_and_take("me", [], {})
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert ran_on == {
+        "schedule": loop_thread,
+        "round_": loop_thread,
+        "_record_replies": loop_thread,
+        "send_all": loop_thread,
+    }
+    assert getattr(agents.pull, "stepwarden_hot", False)

@@ -29,10 +29,10 @@ def read_only(fn: F) -> F:
 def hot(fn: F) -> F:
     """Marks a transaction function of the roles' hot path (a scheduler round, a reply batch, an
     agent's pull): short, bounded by a batch size, run many times a second under load. A SQLite
-    store runs it on the event loop's own thread when the write lock is free or soon free
-    (``SQLiteStore.transact``): on the store's thread, every statement gave the interpreter lock
-    back and waited to take it again from the loop, so the write lock was held longer than its
-    statements took (W1 +10 %, W2 +13 % measured, docs/performance.md). Other stores ignore it."""
+    store runs it on the event loop's own thread (``SQLiteStore.transact``): on the store's
+    thread, every statement gave the interpreter lock back and waited to take it again from the
+    loop, so the file's write lock was held longer than its statements took (W2 about +10 %, W1
+    unchanged: docs/performance.md, round s39). Other stores ignore it."""
     fn.stepwarden_hot = True  # type: ignore[attr-defined]
     return fn
 

@@ -280,7 +280,6 @@ def read_identity(tx: Tx) -> str:
     return str(rows[0]["id"])
 
 
-@hot
 def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[RequestMsg]:
     """Any queued request of ``agents``, whatever its operation: for a tool or a test acting as
     an agent that knows no operations (the agent role takes only its own: ``claim_agent_requests``

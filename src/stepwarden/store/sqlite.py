@@ -44,6 +44,16 @@ DEFAULT_BUSY_TIMEOUT = 30.0  # seconds a writer waits for the write lock (``?bus
 INLINE_SPIN = 0.002
 
 
+def _lock_retry_delays() -> Iterator[float]:
+    """Seconds between tries for the write lock: 0.1 ms growing to 2 ms. SQLite's own busy
+    handler sleeps 1, 2, 5, 10, 15, 20, 25... ms, so under contention a writer idled for
+    milliseconds after the lock was freed (see :meth:`SQLiteStore.begin`)."""
+    delay = 0.0001
+    while True:
+        yield delay
+        delay = min(delay * 1.5, 0.002)
+
+
 def _busy(e: sqlite3.OperationalError) -> bool:
     """Another connection holds the lock ("database is locked", or a table's lock)."""
     return primary_code(e) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
@@ -298,15 +308,16 @@ class SQLiteStore(Store):
         if not (self.inline and getattr(fn, "stepwarden_hot", False)) or self._in_block():
             return await super().transact(fn, *args, **kwargs)
         started = time.monotonic()
-        delay = 0.0001
+        delays = _lock_retry_delays()
         with self._explaining():
             while True:
                 with self._inline_use() as conn:  # a new one after close(), as _conn() gives
-                    if self._lock_inline(conn, started):
+                    with self._busy_handler_off(conn):
+                        locked = self._try_write_lock(conn, started)
+                    if locked:
                         return self._run(conn, fn, *args, **kwargs)
                 if time.monotonic() - started < INLINE_SPIN:
-                    time.sleep(delay)
-                    delay = min(delay * 1.5, 0.002)
+                    time.sleep(next(delays))
                 else:
                     await asyncio.sleep(0.001)
 
@@ -325,28 +336,6 @@ class SQLiteStore(Store):
             with self._lock:
                 self._inline_busy -= 1
                 self._inline_idle.notify_all()
-
-    def _lock_inline(self, conn: sqlite3.Connection, started: float) -> bool:
-        """One try at ``BEGIN IMMEDIATE`` on ``conn``, SQLite's busy handler off for it as in
-        :meth:`begin`; False if another writer holds the lock. ``SQLITE_BUSY`` is raised once
-        ``busy_timeout`` has passed since ``started``, or the bound of :meth:`limit_lock_waits`."""
-        if conn.in_transaction:  # only an interrupt between a BEGIN and its try could leave one
-            log.warning("a hot transaction's connection was left in a transaction; rolled back")
-            conn.execute("ROLLBACK")
-        conn.execute("PRAGMA busy_timeout = 0")
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            return True
-        except sqlite3.OperationalError as e:
-            now = time.monotonic()
-            capped = max(started, self._wait_cap_since) + self._wait_cap
-            if not _busy(e) or now >= min(started + self.busy_timeout, capped):
-                raise
-            return False
-        finally:
-            # The busy handler back for the transaction's statements: a store that could not
-            # enter WAL mode (a file system without shared memory) waits at COMMIT for readers.
-            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
 
     def tx_on(self, conn: Any) -> SqliteTx:
         """A :class:`Tx` over a connection whose transaction the caller manages (SUB2)."""
@@ -426,29 +415,41 @@ class SQLiteStore(Store):
             self._take_write_lock(conn)
 
     def _take_write_lock(self, conn: Any) -> None:
+        started = time.monotonic()
+        with self._busy_handler_off(conn):
+            for delay in _lock_retry_delays():
+                if self._try_write_lock(conn, started):
+                    return
+                time.sleep(delay)
+
+    @contextmanager
+    def _busy_handler_off(self, conn: sqlite3.Connection) -> Iterator[None]:
+        """SQLite's busy handler off while we try for the write lock ourselves, and back for the
+        statements after it: a store that could not enter WAL mode (a file system without shared
+        memory) waits at COMMIT for its readers."""
         conn.execute("PRAGMA busy_timeout = 0")
         try:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as e:
-                if not _busy(e):
-                    raise
-            started = time.monotonic()
-            deadline = started + self.busy_timeout
-            delay = 0.0001
-            while True:
-                time.sleep(delay)
-                try:
-                    conn.execute("BEGIN IMMEDIATE")
-                    return
-                except sqlite3.OperationalError as e:
-                    capped = max(started, self._wait_cap_since) + self._wait_cap
-                    if not _busy(e) or time.monotonic() >= min(deadline, capped):
-                        raise
-                delay = min(delay * 1.5, 0.002)
+            yield
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+
+    def _try_write_lock(self, conn: sqlite3.Connection, started: float) -> bool:
+        """One ``BEGIN IMMEDIATE`` (the busy handler off): False if another writer holds the lock;
+        ``SQLITE_BUSY`` raised once ``busy_timeout`` has passed since ``started``, or the bound
+        of :meth:`limit_lock_waits`, whichever comes first. One of our connections that an
+        interrupt left inside a transaction (between its ``BEGIN`` and the ``try`` that ends it)
+        is rolled back first: otherwise every later ``BEGIN`` on it would fail."""
+        if conn.in_transaction:
+            log.warning("a store connection was left inside a transaction; rolled back")
+            conn.execute("ROLLBACK")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return True
+        except sqlite3.OperationalError as e:
+            capped = max(started, self._wait_cap_since) + self._wait_cap
+            if not _busy(e) or time.monotonic() >= min(started + self.busy_timeout, capped):
+                raise
+            return False
 
     def in_transaction(self, conn: Any) -> bool:
         return bool(conn.in_transaction)

@@ -108,7 +108,6 @@ def _step_row(idx: int, s: Step) -> dict[str, Any]:
     }
 
 
-@hot
 def claim_and_dispatch(tx: Tx, me: str, limit: int) -> int:
     """Claim claimable tasks (SCH1) and dispatch each one's next step, all in this transaction.
 
@@ -261,7 +260,6 @@ def _results(steps: list[Row]) -> dict[str, Any]:
     return {s["name"]: json.loads(s["result"]) for s in steps if s["state"] == "completed" and s["result"]}
 
 
-@hot
 def apply_replies(
     tx: Tx,
     me: str,
