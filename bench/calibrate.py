@@ -10,7 +10,6 @@ recorded the interpreter's speed on the first. Neither probe says anything about
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import statistics
 import time
@@ -57,7 +56,7 @@ def sqlite_commit_us(folder: Path, n: int = COMMITS) -> float:
 
 def probe(folder: Path) -> dict[str, Any]:
     """Both probes, for the run's ``machine`` record."""
-    os.makedirs(folder, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     return {
         "python_loop_s": round(python_loop_s(), 3),
         "sqlite_commit_us": round(sqlite_commit_us(folder), 1),
