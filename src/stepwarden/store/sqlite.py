@@ -59,6 +59,14 @@ def _busy(e: sqlite3.OperationalError) -> bool:
     return primary_code(e) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
+class _StoreConnection(sqlite3.Connection):
+    """A connection of ours, with what it knows of its own settings: whether the store is in WAL
+    mode, and whether SQLite's busy handler is off now (:meth:`SQLiteStore._own_write_lock`)."""
+
+    wal = False
+    busy_off = False
+
+
 class SQLiteStore(Store):
     dialect = "sqlite"
 
@@ -109,11 +117,16 @@ class SQLiteStore(Store):
     def connect(self) -> sqlite3.Connection:
         """A new connection with our pragmas and clock; the caller owns it."""
         conn = sqlite3.connect(
-            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+            self.path,
+            timeout=self.busy_timeout,
+            isolation_level=None,
+            check_same_thread=False,
+            factory=_StoreConnection,
         )
         conn.row_factory = dict_row
         conn.create_function("sw_now", 0, self.clock.wall)
-        conn.execute("PRAGMA journal_mode=WAL")
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()
+        conn.wal = str(next(iter(mode.values()))).lower() == "wal"
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         conn.execute("PRAGMA foreign_keys=ON")
         # The claim merges two short index walks with a sort of at most 2 x its limit rows: with
@@ -255,6 +268,7 @@ class SQLiteStore(Store):
         **kwargs: P.kwargs,
     ) -> R:
         if getattr(fn, "stepwarden_read_only", False):
+            self._busy_handler_on(conn)  # a reader in WAL mode may meet a recovery, and waits it out
             conn.execute("BEGIN")
         else:
             if self._in_block():
@@ -264,7 +278,7 @@ class SQLiteStore(Store):
                     "a write to the SQLite store inside an app.transaction() block on it, in the same"
                     " thread, would wait for the block's own write lock: use the block's tx.submit"
                 )
-            self.begin(conn)
+            self._take_write_lock(conn, self._own_write_lock)
         return self._run(conn, fn, *args, **kwargs)
 
     def _run(
@@ -312,9 +326,7 @@ class SQLiteStore(Store):
         with self._explaining():
             while True:
                 with self._inline_use() as conn:  # a new one after close(), as _conn() gives
-                    with self._busy_handler_off(conn):
-                        locked = self._try_write_lock(conn, started)
-                    if locked:
+                    if self._own_write_lock(conn, started):
                         return self._run(conn, fn, *args, **kwargs)
                 if time.monotonic() - started < INLINE_SPIN:
                     time.sleep(next(delays))
@@ -405,22 +417,24 @@ class SQLiteStore(Store):
         SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25... ms between tries, so under
         contention a writer idles for milliseconds after the lock was freed: with many short
         transactions from several processes that idling, not the work, sets the pace. Here the
-        busy handler is off for BEGIN only (set back for every other statement) and the retry
-        sleeps 0.1 ms growing to 2 ms, until the same ``busy_timeout`` deadline.
+        busy handler is off for BEGIN only (set back for every other statement: this is a
+        caller's lent connection; the store's own set it only when it changes, see
+        :meth:`_own_write_lock`) and the retry sleeps 0.1 ms growing to 2 ms, until the same
+        ``busy_timeout`` deadline.
 
         A lock still taken at the deadline, or a store this user cannot write, is a
         :class:`StoreError` naming the store (chained from sqlite3's error): ``app.transaction()``
         begins its block here, outside :meth:`transact_on`."""
-        with self._explaining():
-            self._take_write_lock(conn)
+        with self._explaining(), self._busy_handler_off(conn):
+            self._take_write_lock(conn, self._try_write_lock)
 
-    def _take_write_lock(self, conn: Any) -> None:
+    def _take_write_lock(self, conn: Any, attempt: Callable[[sqlite3.Connection, float], bool]) -> None:
+        """Call ``attempt`` (one try for the lock) until it takes it, sleeping in between."""
         started = time.monotonic()
-        with self._busy_handler_off(conn):
-            for delay in _lock_retry_delays():
-                if self._try_write_lock(conn, started):
-                    return
-                time.sleep(delay)
+        for delay in _lock_retry_delays():
+            if attempt(conn, started):
+                return
+            time.sleep(delay)
 
     @contextmanager
     def _busy_handler_off(self, conn: sqlite3.Connection) -> Iterator[None]:
@@ -432,6 +446,28 @@ class SQLiteStore(Store):
             yield
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+
+    def _own_write_lock(self, conn: sqlite3.Connection, started: float) -> bool:
+        """:meth:`_try_write_lock` on one of the store's own connections, which sets SQLite's
+        busy handler only when it has to, not twice per transaction as :meth:`_busy_handler_off`
+        does for a caller's: off to try for the lock, and left off after it in WAL mode, where a
+        transaction that holds the write lock never waits again (its COMMIT appends to the log
+        and checkpoints passively; only a reader may wait, and a read-only transaction sets the
+        handler back first). The two ``PRAGMA`` statements cost a submission about 6 % of its
+        time, and a worker's transactions held the write lock through the second one."""
+        if not getattr(conn, "busy_off", False):
+            conn.execute("PRAGMA busy_timeout = 0")
+            conn.busy_off = True  # type: ignore[attr-defined]  # a _StoreConnection
+        locked = self._try_write_lock(conn, started)
+        if locked and not getattr(conn, "wal", False):
+            self._busy_handler_on(conn)  # out of WAL mode, COMMIT waits for the readers
+        return locked
+
+    def _busy_handler_on(self, conn: sqlite3.Connection) -> None:
+        """SQLite's busy handler back on one of the store's own connections, if it was off."""
+        if getattr(conn, "busy_off", False):
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+            conn.busy_off = False  # type: ignore[attr-defined]  # a _StoreConnection
 
     def _try_write_lock(self, conn: sqlite3.Connection, started: float) -> bool:
         """One ``BEGIN IMMEDIATE`` (the busy handler off): False if another writer holds the lock;
@@ -477,6 +513,7 @@ class SQLiteStore(Store):
         if not os.path.isdir(folder):
             raise MigrationError(f"cannot create the SQLite store: directory {folder} does not exist")
         conn = self._conn()
+        self._busy_handler_on(conn)  # SQLite's own wait for the lock: see the docstring
         conn.execute("BEGIN IMMEDIATE")
         try:
             version = schema_version(
