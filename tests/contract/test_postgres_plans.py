@@ -153,6 +153,33 @@ def test_a_submission_reads_the_first_waiting_tasks_through_the_claimable_index(
     assert "Sort" not in plan, plan
 
 
+def test_a_lookup_by_correlation_id_searches_the_index_of_tasks_that_have_one(
+    one_connection_store: PostgresStore, pg_url: str
+) -> None:
+    """``tasks_correlation`` holds only tasks with a correlation id (migration 9); an exact match
+    implies one, so the planner still searches it, among 5,000 tasks of which 50 have one."""
+    from stepwarden.store.views import task_filter, where_clause
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO tasks (workflow, workflow_version, input, state, run_at, created_at, updated_at,"
+            " correlation_id) SELECT 'backlog', 1, '{}', 'processed', 0, 0, 0,"
+            " CASE WHEN i % 100 = 0 THEN 'order-' || i END FROM generate_series(1, 5000) AS i"
+        )
+        conn.execute("ANALYZE tasks")
+    where, params = task_filter(None, None, "order-1700")
+    sql_text = "SELECT id FROM tasks" + where_clause(where)
+
+    def explain(tx: Any) -> str:
+        return "\n".join(str(next(iter(r.values()))) for r in tx.sql("EXPLAIN " + sql_text, tuple(params)))
+
+    plan = one_connection_store.transact_sync(explain)
+    assert "tasks_correlation" in plan, plan
+    assert "Seq Scan" not in plan, plan
+    found = one_connection_store.transact_sync(lambda tx: tx.sql(sql_text, tuple(params)))
+    assert len(found) == 1
+
+
 def test_a_take_for_the_operations_a_worker_has_walks_the_queued_index(
     one_connection_store: PostgresStore, pg_url: str
 ) -> None:

@@ -72,3 +72,19 @@ def test_the_claim_reads_ready_tasks_in_index_order_and_only_the_due_end_of_the_
     sorts = [r for r in rows if "TEMP B-TREE" in r["detail"]]
     assert all(r["parent"] != ready["parent"] for r in sorts), f"the ready tasks are sorted: {details}"
     assert "SCAN tasks" not in details, details
+
+
+def test_a_lookup_by_correlation_id_searches_the_index_of_tasks_that_have_one(store: SQLiteStore) -> None:
+    """``tasks_correlation`` holds only tasks with a correlation id (migration 9): an exact match
+    implies one, so ``tasks --correlation-id`` still searches it instead of reading every task."""
+    from stepwarden.store.views import task_filter, where_clause
+
+    where, params = task_filter(None, None, "order-17")
+    sql = "EXPLAIN QUERY PLAN SELECT id FROM tasks" + where_clause(where)
+    details = [r["detail"] for r in store.transact_sync(lambda tx: tx.sql(sql, tuple(params)))]
+    assert len(details) == 1 and details[0].startswith("SEARCH tasks USING"), details
+    assert "INDEX tasks_correlation (correlation_id=?)" in details[0], details
+    index = store.transact_sync(
+        lambda tx: tx.sql("SELECT sql FROM sqlite_master WHERE name = 'tasks_correlation'")
+    )[0]["sql"]
+    assert "WHERE correlation_id IS NOT NULL" in index
