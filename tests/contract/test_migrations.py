@@ -414,7 +414,7 @@ RELEASED = [
     (6, "waiting_tasks"),
     (7, "exact_metrics"),
     (8, "store_identity"),
-    (9, "leaner_indexes"),
+    (9, "partial_correlation_index"),
 ]
 
 

@@ -73,9 +73,30 @@ def test_out_of_wal_mode_the_statements_after_begin_have_the_busy_handler(store:
     """A store that could not enter WAL mode (a file system without shared memory): COMMIT waits
     for the readers there, so the handler is on again as soon as the lock is taken."""
     conn = store._conn()
-    conn.wal = False  # type: ignore[attr-defined]
+    conn.wal = False
     assert store.transact_sync(busy_timeout) == 5000
     assert store.transact_sync(busy_timeout) == 5000
+
+
+def test_a_store_that_is_not_in_wal_mode_keeps_the_busy_handler_after_begin() -> None:
+    """The same, on a real store out of WAL mode (in memory: its journal mode is ``memory``)."""
+    store = SQLiteStore(":memory:", busy_timeout=5)
+    try:
+        store.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
+        assert not store._conn().wal
+        assert store.transact_sync(busy_timeout) == 5000
+        assert store.transact_sync(busy_timeout_reading) == 5000
+    finally:
+        store.close()
+
+
+def test_a_plain_connection_handed_to_transact_on_is_set_back_after_begin(store: SQLiteStore) -> None:
+    conn = sqlite3.connect(store.path, isolation_level=None, timeout=5)
+    try:
+        assert store.transact_on(conn, busy_timeout) == 5000
+        assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
+    finally:
+        conn.close()
 
 
 def test_the_hot_path_on_the_event_loop_leaves_it_off_too(store: SQLiteStore) -> None:

@@ -36,6 +36,7 @@ from .sqlite_watch import watch_data_version
 log = logging.getLogger("stepwarden.sqlite")
 P = ParamSpec("P")
 R = TypeVar("R")
+C = TypeVar("C", bound=sqlite3.Connection)
 
 DEFAULT_BUSY_TIMEOUT = 30.0  # seconds a writer waits for the write lock (``?busy_timeout=``)
 # Seconds the event loop waits for the write lock, blocked, before a hot transaction polls it
@@ -114,7 +115,7 @@ class SQLiteStore(Store):
         if migrate:
             self.migrate()
 
-    def connect(self) -> sqlite3.Connection:
+    def connect(self) -> _StoreConnection:
         """A new connection with our pragmas and clock; the caller owns it."""
         conn = sqlite3.connect(
             self.path,
@@ -197,13 +198,13 @@ class SQLiteStore(Store):
             self._idle.append(conn)
         return True
 
-    def _conn(self) -> sqlite3.Connection:
+    def _conn(self) -> _StoreConnection:
         return self._thread_conn("conn")
 
-    def _thread_conn(self, name: str) -> sqlite3.Connection:
+    def _thread_conn(self, name: str) -> _StoreConnection:
         """This thread's connection ``name`` (``conn``: transactions on the calling thread;
         ``inline``: hot transactions on its event loop), made at first use, closed by close()."""
-        conn: sqlite3.Connection | None = getattr(self._local, name, None)
+        conn: _StoreConnection | None = getattr(self._local, name, None)
         if conn is None:
             conn = self.connect()
             setattr(self._local, name, conn)
@@ -278,7 +279,11 @@ class SQLiteStore(Store):
                     "a write to the SQLite store inside an app.transaction() block on it, in the same"
                     " thread, would wait for the block's own write lock: use the block's tx.submit"
                 )
-            self._take_write_lock(conn, self._own_write_lock)
+            if isinstance(conn, _StoreConnection):
+                self._take_write_lock(conn, self._own_write_lock)
+            else:  # a plain connection handed to transact_on: set back after BEGIN, as begin() does
+                with self._busy_handler_off(conn):
+                    self._take_write_lock(conn, self._try_write_lock)
         return self._run(conn, fn, *args, **kwargs)
 
     def _run(
@@ -334,7 +339,7 @@ class SQLiteStore(Store):
                     await asyncio.sleep(0.001)
 
     @contextmanager
-    def _inline_use(self) -> Iterator[sqlite3.Connection]:
+    def _inline_use(self) -> Iterator[_StoreConnection]:
         """This thread's connection for hot transactions, counted as in use until the block ends,
         so that :meth:`close` waits for it as it waits for the store's threads (closing a
         connection while a statement runs on it can crash the process). The loop's coroutines
@@ -428,7 +433,7 @@ class SQLiteStore(Store):
         with self._explaining(), self._busy_handler_off(conn):
             self._take_write_lock(conn, self._try_write_lock)
 
-    def _take_write_lock(self, conn: Any, attempt: Callable[[sqlite3.Connection, float], bool]) -> None:
+    def _take_write_lock(self, conn: C, attempt: Callable[[C, float], bool]) -> None:
         """Call ``attempt`` (one try for the lock) until it takes it, sleeping in between."""
         started = time.monotonic()
         for delay in _lock_retry_delays():
@@ -447,7 +452,7 @@ class SQLiteStore(Store):
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
 
-    def _own_write_lock(self, conn: sqlite3.Connection, started: float) -> bool:
+    def _own_write_lock(self, conn: _StoreConnection, started: float) -> bool:
         """:meth:`_try_write_lock` on one of the store's own connections, which sets SQLite's
         busy handler only when it has to, not twice per transaction as :meth:`_busy_handler_off`
         does for a caller's: off to try for the lock, and left off after it in WAL mode, where a
@@ -455,19 +460,21 @@ class SQLiteStore(Store):
         and checkpoints passively; only a reader may wait, and a read-only transaction sets the
         handler back first). The two ``PRAGMA`` statements cost a submission about 6 % of its
         time, and a worker's transactions held the write lock through the second one."""
-        if not getattr(conn, "busy_off", False):
+        if not conn.busy_off:
+            # The mark first: interrupted between the two, a later reader sets the handler on
+            # again for nothing, rather than read with it off.
+            conn.busy_off = True
             conn.execute("PRAGMA busy_timeout = 0")
-            conn.busy_off = True  # type: ignore[attr-defined]  # a _StoreConnection
         locked = self._try_write_lock(conn, started)
-        if locked and not getattr(conn, "wal", False):
+        if locked and not conn.wal:
             self._busy_handler_on(conn)  # out of WAL mode, COMMIT waits for the readers
         return locked
 
     def _busy_handler_on(self, conn: sqlite3.Connection) -> None:
         """SQLite's busy handler back on one of the store's own connections, if it was off."""
-        if getattr(conn, "busy_off", False):
+        if isinstance(conn, _StoreConnection) and conn.busy_off:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
-            conn.busy_off = False  # type: ignore[attr-defined]  # a _StoreConnection
+            conn.busy_off = False
 
     def _try_write_lock(self, conn: sqlite3.Connection, started: float) -> bool:
         """One ``BEGIN IMMEDIATE`` (the busy handler off): False if another writer holds the lock;
@@ -513,7 +520,7 @@ class SQLiteStore(Store):
         if not os.path.isdir(folder):
             raise MigrationError(f"cannot create the SQLite store: directory {folder} does not exist")
         conn = self._conn()
-        self._busy_handler_on(conn)  # SQLite's own wait for the lock: see the docstring
+        self._busy_handler_on(conn)  # SQLite's busy handler waits for another migrating process
         conn.execute("BEGIN IMMEDIATE")
         try:
             version = schema_version(
