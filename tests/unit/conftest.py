@@ -84,6 +84,16 @@ def db_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def marks_store(tmp_path: Path) -> Iterator[SQLiteStore]:
+    """A SQLite store on the wall clock (busy timeout 5 s) with a table ``marks (v TEXT)`` for
+    the tests of its transactions and locks to write to."""
+    s = SQLiteStore(str(tmp_path / "sw.db"), busy_timeout=5)
+    s.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
 def store(db_path: Path, clock: FakeClock) -> Iterator[Store]:
     """A fresh, migrated SQLite store whose database clock is ``clock``."""
     s = open_store(f"sqlite:///{db_path}", clock=clock)

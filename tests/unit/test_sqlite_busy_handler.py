@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,8 @@ from stepwarden.store.base import Tx, hot, read_only
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[SQLiteStore]:
-    s = SQLiteStore(str(tmp_path / "sw.db"), busy_timeout=5)
-    s.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
-    yield s
-    s.close()
+def store(marks_store: SQLiteStore) -> SQLiteStore:
+    return marks_store
 
 
 def busy_timeout(tx: Tx) -> int:

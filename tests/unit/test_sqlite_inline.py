@@ -22,11 +22,8 @@ from stepwarden.store.base import Tx, hot
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[SQLiteStore]:
-    s = SQLiteStore(str(tmp_path / "sw.db"), busy_timeout=5)
-    s.transact_sync(lambda tx: tx.sql("CREATE TABLE marks (v TEXT)"))
-    yield s
-    s.close()
+def store(marks_store: SQLiteStore) -> SQLiteStore:
+    return marks_store
 
 
 @pytest.fixture
