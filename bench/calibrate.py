@@ -70,5 +70,5 @@ def line(m: dict[str, Any]) -> str | None:
     return (
         f"- calibration at the start: a plain Python loop of {LOOP:,} additions took"
         f" {m['python_loop_s']} s; a one-row SQLite commit (WAL, synchronous=FULL) {m['sqlite_commit_us']} µs"
-        " (median of 200)"
+        f" (median of {COMMITS})"
     )

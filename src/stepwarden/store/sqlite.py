@@ -281,9 +281,8 @@ class SQLiteStore(Store):
                 )
             if isinstance(conn, _StoreConnection):
                 self._take_write_lock(conn, self._own_write_lock)
-            else:  # a plain connection handed to transact_on: set back after BEGIN, as begin() does
-                with self._busy_handler_off(conn):
-                    self._take_write_lock(conn, self._try_write_lock)
+            else:  # a plain connection handed to transact_on: as a caller's
+                self.begin(conn)
         return self._run(conn, fn, *args, **kwargs)
 
     def _run(
