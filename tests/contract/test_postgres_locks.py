@@ -446,6 +446,36 @@ AGENT = "agent-1:1:x"
 REPLIED = "UPDATE requests SET state = 'replied' WHERE id = %s AND state = 'taken'"  # request_replied
 
 
+def test_migration_9_lets_reads_of_tasks_go_on_while_it_waits_for_a_writer(pg_url: str) -> None:
+    """Migration 9 (tasks_correlation made partial) builds the new index before it drops the old
+    one. Waiting for a writer's lock on tasks, it asks for CREATE INDEX's SHARE lock, which reads
+    do not queue behind. Dropping first would have queued an ACCESS EXCLUSIVE request, and every
+    read of tasks behind it (claims, the dashboard, `tasks`) until the writer ended."""
+    store: Any = open_store(pg_url, migrate=False)
+    store.transact_sync(lambda tx: (tx.sql("DROP SCHEMA public CASCADE"), tx.sql("CREATE SCHEMA public")))
+    writer = psycopg.connect(pg_url)
+    try:
+        assert store.migrate(target=8) == 8  # the schema as the previous release left it
+        writer.execute("LOCK TABLE tasks IN ROW EXCLUSIVE MODE")  # a writer's transaction, held
+        th, out = _in_thread(store.migrate)
+        wait_for_lock_waiter(pg_url)  # the migration waits for the writer
+        with psycopg.connect(pg_url, autocommit=True) as reader:
+            reader.execute("SET statement_timeout = '2s'")
+            row = reader.execute("SELECT count(*) FROM tasks").fetchone()
+            assert row is not None and row[0] == 0
+        assert th.is_alive() and out == [], "the migration did not wait for the writer"
+        writer.rollback()
+        th.join(timeout=20)
+        assert out == [1]
+        index = store.transact_sync(
+            lambda tx: tx.sql("SELECT indexdef FROM pg_indexes WHERE indexname = 'tasks_correlation'")
+        )
+        assert [r["indexdef"].endswith("WHERE (correlation_id IS NOT NULL)") for r in index] == [True]
+    finally:
+        writer.close()
+        store.close()
+
+
 def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
     """``fn()`` started on a thread of its own; its result (or exception) lands in the list."""
     out: list[Any] = []
