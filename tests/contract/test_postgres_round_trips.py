@@ -1,11 +1,16 @@
 """What a PostgreSQL worker transaction sends, read from libpq's own protocol trace: BEGIN goes
 out with the first read, COMMIT with the last writes, so a reply batch that records, applies and
-takes costs two round trips (a Sync each). And when something fails inside, nothing is written
+takes costs two round trips (a Sync each), and its dozen statements leave in a few writes to the
+socket, not one each (store/pg_batching.py). And when something fails inside, nothing is written
 and the pooled connection comes back clean."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
+import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,56 @@ def traced(store: Store, path: Path) -> Iterator[list[str]]:
             parts = line.split("\t")
             if parts[0] == "F":
                 sent.append(parts[2])
+
+
+def _data_segments_out(conn: Any) -> int:
+    """The TCP segments carrying data that the connection has sent (Linux's ``tcp_info``,
+    ``tcpi_data_segs_out``): with libpq's TCP_NODELAY, one per write of a short message."""
+    with socket.socket(fileno=os.dup(conn.pgconn.socket)) as s:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    return int(struct.unpack_from("I", info, 156)[0])
+
+
+@contextlib.contextmanager
+def writes(store: Store) -> Iterator[list[int]]:
+    """The socket writes of each connection the store takes meanwhile (filled in as they return)."""
+    assert isinstance(store, PostgresStore)
+    counts: list[int] = []
+    original = store.pool.connection
+
+    @contextlib.contextmanager
+    def connection(*a: Any, **kw: Any) -> Iterator[Any]:
+        with original(*a, **kw) as conn:
+            before = _data_segments_out(conn)
+            try:
+                yield conn
+            finally:
+                counts.append(_data_segments_out(conn) - before)
+
+    store.pool.connection = connection  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        store.pool.connection = original  # type: ignore[method-assign]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's TCP_INFO")
+def test_a_reply_batch_sends_its_statements_in_a_few_writes_not_one_each(
+    store: Store, make_workflow: Factory, tmp_path: Path
+) -> None:
+    wf = make_workflow()
+    for n in range(3):
+        submit(store, wf, {"n": n})
+    _, _, taken = run(store.schedule_and_take(ME, 50, {"svc": room(3)}))
+    with traced(store, tmp_path / "trace") as sent, writes(store) as counts:
+        applied, _ = run(
+            store.send_replies_and_take(ME, [(m.id, "ok", None, None) for m in taken], {"svc": room(3)})
+        )
+    assert applied is not None and applied.accepted == 3
+    statements = sent.count("Bind") + sent.count("Query")
+    assert statements >= 10, sent  # what psycopg alone would send with a write each, Syncs aside
+    # BEGIN and the reads; the writes (pushed before COMMIT); COMMIT; each Sync on its own.
+    assert len(counts) == 1 and counts[0] <= 6, (counts, sent)
 
 
 def test_a_reply_batch_records_applies_and_takes_in_two_round_trips(

@@ -38,7 +38,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
 from ..errors import InputError, StoreError
-from . import pg_migrate
+from . import pg_batching, pg_migrate
 from .base import redact_url
 from .core import Store
 from .pg_migrate import MIGRATION_LOCK, MIGRATION_LOCK_POLL, MIGRATION_LOCK_REPORT, MIGRATION_LOCK_WAIT
@@ -154,7 +154,7 @@ class PostgresStore(Store):
             max_size=size,
             open=False,
             name="stepwarden",
-            kwargs=self._connect_kwargs(row_factory=dict_row),
+            kwargs=self._connect_kwargs(row_factory=dict_row, **pg_batching.cursor_factory()),
             configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
         )
@@ -182,7 +182,7 @@ class PostgresStore(Store):
             max_size=1,
             open=False,
             name="stepwarden-lease",
-            kwargs=self._connect_kwargs(row_factory=dict_row),
+            kwargs=self._connect_kwargs(row_factory=dict_row, **pg_batching.cursor_factory()),
             configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
             num_workers=1,
@@ -509,6 +509,7 @@ def _run_to_commit(
     out = fn(tx, *args, **kwargs)
     tx.flush()
     tx.send_notifications()
+    pg_batching.push(tx.conn)  # the writes leave before COMMIT is queued (see pg_batching)
     stage[0] = "commit"
     return out
 
