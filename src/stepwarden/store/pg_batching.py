@@ -1,21 +1,24 @@
-"""A psycopg cursor whose pipelined statements leave in one ``send()`` per round trip, not one each.
+"""A psycopg cursor whose pipelined statements leave in a few writes per transaction, not one each.
 
 Why: in pipeline mode psycopg sends every statement the moment it is queued, with a ``send()``
 and a ``poll()`` of its own, so a reply batch of about a dozen statements cost the worker a dozen
 of each, and the server as many wake-ups. Here a statement only goes into libpq's output buffer;
-the buffer leaves when the transaction needs a result (a pipeline sync), when :func:`push` sends
-the writes before ``COMMIT`` is queued, or when libpq's buffer fills. Measured on a 2-core
-virtual machine (docs/performance.md, round s45): the worker's ``sendto`` calls per W1 task fell
-from 2.6 to 1.4 and its ``poll`` calls from 4.7 to 1.4. What that buys depends on what a system
-call costs: in a slow spell of the machine a prototype took PostgreSQL W1 from 1.65-1.79 to
-1.34-1.36 ms of CPU per task (harness, interleaved); in a fast one this version measured the
-same CPU with and without (1.37-1.40 ms).
+:func:`drain` sends all of it when the transaction needs a result (before a pipeline sync), and
+:func:`push` before ``COMMIT`` is queued. (psycopg's sync stops sending once its own queue is
+empty, even with bytes still in libpq's buffer, and then waits for a reply the server cannot
+send before it has read them: psycopg issue #685. Draining first keeps that from happening.)
+Measured on a 2-core virtual machine (docs/performance.md, round s45): the worker's ``sendto``
+calls per W1 task fell from 2.6 to 1.4 and its ``poll`` calls from 4.7 to 1.4. No gain in CPU or
+throughput could be told from the noise with this version in a fast spell of the machine; a first
+prototype (no push) did better than psycopg's cursor in a slow spell, in two interleaved pairs of
+harness runs (CPU per W1 task 1.34-1.36 against 1.65-1.79 ms).
 
-psycopg offers no option for this, so the cursor overrides one of its private generators. It is
-used only where the names it relies on exist (:data:`AVAILABLE`); otherwise the store's
-connections keep psycopg's own cursor, and ``tests/contract/test_postgres_round_trips.py``
-counts the sends, so a psycopg release that changes them fails there rather than silently
-slowing down or breaking. Only the store's own connections use it: a caller's connection
+psycopg offers no option for this, so the cursor overrides one of its private generators and
+uses two private names of its pipeline. It is used only with the psycopg release it was read
+against (3.3) and only if those names exist (:data:`AVAILABLE`); otherwise the store's
+connections keep psycopg's own cursor. ``tests/contract/test_postgres_round_trips.py`` counts a
+transaction's writes to the socket with this cursor and with psycopg's, so a release that
+changes what it relies on fails there. Only the store's own connections use it: a caller's connection
 (``app.transaction()``) keeps whatever cursor the caller's SQL expects.
 """
 
@@ -25,11 +28,17 @@ import contextlib
 from typing import Any
 
 AVAILABLE = False
-with contextlib.suppress(ImportError):
+with contextlib.suppress(ImportError, ValueError):
     import psycopg
+    from psycopg.generators import send
 
+    _RELEASE = tuple(int(part) for part in psycopg.__version__.split(".")[:2])
     _NEEDED = ("_execute_gen", "_start_query", "_convert_query", "_maybe_prepare_gen")
-    AVAILABLE = all(hasattr(psycopg.Cursor, name) for name in _NEEDED)
+    AVAILABLE = (
+        _RELEASE == (3, 3)
+        and all(hasattr(psycopg.Cursor, name) for name in _NEEDED)
+        and hasattr(psycopg.Pipeline, "_communicate_gen")
+    )
 
 if AVAILABLE:
 
@@ -47,7 +56,7 @@ if AVAILABLE:
             pgq = self._convert_query(query, params)
             yield from self._maybe_prepare_gen(pgq, prepare=prepare, binary=binary)
             # psycopg would now flush each queued command with a send() of its own; libpq's
-            # send calls only buffer it (libpq flushes by itself if the buffer fills).
+            # send calls only buffer it (and write what they can if the buffer grows large).
             queued = pipeline.command_queue
             while queued:
                 queued.popleft()()
@@ -61,10 +70,18 @@ def cursor_factory() -> dict[str, Any]:
     return {"cursor_factory": BatchingCursor} if AVAILABLE else {}
 
 
+def drain(conn: Any) -> None:
+    """Send all that a pipelined transaction has buffered (reading meanwhile, so the server never
+    waits on us), before a sync asks for results."""
+    if AVAILABLE and getattr(conn, "_pipeline", None) is not None:
+        conn.wait(send(conn.pgconn))
+
+
 def push(conn: Any) -> None:
-    """Send what a pipelined transaction has buffered, and read what has come back, without
-    waiting for it: before ``COMMIT`` is queued, so that a connection found dead here is known
-    not to have carried it (``postgres._run_to_commit``)."""
+    """:func:`drain`, then process what has come back without waiting for more: before
+    ``COMMIT`` is queued, so that a server error or a connection found closed here is raised
+    while the transaction is known not to have committed (``postgres._run_to_commit``)."""
     pipeline = getattr(conn, "_pipeline", None)
     if AVAILABLE and pipeline is not None:
+        conn.wait(send(conn.pgconn))
         conn.wait(pipeline._communicate_gen())

@@ -10,6 +10,7 @@ import contextlib
 import re
 from typing import Any
 
+from . import pg_batching
 from .base import DEFERRED, AtCommit, Row
 
 # Without the postgres extra this module still imports: the store then refuses to open, saying what
@@ -99,6 +100,7 @@ class PgTx:
 
     def _sync(self) -> None:
         if self.pipeline is not None:
+            pg_batching.drain(self.conn)  # all of what the cursor buffered (see pg_batching)
             self.pipeline.sync()  # a read needs its result: flush the pipelined writes and wait
 
     @staticmethod

@@ -504,8 +504,9 @@ def _run_to_commit(
 ) -> R:
     """A transaction's own work and what it sends last (the kept writes, the at_commit statements,
     the wake-up hints, delivered when it commits); the caller then sends COMMIT. A connection found
-    dead before this returns never carried COMMIT, so that is retried (psycopg may send the last
-    statements as they are queued); one lost from here on leaves the outcome unknown, and is raised."""
+    dead before this returns never carried COMMIT, so that is retried (the last writes are pushed
+    out first, so a connection already closed is found here); one lost from here on leaves the
+    outcome unknown, and is raised."""
     out = fn(tx, *args, **kwargs)
     tx.flush()
     tx.send_notifications()
