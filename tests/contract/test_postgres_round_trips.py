@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -198,3 +199,22 @@ def test_the_steps_statement_reads_exactly_the_tasks_the_first_locked(
     chosen, with_steps = store.transact_sync(batch)
     assert chosen == {a, b}
     assert with_steps == {a, b}
+
+
+def test_a_statement_larger_than_the_socket_buffers_then_a_read_does_not_stall(store: Store) -> None:
+    """A write buffered by the store's cursor, bigger than the kernel takes at once, then a read:
+    the read's sync must still send all of it before it waits for results, or the server, still
+    reading the statement, never answers (the stall of psycopg issue #685; without the store's
+    drain it stalled in 1 of 6 runs beside a busy core)."""
+    assert isinstance(store, PostgresStore)
+    big = "x" * (16 * 1024 * 1024)
+    done: list[Any] = []
+
+    def fn(tx: Any) -> Any:
+        tx.conn.execute("SELECT length(%s)", (big,))  # queued, no result needed
+        return tx.sql("SELECT 1 AS one")  # a read: syncs
+
+    th = threading.Thread(target=lambda: done.append(store.transact_sync(fn)), daemon=True)
+    th.start()
+    th.join(timeout=30)
+    assert done == [[{"one": 1}]], "the read's sync waited for a reply the server could not send"

@@ -4,9 +4,10 @@ Why: in pipeline mode psycopg sends every statement the moment it is queued, wit
 and a ``poll()`` of its own, so a reply batch of about a dozen statements cost the worker a dozen
 of each, and the server as many wake-ups. Here a statement only goes into libpq's output buffer;
 :func:`drain` sends all of it when the transaction needs a result (before a pipeline sync), and
-:func:`push` before ``COMMIT`` is queued. (psycopg's sync stops sending once its own queue is
-empty, even with bytes still in libpq's buffer, and then waits for a reply the server cannot
-send before it has read them: psycopg issue #685. Draining first keeps that from happening.)
+:func:`push` before ``COMMIT`` is queued. (psycopg's sync can stop sending with bytes still in
+libpq's buffer and then wait for a reply the server cannot send before it has read them: psycopg
+issue #685. Without the drain, a 16 MiB statement followed by a read stalled in 1 of 6 runs on a
+busy machine: ``test_postgres_round_trips.py``.)
 Measured on a 2-core virtual machine (docs/performance.md, round s45): the worker's ``sendto``
 calls per W1 task fell from 2.6 to 1.4 and its ``poll`` calls from 4.7 to 1.4. No gain in CPU or
 throughput could be told from the noise with this version in a fast spell of the machine; a first
@@ -70,18 +71,24 @@ def cursor_factory() -> dict[str, Any]:
     return {"cursor_factory": BatchingCursor} if AVAILABLE else {}
 
 
+def _pipeline(conn: Any) -> Any:
+    """The connection's open pipeline, if the batching cursor is in use; else None."""
+    return getattr(conn, "_pipeline", None) if AVAILABLE else None
+
+
 def drain(conn: Any) -> None:
     """Send all that a pipelined transaction has buffered (reading meanwhile, so the server never
     waits on us), before a sync asks for results."""
-    if AVAILABLE and getattr(conn, "_pipeline", None) is not None:
+    if _pipeline(conn) is not None:
         conn.wait(send(conn.pgconn))
 
 
 def push(conn: Any) -> None:
     """:func:`drain`, then process what has come back without waiting for more: before
     ``COMMIT`` is queued, so that a server error or a connection found closed here is raised
-    while the transaction is known not to have committed (``postgres._run_to_commit``)."""
-    pipeline = getattr(conn, "_pipeline", None)
-    if AVAILABLE and pipeline is not None:
-        conn.wait(send(conn.pgconn))
+    while the transaction is known not to have committed (``postgres._run_to_commit``;
+    ``test_postgres_commit.py`` fails without it)."""
+    drain(conn)
+    pipeline = _pipeline(conn)
+    if pipeline is not None:
         conn.wait(pipeline._communicate_gen())
