@@ -317,20 +317,22 @@ def stepwarden_throughput(
     concurrency: int,
     prefill: int = 0,
     sync: str | None = None,
+    app_module: str = "benchapp",
 ) -> dict[str, Any]:
     """W1 (workflow ``one``) or W2 (``three``): submit ``n`` tasks one call each while the workers
     run; elapsed from just before the first submit to the last ``processed`` event. ``sync``: a
-    SQLite ``synchronous`` other than the default FULL (``?synchronous=NORMAL``)."""
+    SQLite ``synchronous`` other than the default FULL (``?synchronous=NORMAL``). ``app_module``:
+    the bench app under another name (``sqlite_queries``: the same app, with timers)."""
     wf = "one" if workload == "w1" else "three"
     steps = 1 if workload == "w1" else 3
     url = dbs.fresh(store_kind, f"sw_{workload}_{nworkers}w{'_pre' if prefill else ''}")
     if sync and store_kind == "sqlite":
         url += f"?synchronous={sync}"
     work = Path(tempfile.mkdtemp(prefix="sw-", dir=dbs.work))
-    app, store = open_app(url)
+    app, store = open_app(url, app_module)
     reader = Reader(url)
     try:
-        with workers(url, nworkers, "benchapp:app", concurrency, work, metrics=True) as procs:
+        with workers(url, nworkers, f"{app_module}:app", concurrency, work, metrics=True) as procs:
             wait_registered(reader, procs)
             urls = metrics_urls([work / f"worker-{i}.log" for i in range(nworkers)], procs)
             warm = [app.submit(wf, {}) for _ in range(4 * nworkers)]
