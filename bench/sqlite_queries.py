@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,61 +41,80 @@ TIMES_ENV = "STEPWARDEN_BENCH_QUERY_TIMES"  # a file path: this process's times 
 
 
 class Times:
-    """Seconds and calls per key; ``within`` collects the statements' time of the transaction that
-    is running (SQLite runs one at a time per connection, and the hot path one per process)."""
+    """Seconds, calls and rows per key, and per thread the statements' time of the transaction
+    running on it (the worker runs transactions on the event loop's thread and on the store's
+    threads, at times at once)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.rows: dict[str, int] = {}
-        self.within: float | None = None
+        self.lock = threading.Lock()
+        self.local = threading.local()  # .within: this thread's transaction's statements so far
 
     def add(self, key: str, seconds: float, rows: int = 0) -> None:
-        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
-        self.calls[key] = self.calls.get(key, 0) + 1
-        self.rows[key] = self.rows.get(key, 0) + rows
+        with self.lock:
+            self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+            self.calls[key] = self.calls.get(key, 0) + 1
+            self.rows[key] = self.rows.get(key, 0) + rows
+
+    def statement(self, key: str, seconds: float, rows: int = 0) -> None:
+        self.add(key, seconds, rows)
+        if getattr(self.local, "within", None) is not None:
+            self.local.within += seconds
 
     def dump(self, path: str) -> None:
-        keys = sorted(self.seconds, key=lambda k: -self.seconds[k])
-        data = [{"key": k, "calls": self.calls[k], "rows": self.rows[k], "s": self.seconds[k]} for k in keys]
+        with self.lock:
+            keys = sorted(self.seconds, key=lambda k: -self.seconds[k])
+            data = [
+                {"key": k, "calls": self.calls[k], "rows": self.rows[k], "s": self.seconds[k]} for k in keys
+            ]
         Path(path).write_text(json.dumps(data) + "\n")
 
 
 def install(times: Times) -> None:
-    """Wrap the SQLite store's transaction and its ``SqliteTx`` methods with timers."""
+    """Wrap the SQLite store's transaction and its ``SqliteTx`` methods with timers. The deferred
+    and kept writes are run here as ``SqliteTx`` runs them (one ``executemany`` per query, in the
+    order they came), timed one query at a time; a read first runs the deferred writes, outside
+    its own timer, so that no write is counted twice."""
     from stepwarden.store import sqlite as store_mod
     from stepwarden.store import sqlite_tx
+    from stepwarden.store.base import DEFERRED
 
     tx_cls: Any = sqlite_tx.SqliteTx
     if getattr(tx_cls, "bench_times", None) is not None:
-        return  # once per process (the tool imports this module a second time, as the app)
+        return  # once per process
     tx_cls.bench_times = times
 
     def statement(method: Callable[..., Any], prefix: str = "") -> Callable[..., Any]:
         def timed(self: Any, query: str, /, *args: Any, **params: Any) -> Any:
+            if self.deferred:
+                self._run_deferred()  # timed query by query, not as a part of this one
             started = time.perf_counter()
             try:
                 return method(self, query, *args, **params)
             finally:
-                spent = time.perf_counter() - started
-                times.add(prefix + (query if not prefix else " ".join(query.split())[:60]), spent)
-                if times.within is not None:
-                    times.within += spent
+                key = prefix + (query if not prefix else " ".join(query.split())[:60])
+                times.statement(key, time.perf_counter() - started)
 
         return timed
 
     for name in ("one", "all", "run"):
         setattr(tx_cls, name, statement(getattr(tx_cls, name)))
     tx_cls.sql = statement(tx_cls.sql, prefix="sql: ")
+    put = tx_cls.put
+    timed_put = statement(put)
+
+    def put_timed(self: Any, query: str, /, **params: Any) -> None:  # a deferred one runs later
+        (put if query in DEFERRED else timed_put)(self, query, **params)
+
+    tx_cls.put = put_timed
 
     def many(self: Any, kind: str, batches: dict[str, list[dict[str, Any]]]) -> None:
         for query, rows in batches.items():
             started = time.perf_counter()
             self.conn.executemany(self.q[query], rows)
-            spent = time.perf_counter() - started
-            times.add(f"{kind} {query}", spent, len(rows))
-            if times.within is not None:
-                times.within += spent
+            times.statement(f"{kind} {query}", time.perf_counter() - started, len(rows))
 
     def run_deferred(self: Any) -> None:  # SqliteTx._run_deferred, timed per query
         deferred, self.deferred = self.deferred, {}
@@ -114,24 +134,26 @@ def install(times: Times) -> None:
     run = store_mod.SQLiteStore._run
 
     def transaction(self: Any, conn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        outer, times.within = times.within, 0.0
+        outer = getattr(times.local, "within", None)
+        times.local.within = 0.0
         started = time.perf_counter()
         try:
             return run(self, conn, fn, *args, **kwargs)
         finally:
             name = getattr(fn, "__name__", "?")
             times.add(f"TX {name}", time.perf_counter() - started)
-            times.add(f"TX {name} statements", times.within or 0.0)
-            times.within = outer
+            times.add(f"TX {name} statements", times.local.within)
+            times.local.within = outer
 
     store_mod.SQLiteStore._run = transaction  # type: ignore[method-assign]
 
 
 def _install_from_env() -> None:
+    """In the worker, which imports this module as its app: the timers, written at exit."""
     from stepwarden.store import sqlite_tx
 
     path = os.environ.get(TIMES_ENV)
-    if path and getattr(sqlite_tx.SqliteTx, "bench_times", None) is None:
+    if path and __name__ != "__main__" and getattr(sqlite_tx.SqliteTx, "bench_times", None) is None:
         times = Times()
         install(times)
         atexit.register(times.dump, path)
@@ -180,10 +202,12 @@ def main() -> int:
         )
         times.dump(str(submitter))  # the worker wrote its own when it stopped
         if not worker.exists():
-            sys.exit("error: the worker wrote no times (did it stop cleanly? see its log)")
+            logs = sorted(work.glob("*/worker-*.log"))
+            tail = logs[0].read_text(errors="replace").splitlines()[-5:] if logs else []
+            sys.exit("\n".join(["error: the worker wrote no times; the end of its log:", *tail]))
         lines = [f"{a.workload}: {out['rate']} tasks/s, {out['submit_rate']} submit calls/s (one run)", ""]
         lines += report(submitter, a.tasks, "the submitting process (the warm-up's tasks included)")
-        lines += ["", *report(worker, a.tasks, "the worker")]
+        lines += ["", *report(worker, a.tasks, "the worker (its start, its stop and the warm-up included)")]
         lines += [
             "",
             f"(lines under {SHOWN_US} us per task left out; TX: a whole transaction, BEGIN to COMMIT)",

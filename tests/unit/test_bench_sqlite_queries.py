@@ -31,6 +31,7 @@ def test_a_w1_run_is_timed_query_by_query_in_both_processes(tmp_path: Path) -> N
     assert submitter["TX submit"]["calls"] == TASKS + WARM_UP
     assert submitter["insert_task"]["calls"] == TASKS + WARM_UP
     assert submitter["kept insert_event"]["rows"] == TASKS + WARM_UP
+    assert submitter["insert_step"]["calls"] == TASKS + WARM_UP  # sent at once (Tx.put), not deferred
     # The worker claimed, dispatched, completed and finished each task: four events apiece, in
     # the transactions of its scheduler rounds and reply batches.
     assert worker["kept insert_event"]["rows"] >= 4 * (TASKS + WARM_UP)
@@ -42,5 +43,5 @@ def test_a_w1_run_is_timed_query_by_query_in_both_processes(tmp_path: Path) -> N
     assert submitter["TX submit statements"]["s"] > 0
     assert worker["TX send_all statements"]["s"] > 0
     text = run.stdout
-    assert "the submitting process" in text and "the worker:" in text
+    assert "the submitting process" in text and "the worker (" in text
     assert any(line.endswith("TX submit") for line in text.splitlines())
