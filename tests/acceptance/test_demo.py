@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,76 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
+# Runs the demo with SIGHUP as the test wants it, whatever this process inherited: a test run
+# under nohup (or from a CI runner that ignores SIGHUP) passes the ignored SIGHUP on to every
+# child, and the demo rightly keeps an ignored SIGHUP ignored.
+_SIGHUP_AS = (
+    "import os, signal, sys;"
+    " signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == 'ignored' else signal.SIG_DFL);"
+    " os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+class _Demo:
+    """``stepwarden demo --orders 1000 --no-chaos`` in the background, with SIGHUP ``default`` or
+    ``ignored`` (as under nohup); the processes it starts are recorded as they appear."""
+
+    def __init__(self, tmp_path: Path, sighup: str) -> None:
+        self.out_path, self.err_path = tmp_path / "demo.out", tmp_path / "demo.err"
+        self.seen: dict[int, str] = {}
+        with self.out_path.open("wb") as out, self.err_path.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _SIGHUP_AS, sighup, str(SW), "demo", "--orders", "1000", "--no-chaos"],
+                cwd=tmp_path,
+                env=clean_env(TMPDIR=str(tmp_path)),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+            )
+
+    def progress_lines(self) -> int:
+        return len(re.findall(r"final \d+/1000", self.out_path.read_text()))
+
+    def wait_running(self) -> None:
+        def running() -> bool:
+            """Its services and three workers run, and it has shown its progress once."""
+            assert self.proc.poll() is None, (
+                f"the demo exited {self.proc.returncode}: {self.err_path.read_text()[-2000:]}"
+            )
+            self.seen.update(_children(self.proc.pid))
+            return len(_children(self.proc.pid)) >= 4 and self.progress_lines() > 0
+
+        wait_until(running, 60, "the demo to run its services and workers and show its progress", 0.05)
+
+    def stopped_by(self, sig: signal.Signals) -> None:
+        """Send ``sig``: the demo stops every process it started, by pid, then exits with 128 + the
+        signal's number and one line saying so."""
+        sent = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the demo did not exit within 30 s of {sig.name}")
+        took = time.monotonic() - sent
+        stderr = self.err_path.read_text()
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert code == 128 + sig, f"exit {code} after {took:.1f}s of {sig.name}:\n{stderr[-3000:]}"
+        assert took < 10, f"took {took:.1f}s to stop"
+        assert len(lines) == 1 and lines[0].startswith("error: ") and sig.name in lines[0], stderr[-3000:]
+        assert "Traceback" not in stderr
+        # Every process it had is gone: stopped and waited for by the demo, not left to init.
+        left = {pid: started for pid, started in self.seen.items() if proc_start(pid) == started}
+        assert left == {}, f"still running after the demo exited: {sorted(left)}"
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid, started in self.seen.items():  # only what this test saw the demo start, by pid
+            if proc_start(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_demo_stopped_by_a_signal_stops_every_process_it_started(
     tmp_path: Path, sig: signal.Signals
@@ -147,49 +218,30 @@ def test_a_demo_stopped_by_a_signal_stops_every_process_it_started(
     """``kill -TERM`` (or a closed terminal's SIGHUP) mid-run: the demo stops its workers and its
     services, by pid, then exits with 128 + the signal's number and one line saying so. It used
     to die on the spot, leaving its four processes running against its store, children of init."""
-    out_path, err_path = tmp_path / "demo.out", tmp_path / "demo.err"
-    seen: dict[int, str] = {}
-    with out_path.open("wb") as out, err_path.open("wb") as err:
-        demo = subprocess.Popen(
-            [str(SW), "demo", "--orders", "1000", "--no-chaos"],
-            cwd=tmp_path,
-            env=clean_env(TMPDIR=str(tmp_path)),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-        )
+    demo = _Demo(tmp_path, "default")
     try:
-
-        def running() -> bool:
-            """Its services and three workers run, and it has shown its progress once."""
-            assert demo.poll() is None, f"the demo exited {demo.returncode}: {err_path.read_text()[-2000:]}"
-            seen.update(_children(demo.pid))
-            return (
-                len(_children(demo.pid)) >= 4
-                and re.search(r"final \d+/1000", out_path.read_text()) is not None
-            )
-
-        wait_until(running, 60, "the demo to run its services and workers and show its progress", 0.05)
-        sent = time.monotonic()
-        demo.send_signal(sig)
-        try:
-            code = demo.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the demo did not exit within 30 s of {sig.name}")
-        took = time.monotonic() - sent
-        stderr = err_path.read_text()
-        lines = [line for line in stderr.splitlines() if line.strip()]
-        assert code == 128 + sig, f"exit {code} after {took:.1f}s of {sig.name}:\n{stderr[-3000:]}"
-        assert took < 10, f"took {took:.1f}s to stop"
-        assert len(lines) == 1 and lines[0].startswith("error: ") and sig.name in lines[0], stderr[-3000:]
-        assert "Traceback" not in stderr
-        # Every process it had is gone: stopped and waited for by the demo, not left to init.
-        left = {pid: started for pid, started in seen.items() if proc_start(pid) == started}
-        assert left == {}, f"still running after the demo exited: {sorted(left)}"
+        demo.wait_running()
+        demo.stopped_by(sig)
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
-        for pid, started in seen.items():  # only what this test saw the demo start, by pid
-            if proc_start(pid) == started:
-                os.kill(pid, signal.SIGKILL)
+        demo.end()
+
+
+def test_a_demo_started_under_nohup_runs_on_through_sighup(tmp_path: Path) -> None:
+    """Started with SIGHUP ignored (``nohup stepwarden demo &``), the demo keeps it ignored: a
+    closed terminal does not stop it. It still stops in order on SIGTERM."""
+    demo = _Demo(tmp_path, "ignored")
+    try:
+        demo.wait_running()
+        shown = demo.progress_lines()
+        demo.proc.send_signal(signal.SIGHUP)
+
+        def went_on() -> bool:
+            """A progress line printed after the signal (one every 2 s), the demo still running."""
+            assert demo.proc.poll() is None, f"SIGHUP stopped it: {demo.err_path.read_text()[-2000:]}"
+            return demo.progress_lines() > shown + 1
+
+        wait_until(went_on, 30, "the demo to go on after SIGHUP", 0.05)
+        assert len(_children(demo.proc.pid)) >= 4
+        demo.stopped_by(signal.SIGTERM)
+    finally:
+        demo.end()
