@@ -73,10 +73,10 @@ class Times:
 
 
 def install(times: Times) -> None:
-    """Wrap the SQLite store's transaction and its ``SqliteTx`` methods with timers. The deferred
-    and kept writes are run here as ``SqliteTx`` runs them (one ``executemany`` per query, in the
-    order they came), timed one query at a time; a read first runs the deferred writes, outside
-    its own timer, so that no write is counted twice."""
+    """Wrap the SQLite store's transaction and its ``SqliteTx`` methods with timers: each read or
+    write sent at once, each query's batch of deferred or kept writes (``SqliteTx._many``), each
+    transaction. A read first runs the deferred writes, outside its own timer, so that no write is
+    counted twice."""
     from stepwarden.store import sqlite as store_mod
     from stepwarden.store import sqlite_tx
     from stepwarden.store.base import DEFERRED
@@ -110,27 +110,17 @@ def install(times: Times) -> None:
 
     tx_cls.put = put_timed
 
-    def many(self: Any, kind: str, batches: dict[str, list[dict[str, Any]]]) -> None:
-        for query, rows in batches.items():
-            started = time.perf_counter()
-            self.conn.executemany(self.q[query], rows)
+    many = tx_cls._many
+
+    def many_timed(self: Any, query: str, rows: list[dict[str, Any]]) -> None:
+        started = time.perf_counter()
+        try:
+            many(self, query, rows)
+        finally:
+            kind = "deferred" if query in DEFERRED else "kept"
             times.statement(f"{kind} {query}", time.perf_counter() - started, len(rows))
 
-    def run_deferred(self: Any) -> None:  # SqliteTx._run_deferred, timed per query
-        deferred, self.deferred = self.deferred, {}
-        many(self, "deferred", deferred)
-
-    def flush(self: Any) -> None:  # SqliteTx.flush, timed per query
-        if self.deferred:
-            self._run_deferred()
-        kept, self.kept = self.kept, {}
-        many(self, "kept", kept)
-        tail, self.tail = self.tail, []
-        for query, params, out in tail:
-            out.set(self.all(query, **params))
-
-    tx_cls._run_deferred = run_deferred
-    tx_cls.flush = flush
+    tx_cls._many = many_timed
     run = store_mod.SQLiteStore._run
 
     def transaction(self: Any, conn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -41,7 +41,11 @@ class SqliteTx:
         rows through one prepared statement, in the order they came."""
         deferred, self.deferred = self.deferred, {}
         for query, rows in deferred.items():
-            self.conn.executemany(self.q[query], rows)
+            self._many(query, rows)
+
+    def _many(self, query: str, rows: list[dict[str, Any]]) -> None:
+        """One query's batch of deferred or kept writes: one prepared statement, stepped per row."""
+        self.conn.executemany(self.q[query], rows)
 
     def one(self, query: str, /, **params: Any) -> Row | None:
         rows = self._cur().execute(self.q[query], params).fetchall()
@@ -80,7 +84,7 @@ class SqliteTx:
             self._run_deferred()
         kept, self.kept = self.kept, {}
         for query, rows in kept.items():
-            self.conn.executemany(self.q[query], rows)
+            self._many(query, rows)
         tail, self.tail = self.tail, []
         for query, params, out in tail:
             out.set(self.all(query, **params))
