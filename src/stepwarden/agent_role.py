@@ -9,8 +9,9 @@ attempts still in time. A plain (non-async) function cannot be interrupted; it k
 its thread, and its late result is discarded unsent. How one attempt runs (async or plain, its
 tries, the rules at complete-by) is in ``agent_attempt.py``.
 
-Kept apart from the definitions an application writes, which need none of this machinery. A test
-that patches a bound the role reads (``STOP_WRITE_WAIT``) patches it here, where the role reads it.
+Kept apart from the definitions an application writes, which need none of this machinery. How long
+each of its stop writes may wait is the worker's ``StopWrites`` (``stop_writes.py``), which a
+test may replace with shorter bounds.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from . import tracing
 from .agent_attempt import Attempts, AttemptState, Outcome
 from .agent_definition import Agent
 from .agent_health import AgentHealth, guard
-from .agent_settings import CANCELLED_WAIT, MIN_TRY_LEFT, REPLIES_WAIT, STOP_WRITE_WAIT, AgentSettings
+from .agent_settings import CANCELLED_WAIT, MIN_TRY_LEFT, REPLIES_WAIT, AgentSettings
 from .clock import SYSTEM_CLOCK, Clock, Outage, sleep_or_wake
 from .errors import StoreError
 from .logs import log_raised
 from .policies import Backoff
+from .stop_writes import StopWrites
 from .store import ApplyResult, RequestMsg, Store
 from .store.agents import Want
 from .tracing import AttemptSpan, NoAttempt
@@ -115,8 +117,11 @@ class AgentRole:
         on_applied: Callable[[ApplyResult], None] | None = None,
         on_attempt: Callable[[str, str, float], None] | None = None,
         threads: int | None = None,
+        stop_writes: StopWrites | None = None,
     ) -> None:
         self.store = store
+        # Shared with the worker: the stop's writes wait briefly once the store was found down.
+        self.stop_writes = stop_writes or StopWrites()
         self.agents = agents
         self.me = me
         self.clock = clock
@@ -195,12 +200,14 @@ class AgentRole:
                 try:
                     got = await self.pull()
                 except Exception as e:  # database trouble: back off, keep going (REL3)
+                    self.stop_writes.failed()
                     # The sweep failed with it, most likely: one outage, logged once (Outage). A
                     # hint (a call's end, a freed slot) cuts the wait short.
                     await sleep_or_wake(self.clock, outage.failed(e), stop, self.wake)
                     self.wake.clear()
                     continue
                 outage.answered()
+                self.stop_writes.answered()
                 if swept is not None:  # the store answers the pull: this is no outage
                     log.warning("agent %s: could not look for lost takes: %r", self.me, swept)
                 if got:
@@ -212,7 +219,7 @@ class AgentRole:
         finally:
             await self.drain()
             try:
-                await asyncio.wait_for(self.health.stop(), STOP_WRITE_WAIT)
+                await self.stop_writes.write(self.health.stop())
             except Exception as e:
                 log.warning("agent %s: could not record the instances' stop: %r", self.me, e)
 
@@ -735,11 +742,10 @@ class AgentRole:
             unsent = [i for i in deadlines if i not in answered and i not in late]
             if unsent:
                 try:  # bounded: a stop has a deadline
-                    await asyncio.wait_for(
+                    await self.stop_writes.write(
                         self._release_requests(
                             unsent, "agent stopped before the call finished", self.settings.apply_replies
-                        ),
-                        STOP_WRITE_WAIT,
+                        )
                     )
                 except Exception as e:
                     log.warning("requests %s: could not release them (they will expire): %r", unsent, e)

@@ -20,6 +20,7 @@ from typing import Any
 from .clock import STOPPED, SYSTEM_CLOCK, Clock, Stopped, unless_stopped
 from .errors import InputError
 from .policies import check_seconds, show
+from .stop_writes import StopWrites
 from .store import Store
 
 log = logging.getLogger("stepwarden.leader")
@@ -123,6 +124,7 @@ class LeaseKeeper:
         settings: LeaseSettings | None = None,
         clock: Clock = SYSTEM_CLOCK,
         on_change: Callable[[str, int], None] | None = None,
+        stop_writes: StopWrites | None = None,
     ) -> None:
         self.store = store
         self.name = name
@@ -131,6 +133,9 @@ class LeaseKeeper:
         self.settings = settings or LeaseSettings()
         self.clock = clock
         self.on_change = on_change or (lambda what, term: None)
+        # The worker's verdict on the store, which a failed renewal informs: a resignation after
+        # one is a brief try, not a full wait (its lease expires at its TTL if it is not written).
+        self.stop_writes = stop_writes or StopWrites()
         self.term: int | None = None
         self.terms_held = 0
         self.failures = 0  # the work raised this many terms in a row: campaign again more slowly
@@ -319,16 +324,20 @@ class LeaseKeeper:
         if not renewal.done():
             renewal.cancel()
             log.warning("lease %s: renewal still pending when the trust window ended", self.name)
+            self.stop_writes.failed()
             return None
         try:
-            return bool(renewal.result())
+            renewed = bool(renewal.result())
         except Exception as e:
             log.warning("lease %s: renewal failed: %r", self.name, e)
+            self.stop_writes.failed()
             return None
+        self.stop_writes.answered()
+        return renewed
 
     async def _resign(self, term: int) -> None:
         try:
-            await asyncio.wait_for(self.store.resign_lease(self.name, self.holder, term), timeout=5)
+            await self.stop_writes.write(self.store.resign_lease(self.name, self.holder, term))
         except Exception as e:
             log.warning("lease %s: resign failed (it will expire): %r", self.name, e)
 

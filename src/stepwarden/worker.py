@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from . import tracing
-from .agent import STOP_WRITE_WAIT, Agent, AgentRole, AgentSettings
+from .agent import Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .clock import STOPPED, sleep_or_wake, unless_stopped
 from .errors import InputError
@@ -27,6 +27,7 @@ from .leader import LeaseKeeper, LeaseSettings
 from .logs import log_raised
 from .policies import check_count, check_seconds, show
 from .scheduler import SchedulerRole, SchedulerSettings
+from .stop_writes import StopWrites
 from .store import ApplyResult, Store, open_store
 from .store.agents import hand_back_dispatched
 from .store.base import WORK_CHANNELS, redact_url
@@ -169,6 +170,9 @@ class Worker:
         self.keeper: LeaseKeeper | None = None
         self.alert_dispatcher: AlertDispatcher | None = None
         self.alert_keeper: LeaseKeeper | None = None
+        # How long each write of the stop waits: the full bound, or a brief try once the store was
+        # found not answering (by the heartbeat, the agent loop or an earlier stop write).
+        self.stop_writes = StopWrites()
 
     def _agents(self) -> dict[str, Agent]:
         s = self.settings
@@ -241,6 +245,7 @@ class Worker:
                 on_reply=self.wake.set,
                 on_applied=m.applied if m else None,
                 on_attempt=m.attempt_finished if m else None,
+                stop_writes=self.stop_writes,
             )
             jobs.append(asyncio.create_task(self.agent_role.run(stop), name="agent"))
             if self.scheduler is not None:
@@ -257,6 +262,7 @@ class Worker:
                 settings=replace(s.lease, take_from_dead=s.supervisor.dead_after),
                 clock=clock,
                 on_change=m.lease_changed if m else None,
+                stop_writes=self.stop_writes,
             )
             jobs.append(asyncio.create_task(self.keeper.run(stop), name="supervisor"))
         if app.alert_sinks and s.alerts.enabled:
@@ -266,7 +272,13 @@ class Worker:
             )
             await _safe(self.alert_dispatcher.register())
             self.alert_keeper = LeaseKeeper(
-                store, ALERT_LEASE, self.identity, self.alert_dispatcher.lead, settings=s.lease, clock=clock
+                store,
+                ALERT_LEASE,
+                self.identity,
+                self.alert_dispatcher.lead,
+                settings=s.lease,
+                clock=clock,
+                stop_writes=self.stop_writes,
             )
             jobs.append(asyncio.create_task(self.alert_keeper.run(stop), name="alerts"))
         # The heartbeat outlives ``stop``: while the agents drain and release their attempts the
@@ -285,20 +297,16 @@ class Worker:
             store.limit_lock_waits(STOP_LOCK_WAIT)
             # The agent role is the slowest to stop (its drain); the other roles end sooner.
             await asyncio.wait(jobs, timeout=s.agent.stop_within + 1)
+            # Each write bounded (StopWrites): a database that stopped answering must not hold
+            # the process past its stop. What is not handed back is then taken by another
+            # worker's agent, or rescued at complete-by; without the stop record, the worker is
+            # taken for dead when its heartbeats stop.
             if self.scheduler is not None or self.supervisor is not None:
-                # Bounded, as the stop record: a database that stopped answering must not hold
-                # the process; what is not handed back is then taken by another worker's agent,
-                # or rescued at complete-by.
-                await _safe(asyncio.wait_for(self._hand_back(), STOP_WRITE_WAIT))
+                await _safe(self.stop_writes.write(self._hand_back()))
             beats_stop.set()
-            await asyncio.wait([beats], timeout=5)
-            # Bounded: a database that stopped answering must not hold the process past its stop.
-            await _safe(
-                asyncio.wait_for(
-                    store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True),
-                    STOP_WRITE_WAIT,
-                )
-            )
+            await asyncio.wait([beats], timeout=self.stop_writes.bound)
+            stopped = store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True)
+            await _safe(self.stop_writes.write(stopped))
             if self.alert_dispatcher is not None:
                 self.alert_dispatcher.close()
             log.info("worker %s stopped", self.identity)
@@ -427,7 +435,10 @@ class Worker:
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.heartbeat)
             except TimeoutError:
-                await _safe(self._beat())
+                if await _safe(self._beat()):
+                    self.stop_writes.answered()
+                else:
+                    self.stop_writes.failed()
 
     async def _beat(self) -> None:
         breakers: dict[str, str] = (
@@ -479,11 +490,14 @@ async def _bound_lock_waits(store: Store, stop: asyncio.Event) -> None:
     store.limit_lock_waits(STOP_LOCK_WAIT)
 
 
-async def _safe(coro: object) -> None:
+async def _safe(coro: object) -> bool:
+    """Whether ``coro`` went through; a failure is logged, not raised."""
     try:
         await coro  # type: ignore[misc]
     except Exception as e:
         log.warning("worker bookkeeping failed: %r", e)
+        return False
+    return True
 
 
 def parse_list(text: str | None) -> tuple[str, ...] | None:

@@ -160,11 +160,13 @@ class Cluster:
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         wait: bool = True,
+        db: str | None = None,
     ) -> WorkerProc:
         """A worker process running ``app`` (a module of ``tests/apps``), with ``args`` added to its
         command and ``env`` to the cluster's environment; ended by pid when the test ends, its log
-        in a failure's report. ``wait``: returned once it has registered in the store."""
-        cmd = [sys.executable, "-m", "stepwarden", "--db", self.url, "worker", "--app", app]
+        in a failure's report. ``wait``: returned once it has registered in the store. ``db``: the
+        URL the worker is given, when it reaches the cluster's store another way (a proxy)."""
+        cmd = [sys.executable, "-m", "stepwarden", "--db", db or self.url, "worker", "--app", app]
         cmd += ["--roles", roles, "--name", name]
         if concurrency is not None:
             cmd += ["--concurrency", str(concurrency)]

@@ -21,6 +21,7 @@ from stepwarden.agent import Agent, AgentRole, AgentSettings, Request, default_c
 from stepwarden.agent_health import AgentHealth
 from stepwarden.clock import SYSTEM_CLOCK, FakeClock
 from stepwarden.errors import Permanent, Transient
+from stepwarden.stop_writes import StopWrites
 from stepwarden.store import Store
 from stepwarden.store import agents as sa
 from stepwarden.store import transitions as t
@@ -837,12 +838,10 @@ class SilentStore(WrappedStore):
 def test_a_stop_with_the_database_not_answering_ends_within_its_bound(
     rt_store: Store,
     dispatch_requests: Dispatch,
-    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """DEP4 with the database gone quiet: the release of the unfinished attempt is tried once and
     given up after its bound, the role returns, and the attempt is left to expire at complete-by."""
-    monkeypatch.setattr("stepwarden.agent_role.STOP_WRITE_WAIT", 0.2)
     dispatch_requests(rt_store, 1, tries=4)
     agent = Agent("svc", concurrency=1)
     entered = asyncio.Event()
@@ -857,6 +856,7 @@ def test_a_stop_with_the_database_not_answering_ends_within_its_bound(
     async def body() -> None:
         stop = asyncio.Event()
         role = make_role(silent, agent, settings=AgentSettings(shutdown_grace=0.1, poll_interval=0.01))  # type: ignore[arg-type]
+        role.stop_writes = StopWrites(full=0.2, brief=0.2)
         loop_task = asyncio.create_task(role.run(stop))
         await asyncio.wait_for(entered.wait(), 5)
         stop.set()
