@@ -133,8 +133,8 @@ class LeaseKeeper:
         self.settings = settings or LeaseSettings()
         self.clock = clock
         self.on_change = on_change or (lambda what, term: None)
-        # The worker's verdict on the store, which a failed renewal informs: a resignation after
-        # one is a brief try, not a full wait (its lease expires at its TTL if it is not written).
+        # The worker's verdict on the store, which a failed renewal informs: a resignation while
+        # stopping is then a brief try (the lease expires at its TTL if it is not written).
         self.stop_writes = stop_writes or StopWrites()
         self.term: int | None = None
         self.terms_held = 0
@@ -228,7 +228,7 @@ class LeaseKeeper:
                 term,
                 self.clock.monotonic() - sent,
             )
-            await self._resign(term)
+            await self._resign(term, stop)
             return
         self.term = term
         self.terms_held += 1
@@ -277,7 +277,7 @@ class LeaseKeeper:
                 keeper_cancelled = True
             self._ended(work, term, reason)
             if reason != LOST:
-                await self._resign(term)
+                await self._resign(term, stop)
             self.on_change("lost", term)
             if keeper_cancelled:
                 raise asyncio.CancelledError
@@ -335,9 +335,18 @@ class LeaseKeeper:
         self.stop_writes.answered()
         return renewed
 
-    async def _resign(self, term: int) -> None:
+    async def _resign(self, term: int, stop: asyncio.Event) -> None:
+        """Resign, bounded. While running on, with the full bound: the resignation is what lets
+        a keeper take the lease within a retry period rather than at its expiry, and a store that
+        is merely slow (a renewal that ran late) still takes it. Once stopping, the bound is the
+        worker's stop-write verdict (a brief try if the store was found not answering), so that a
+        server that is down does not hold the stop for the full bound."""
         try:
-            await self.stop_writes.write(self.store.resign_lease(self.name, self.holder, term))
+            resign = self.store.resign_lease(self.name, self.holder, term)
+            if stop.is_set():
+                await self.stop_writes.write(resign)
+            else:
+                await asyncio.wait_for(resign, self.stop_writes.full)
         except Exception as e:
             log.warning("lease %s: resign failed (it will expire): %r", self.name, e)
 

@@ -122,3 +122,26 @@ def test_a_lock_timeout_is_raised_once_not_taken_for_a_lost_connection(
             store.transact_sync(fn)
     assert len(calls) == 1
     assert store.transact_sync(lambda tx: tx.one("now")) is not None  # and the pool goes on
+
+
+def test_a_wait_for_a_pooled_connection_that_runs_out_is_raised_once_not_retried(
+    store: PostgresStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No connection to be had (the server down, or every one lent): PoolTimeout lost no session,
+    so it is raised after one wait, not taken for a lost connection and waited for again (a
+    round of a worker whose server is down took two pool timeouts, 10 s, and a stop waited on it)."""
+    from psycopg_pool import PoolTimeout
+
+    held = [store.pool.getconn() for _ in range(store.pool.max_size)]
+    store.pool.timeout = 0.2
+    before = store.pool.get_stats().get("requests_errors", 0)
+    ran: list[int] = []
+    try:
+        with pytest.raises(PoolTimeout):
+            store.transact_sync(lambda tx: ran.append(1))
+    finally:
+        for conn in held:
+            store.pool.putconn(conn)
+    assert ran == []
+    assert store.pool.get_stats().get("requests_errors", 0) - before == 1, "waited for a connection twice"
+    assert "retrying the transaction" not in caplog.text

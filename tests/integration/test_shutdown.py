@@ -128,12 +128,17 @@ def test_sigterm_with_postgres_unreachable_exits_in_seconds_its_step_rescued(pg_
 
     tcpproxy = load_tcpproxy()
     direct = urlsplit(pg_cluster.url)
-    assert direct.hostname is not None and direct.port is not None
-    proxy = tcpproxy.ProxyThread(direct.hostname, direct.port)
+    if direct.hostname not in ("127.0.0.1", "localhost", "::1"):  # the proxy stays on loopback
+        pytest.skip(f"the test server is not reached over loopback TCP ({direct.hostname!r})")
+    proxy = tcpproxy.ProxyThread(direct.hostname, direct.port or 5432)
     try:
-        proxied = direct._replace(netloc=f"{direct.username}@127.0.0.1:{proxy.port}").geturl()
+        user = direct.netloc.rpartition("@")[0]  # with its password, if it has one
+        proxied = direct._replace(
+            netloc=f"{user}@127.0.0.1:{proxy.port}" if user else f"127.0.0.1:{proxy.port}"
+        )
+        proxied_url = proxied.geturl()
         task = pg_cluster.submit("long", {"sleep": {"1": 120}})  # complete-by 30 s
-        leaving = pg_cluster.start("cut-off", db=proxied)
+        leaving = pg_cluster.start("cut-off", db=proxied_url)
         started = lambda: pg_cluster.executions("task_id = ? AND attempt = 1", task)  # noqa: E731
         pg_cluster.wait(started, 20, "step 1 to start")
         pg_cluster.wait(lambda: lease_holder(pg_cluster) == leaving.identity, 20, "the worker to lead")
@@ -144,8 +149,11 @@ def test_sigterm_with_postgres_unreachable_exits_in_seconds_its_step_rescued(pg_
         proxy.close()
     log = leaving.log_text()
     assert code == 0, f"exit {code} after {took:.1f}s:\n{log[-4000:]}"
-    # The grace period (the call is cancelled at its end), a round in flight, then brief tries.
-    assert took < GRACE + 15, f"took {took:.1f}s to stop:\n{log[-4000:]}"
+    # At most: a round in flight waiting for a connection (the pool's 5 s), the grace period
+    # (the call is cancelled at its end, within 1 s), then five brief tries of 1 s (the release,
+    # the instances' stop, the hand-back, the heartbeat in flight, the stop record) and the close:
+    # about 17 s on a loaded machine. With each write waiting its full 5 s: 30 s and more.
+    assert took < GRACE + 17, f"took {took:.1f}s to stop:\n{log[-4000:]}"
     assert "could not release them (they will expire)" in log
     assert f"worker {leaving.identity} stopped" in log
     # Nothing of the stop reached the store: the worker looks alive until its heartbeat is old.

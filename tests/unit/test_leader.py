@@ -16,6 +16,7 @@ import pytest
 
 from stepwarden.clock import FakeClock
 from stepwarden.leader import Leadership, LeaseKeeper, LeaseSettings
+from stepwarden.stop_writes import StopWrites
 from stepwarden.store import views
 
 S = LeaseSettings(ttl=5.0, renew_every=1.0, retry_every=1.0, margin=1.0, stall_after=3.0)
@@ -59,6 +60,7 @@ class Flaky:
         self.hang = False
         self.fail_once = False  # the next renewal raises (a dropped connection), then all is well
         self.renewals = 0
+        self.resign_delay = 0.0  # real seconds a resignation takes (the bounds on it are real time)
 
     def _check(self) -> None:
         if self.down:
@@ -85,6 +87,8 @@ class Flaky:
 
     async def resign_lease(self, *args: Any) -> None:
         self._check()
+        if self.resign_delay:
+            await asyncio.sleep(self.resign_delay)
         await self.store.resign_lease(*args)
 
 
@@ -239,6 +243,49 @@ def test_a_renewal_that_raised_stops_the_work_and_resigns_so_a_leader_is_back_wi
             assert terms(tracked_store)[0] == (1, "A", 1_700_000_000.0, 1_700_000_003.0)
         finally:
             await ks.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_slow_resignation_after_a_failed_renewal_is_waited_for_unless_stopping(
+    tracked_store: Any, clock: FakeClock, fake_time: Any, stopping: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The failed renewal marks the store as not answering (the worker's stop-write verdict).
+    Running on, the resignation still gets the full bound, so a store that is merely slow takes it
+    and a leader is back within a retry; once stopping, it gets the brief try, so a server that is
+    down does not hold the stop (the lease then expires at its TTL)."""
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa = Work(clock)
+        flaky = Flaky(tracked_store, clock)
+        writes = StopWrites(full=5.0, brief=0.05)
+        a = LeaseKeeper(flaky, LEASE, "A", wa, settings=S, clock=clock, stop_writes=writes)  # type: ignore[arg-type]
+        try:
+            stop_a, task_a = ks.start(a)
+            await fake_time.run_for(1.5)
+            flaky.resign_delay = 0.3
+            if stopping:
+                writes.failed()  # as the heartbeat's failure would have said
+                stop_a.set()
+            else:
+                flaky.fail_once = True
+            await fake_time.run_for(1.0)
+            deadline = asyncio.get_running_loop().time() + 5
+            while not (task_a.done() if stopping else "resign failed" in caplog.text or resigned()):
+                assert asyncio.get_running_loop().time() < deadline, (
+                    "the keeper did not get past its resignation"
+                )
+                await asyncio.sleep(0.02)
+            assert not writes.answering
+            assert resigned() is not stopping
+            assert ("resign failed (it will expire)" in caplog.text) is stopping
+        finally:
+            await ks.close()
+
+    def resigned() -> bool:
+        return "lease_resigned" in event_kinds(tracked_store)
 
     run(body())
 

@@ -489,11 +489,14 @@ class PostgresStore(Store):
                 delay = min(5.0, delay * 2)
 
     def close(self) -> None:
-        # The pools first: a transaction still waiting for a connection (one its caller gave up
-        # on, such as a stopping worker's write to a server that is down) then fails at once with
-        # PoolClosed, instead of holding the close for its pool timeout, and again for the retry
-        # on a fresh connection (7 s measured). One that holds a connection runs on; the pool
-        # closes that connection when it comes back, and the threads are waited for as before.
+        """Close the pools, then wait for the store's threads. A transaction still waiting for a
+        connection, or still queued for a thread, then fails with PoolClosed, having written
+        nothing, as soon as the pool's own threads have stopped (at once when the server refuses
+        connections; up to 5 s while one hangs in a connect): one its caller gave up on (a
+        stopping worker's write to a server that is down) no longer holds the close for the
+        pool's timeout, and again for its retry (7 s measured). One that holds a
+        connection runs to its end; the pool closes that connection when it comes back. Unlike
+        SQLite's close, which waits for every transaction: close a store once its callers are done."""
         self.pool.close()
         self.lease_pool.close()
         super().close()
@@ -527,7 +530,12 @@ class _NoLiveConnection(Exception):
 def _connection_lost(e: BaseException) -> bool:
     """Whether an OperationalError means the session is gone (worth one retry on a fresh
     connection) rather than a statement stopped by the server in a live one: a lock timeout
-    (55P03) or a cancelled statement (57014) would only wait, or fail, again."""
+    (55P03) or a cancelled statement (57014) would only wait, or fail, again. A wait for a
+    pooled connection that ran out (PoolTimeout) or a pool closed lost no session either: the
+    retry would only wait the pool's timeout a second time (10 s per round, not 5, while the
+    server is down, a stopping worker's rounds among them)."""
+    if isinstance(e, (PoolTimeout, PoolClosed)):
+        return False
     state = getattr(e, "sqlstate", None)
     return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03")
 
