@@ -12,6 +12,11 @@ from typing import Any
 
 from .base import Row, Tx
 
+# ``json.dumps(x, default=str)``, with the encoder made once: dumps builds a new JSONEncoder for
+# every call that passes ``default`` (4.2 against 2.8 µs for a small detail), and every step
+# writes several events. The same text: JSONEncoder's defaults are dumps' defaults.
+_to_json = json.JSONEncoder(default=str).encode
+
 
 def event(
     tx: Tx,
@@ -30,7 +35,7 @@ def event(
         attempt=attempt,
         kind=kind,
         actor=actor,
-        detail=json.dumps(detail, default=str) if detail else None,
+        detail=_to_json(detail) if detail else None,
     )
 
 
@@ -44,7 +49,7 @@ def message(tx: Tx, task: Row, kind: str, /, **body: Any) -> None:
             task_id=task["id"],
             correlation_id=task.get("correlation_id"),
             kind=kind,
-            body=json.dumps(body, default=str),
+            body=_to_json(body),
         )
 
 
