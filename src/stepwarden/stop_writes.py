@@ -1,23 +1,21 @@
 """How long each of a stopping worker's writes may wait for the store (DEP4, REL3).
 
 A graceful stop writes a few records: the agents' release of the attempts they did not finish,
-the agent instances' stop, the hand-back of attempts dispatched but not taken, the worker's stop
-record (and, between the last two, it waits for a heartbeat in flight), and the resignation of
-the leases it holds. Each is bounded by
-``STOP_WRITE_WAIT``, so that a store which stopped answering cannot hold the process. But the
-bounds ran one after another: an idle worker whose PostgreSQL server was down took 33.5 s from
-SIGTERM to exit (measured), more than the 30 s that Kubernetes gives a pod by default.
+the agent instances' stop, the resignation of the leases it holds, the hand-back of attempts
+dispatched but not taken, the worker's stop record (and, between the last two, it waits for a
+heartbeat in flight). Each is bounded by ``STOP_WRITE_WAIT``, so that a store which stopped
+answering cannot hold the process. But the bounds ran one after another: an idle worker whose
+PostgreSQL server was down took 33.5 s from SIGTERM to exit (measured), more than the 30 s that
+Kubernetes gives a pod by default.
 
-Whether the store answers is one fact shared by all of those writes. Once a write has failed
-(or the agent loop's last round, the last heartbeat, or a lease renewal), each later write gets a
-brief try,
-``STOP_WRITE_BRIEF``, instead of the full wait. A brief try is still ample for a store that has
-come back, where a transaction takes milliseconds; and one write that goes through gives the
-next one the full wait again. What a stop cannot write is what a worker that died leaves
+Whether the store answers is one fact shared by all of those writes. Once a write has failed (or
+the agent loop's last round, the last heartbeat, or a lease renewal), each later write gets a
+brief try, ``STOP_WRITE_BRIEF``, instead of the full wait. A brief try is still ample for a store
+that has come back, where a transaction takes milliseconds; and one write that goes through gives
+the next one the full wait again. What a stop cannot write is what a worker that died leaves
 behind, and is handled the same way: the supervisor takes the work back when the worker's
 heartbeats stop or its attempts pass complete-by.
 """
-
 from __future__ import annotations
 
 import asyncio
