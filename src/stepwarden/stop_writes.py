@@ -16,6 +16,7 @@ the next one the full wait again. What a stop cannot write is what a worker that
 behind, and is handled the same way: the supervisor takes the work back when the worker's
 heartbeats stop or its attempts pass complete-by.
 """
+
 from __future__ import annotations
 
 import asyncio
