@@ -45,6 +45,7 @@ class StopWrites:
         self.full = full
         self.brief = brief
         self.answering = True
+        self.missed = 0  # writes given up (failed or timed out): the worker's last line counts them
 
     def answered(self) -> None:
         self.answering = True
@@ -64,6 +65,7 @@ class StopWrites:
             out = await asyncio.wait_for(aw, self.bound)
         except Exception:
             self.answering = False
+            self.missed += 1
             raise
         self.answering = True
         return out

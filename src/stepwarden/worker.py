@@ -214,7 +214,7 @@ class Worker:
         if not await self._register_workflows(store, stop):
             self._not_started("recording its workflows in the store")
             return False
-        await _safe(self._beat())
+        await _safe(self._beat(), "record its heartbeat")
         log.info(
             "worker %s starting: roles=%s agents=%s store=%s",
             self.identity,
@@ -270,7 +270,7 @@ class Worker:
             self.alert_dispatcher = AlertDispatcher(
                 store, app.alert_sinks, self.identity, clock=clock, settings=s.alerts
             )
-            await _safe(self.alert_dispatcher.register())
+            await _safe(self.alert_dispatcher.register(), "register as an alert dispatcher")
             self.alert_keeper = LeaseKeeper(
                 store,
                 ALERT_LEASE,
@@ -302,14 +302,25 @@ class Worker:
             # worker's agent, or rescued at complete-by; without the stop record, the worker is
             # taken for dead when its heartbeats stop.
             if self.scheduler is not None or self.supervisor is not None:
-                await _safe(self.stop_writes.write(self._hand_back()))
+                await _safe(self.stop_writes.write(self._hand_back()), "hand back the attempts it dispatched")
             beats_stop.set()
             await asyncio.wait([beats], timeout=self.stop_writes.bound)
             stopped = store.worker_beat(self.identity, s.roles, list(self.agents), stopped=True)
-            await _safe(self.stop_writes.write(stopped))
+            await _safe(self.stop_writes.write(stopped), "record its stop")
             if self.alert_dispatcher is not None:
                 self.alert_dispatcher.close()
-            log.info("worker %s stopped", self.identity)
+            if self.stop_writes.missed:
+                # One line that says what the warnings above add up to, and what happens next.
+                log.warning(
+                    "worker %s stopped, the store not answering: %d of its stop writes were given up;"
+                    " what it held is taken back as a dead worker's is (its heartbeat %gs old, its"
+                    " attempts' complete-by, its leases' TTL)",
+                    self.identity,
+                    self.stop_writes.missed,
+                    s.supervisor.dead_after,
+                )
+            else:
+                log.info("worker %s stopped", self.identity)
         return True
 
     def _not_started(self, during: str) -> None:
@@ -435,7 +446,7 @@ class Worker:
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.heartbeat)
             except TimeoutError:
-                if await _safe(self._beat()):
+                if await _safe(self._beat(), "record its heartbeat"):
                     self.stop_writes.answered()
                 else:
                     self.stop_writes.failed()
@@ -490,12 +501,12 @@ async def _bound_lock_waits(store: Store, stop: asyncio.Event) -> None:
     store.limit_lock_waits(STOP_LOCK_WAIT)
 
 
-async def _safe(coro: object) -> bool:
-    """Whether ``coro`` went through; a failure is logged, not raised."""
+async def _safe(coro: object, what: str) -> bool:
+    """Whether ``coro`` went through; a failure is logged (``what`` it could not do), not raised."""
     try:
         await coro  # type: ignore[misc]
     except Exception as e:
-        log.warning("worker bookkeeping failed: %r", e)
+        log.warning("worker: could not %s: %r", what, e)
         return False
     return True
 

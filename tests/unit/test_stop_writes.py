@@ -45,6 +45,7 @@ def test_a_write_to_a_store_that_does_not_answer_waits_the_full_bound_then_later
     assert not writes.answering and writes.bound == 0.05
     out, took = timed(writes, never())
     assert isinstance(out, TimeoutError) and took < 0.5
+    assert writes.missed == 2  # for the worker's last line
 
 
 def test_an_error_counts_as_not_answering_and_is_raised_as_it_came() -> None:
@@ -60,6 +61,7 @@ def test_a_brief_try_that_goes_through_gives_the_next_write_the_full_wait_again(
     out, _ = timed(writes, answered())
     assert out == "written"
     assert writes.answering and writes.bound == 5
+    assert writes.missed == 0
 
 
 @pytest.mark.parametrize("seen", ["answered", "failed"])
