@@ -313,8 +313,8 @@ class Worker:
                 # One line that says what the warnings above add up to, and what happens next.
                 log.warning(
                     "worker %s stopped, the store not answering: %d of its stop writes were given up;"
-                    " what it held is taken back as a dead worker's is (its heartbeat %gs old, its"
-                    " attempts' complete-by, its leases' TTL)",
+                    " what it held is taken back as a dead worker's is (once its heartbeat is %gs old,"
+                    " at its attempts' complete-by, at its leases' TTL)",
                     self.identity,
                     self.stop_writes.missed,
                     s.supervisor.dead_after,
