@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ import pytest
 
 from stepwarden import App
 from stepwarden.store import Store, open_store, views
+from stepwarden.store.base import FINAL_TASK_STATES
 
 APPS = Path(__file__).resolve().parents[1] / "apps"
 if str(APPS) not in sys.path:
@@ -287,6 +289,11 @@ class Cluster:
     def task_state(self, task_id: int) -> str:
         return str(self.one("SELECT state FROM tasks WHERE id = ?", task_id)["state"])
 
+    def final_state(self, task_id: int) -> str | None:
+        """The task's state once it is final (to wait on), else None."""
+        state = self.task_state(task_id)
+        return state if state in FINAL_TASK_STATES else None
+
     def events(self, task_id: int | None = None, kind: str | None = None) -> list[dict[str, Any]]:
         where: list[str] = []
         params: list[Any] = []
@@ -358,3 +365,13 @@ class Cluster:
         except Exception as e:  # pragma: no cover - only while reporting another failure
             out.append(f"(store unreadable: {e})")
         return "\n".join(out)
+
+
+def load_tcpproxy() -> Any:
+    """``bench/tcpproxy.py``, a loopback proxy that can cut a worker off from its server."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "tcpproxy.py"
+    spec = importlib.util.spec_from_file_location("tcpproxy", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -12,12 +12,9 @@ from harness import Cluster
 
 pytestmark = pytest.mark.timeout(90)
 
-FINAL = ("processed", "error", "compensated", "cancelled")
-
 
 def final_state(cluster: Cluster, task: int) -> str | None:
-    state = cluster.task_state(task)
-    return state if state in FINAL else None
+    return cluster.final_state(task)
 
 
 def step_row(cluster: Cluster, task: int, idx: int = 0) -> dict[str, Any]:

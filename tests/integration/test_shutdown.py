@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import re
 import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import shutapp
-from harness import Cluster, WorkerProc
+from harness import Cluster, WorkerProc, load_tcpproxy
 
 from stepwarden import cli as stepwarden_cli
 from stepwarden.agent import AgentSettings
@@ -169,28 +167,13 @@ def test_sigterm_with_postgres_unreachable_exits_in_seconds_its_step_rescued(pg_
     assert row["stopped_at"] is None
     assert step_attempt(pg_cluster, task) == 1
     pg_cluster.start("next")
-    assert pg_cluster.wait(lambda: final(pg_cluster, task), 30, "the task to end") == "processed"
+    assert pg_cluster.wait(lambda: pg_cluster.final_state(task), 30, "the task to end") == "processed"
     rescued = pg_cluster.events(task, "rescued")
     assert len(rescued) == 1 and "presumed dead" in rescued[0]["detail"]["reason"]
 
 
-def load_tcpproxy() -> Any:
-    """``bench/tcpproxy.py``, a loopback proxy that can cut a worker off from its server."""
-    bench = Path(__file__).resolve().parents[2] / "bench"
-    spec = importlib.util.spec_from_file_location("tcpproxy", bench / "tcpproxy.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def step_attempt(cluster: Cluster, task: int) -> int:
     return int(cluster.one("SELECT attempt FROM steps WHERE task_id = ? AND idx = 0", task)["attempt"])
-
-
-def final(cluster: Cluster, task: int) -> str | None:
-    state = cluster.task_state(task)
-    return state if state in ("processed", "error", "compensated", "cancelled") else None
 
 
 # -- a lone worker running every role, stopped mid-step ------------------------------------------
