@@ -171,7 +171,8 @@ class Worker:
         self.alert_dispatcher: AlertDispatcher | None = None
         self.alert_keeper: LeaseKeeper | None = None
         # How long each write of the stop waits: the full bound, or a brief try once the store was
-        # found not answering (by the heartbeat, the agent loop or an earlier stop write).
+        # found not answering (by the heartbeat, the agent loop, a lease renewal or an earlier
+        # stop write).
         self.stop_writes = StopWrites()
 
     def _agents(self) -> dict[str, Agent]:

@@ -290,6 +290,44 @@ def test_a_slow_resignation_after_a_failed_renewal_is_waited_for_unless_stopping
     run(body())
 
 
+@pytest.mark.parametrize("trouble", ["raises", "hangs"])
+def test_renewals_tell_the_stop_writes_whether_the_store_answers(
+    tracked_store: Any, clock: FakeClock, fake_time: Any, trouble: str
+) -> None:
+    """A renewal that goes through gives the worker's stop writes their full wait back (after a
+    heartbeat found the store down, say); one that raises, or is still pending when the trust
+    window ends, leaves them a brief try."""
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa = Work(clock)
+        flaky = Flaky(tracked_store, clock)
+        writes = StopWrites(full=5.0, brief=0.05)
+        a = LeaseKeeper(flaky, LEASE, "A", wa, settings=S, clock=clock, stop_writes=writes)  # type: ignore[arg-type]
+        try:
+            ks.start(a)
+            await fake_time.run_for(1.5)  # acquired at +0, renewed at +1
+            assert a.is_leader and writes.answering
+            writes.failed()  # as a failed heartbeat would have said
+            await fake_time.run_for(1.0)  # the renewal at +2 goes through
+            assert a.is_leader and flaky.renewals == 2
+            assert writes.answering
+            if trouble == "raises":
+                flaky.fail_once = True  # the renewal at +3 raises
+                await fake_time.run_for(1.0)
+            else:
+                flaky.hang = True  # the renewal at +3 never returns; trust ends at +2 + 5 - 1 = +6
+                await fake_time.run_for(3.0)
+                assert writes.answering, "a renewal still within the trust window is not a failure"
+                await fake_time.run_for(1.0)
+            assert not a.is_leader and not writes.answering
+        finally:
+            flaky.hang = False
+            await ks.close()
+
+    run(body())
+
+
 def test_graceful_stop_resigns_so_the_other_acquires_at_its_next_retry(
     tracked_store: Any, clock: FakeClock, fake_time: Any
 ) -> None:

@@ -23,6 +23,7 @@ from test_agent_role import WrappedStore, make_role
 from stepwarden.agent import Agent, Request
 from stepwarden.clock import STORE_RETRY, Outage
 from stepwarden.scheduler import SchedulerRole
+from stepwarden.stop_writes import StopWrites
 from stepwarden.store import ApplyResult, Store
 
 CAP = STORE_RETRY.maximum  # 5 s
@@ -177,3 +178,36 @@ def test_the_outage_waits_grow_to_the_cap_and_start_over_once_the_store_answers(
     assert_backs_off(waits)
     outage.answered()
     assert outage.failed(ConnectionError("down")) <= 0.25 * (1 + JITTER)
+
+
+def test_an_agent_roles_rounds_tell_the_stop_writes_whether_the_store_answers(rt_store: Store) -> None:
+    """The agent loop shares what it sees of the store with the worker's stop writes: a failed
+    pull gives them a brief try, the next pull that goes through the full wait again."""
+    agent = Agent("svc")
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        return None
+
+    outages = Outages(Sleeps())
+    writes = StopWrites(full=5.0, brief=0.5)
+
+    async def body() -> None:
+        role = make_role(Down(rt_store, outages), agent, clock=outages.clock, stop_writes=writes)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        running = asyncio.create_task(role.run(stop))
+        try:
+            await drive(outages.clock, lambda: len(outages.clock.slept) >= 3)
+            assert writes.answering
+            outages.down = True
+            await drive(outages.clock, lambda: not writes.answering)  # fails after 5 s if never
+            assert outages.failed_at and writes.bound == 0.5
+            outages.down = False
+            back = outages.answered
+            await drive(outages.clock, lambda: writes.answering)
+            assert outages.answered > back and writes.bound == 5.0
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 5)
+
+    asyncio.run(body())

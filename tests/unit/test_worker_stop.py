@@ -120,3 +120,43 @@ def test_a_role_or_agent_named_twice_counts_once() -> None:
     assert s.agents == ("b", "a")
     with pytest.raises(InputError, match="unknown role"):
         WorkerSettings(roles=("scheduler", "schedular", "scheduler"))
+
+
+def test_the_heartbeat_tells_the_stop_writes_whether_the_store_answers(tmp_path: Path) -> None:
+    """A failed heartbeat gives the stop's first write only a brief try (the store is down: a
+    full wait would only add to the stop), and the next heartbeat that goes through gives the
+    writes their full wait back (the store is back: a write cut short would be lost for nothing)."""
+    app = make_app(tmp_path, plain=False)
+    worker = app.worker(WorkerSettings(roles=("scheduler",), heartbeat=0.02))
+    beat = app.store.worker_beat
+    down = True
+    beats = {"failed": 0, "ok": 0}
+
+    async def flaky(*args: Any, **kw: Any) -> Any:
+        if down:
+            beats["failed"] += 1
+            raise ConnectionError("connection refused")
+        beats["ok"] += 1
+        return await beat(*args, **kw)
+
+    app.store.worker_beat = flaky  # type: ignore[method-assign]
+
+    async def body() -> None:
+        nonlocal down
+        writes = worker.stop_writes
+        stop = asyncio.Event()
+        beating = asyncio.create_task(worker._heartbeat(stop))
+        try:
+            await until(lambda: beats["failed"] >= 1 and not beating.done(), 5)
+            await until(lambda: not writes.answering, 5)
+            assert writes.bound == writes.brief
+            down = False
+            await until(lambda: beats["ok"] >= 1, 5)
+            await until(lambda: writes.answering, 5)
+            assert writes.bound == writes.full
+        finally:
+            stop.set()
+            await asyncio.wait_for(beating, 5)
+
+    asyncio.run(body())
+    assert worker.stop_writes.missed == 0  # a heartbeat is not a stop write: none was given up
