@@ -753,3 +753,68 @@ def test_a_lock_wait_left_in_a_leader_s_transaction_is_cut_at_a_second(
         if th is not None:
             th.join(15)
         store.close()
+
+
+def test_a_reply_recorded_while_the_sweep_runs_locks_its_request_before_it_is_stamped(
+    pg_url: str, clock: FakeClock, make_workflow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's reply (a worker with no scheduler role: recorded, not applied) is a request
+    marked replied and a reply row stamped with its arrival. The stamp went first: a sweep that
+    came between the two statements saw the request free, expired the attempt, and the reply,
+    stamped before complete-by, was then recorded stale and a failure counted. The request is
+    now locked first: the sweep passes the attempt by, and the reply completes it."""
+    from stepwarden.store.pg_tx import PgTx
+
+    store = open_store(pg_url, clock=clock)
+    first_sent, go = threading.Event(), threading.Event()
+    send = PgTx._send_deferred
+
+    def paused(self: Any) -> None:
+        """The reply transaction's first deferred statement, then a pause, then the rest."""
+        if "insert_reply" not in self.deferred or len(self.deferred) < 2:
+            return send(self)
+        rest = dict(self.deferred)
+        head = next(iter(rest))
+        self.deferred = {head: rest.pop(head)}
+        send(self)
+        self._sync()
+        first_sent.set()
+        assert go.wait(15)
+        self.deferred = rest
+        send(self)
+
+    monkeypatch.setattr(PgTx, "_send_deferred", paused)
+    threads: list[threading.Thread] = []
+    try:
+        [task_id] = _submit(store, make_workflow("a", budget=5), 1)
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 1
+        [taken] = asyncio.run(store.claim_requests(AGENT, ["svc"], 10))
+        term, _ = asyncio.run(store.acquire_lease("supervisor", SUP, 1e6)) or (0, 0.0)
+        asyncio.run(store.worker_beat(SUP, ["supervisor"], []))
+        clock.advance(4)  # the reply arrives a second before complete-by
+        th, replied = _in_thread(
+            lambda: asyncio.run(store.send_replies(AGENT, [(taken.id, "ok", {"paid": True}, None)]))
+        )
+        threads.append(th)
+        assert first_sent.wait(15)
+        clock.advance(2)  # the sweep runs past complete-by, between the reply's two statements
+        sweep, swept = _in_thread(
+            lambda: store.transact_sync(t.sweep_expired, SUP, "supervisor", term, 10, random.Random(0))
+        )
+        threads.append(sweep)
+        assert _ends_before_it_waits(pg_url, sweep), "the sweep waited for the reply's transaction"
+        go.set()
+        th.join(15)
+        assert not isinstance(replied[0], BaseException), replied
+        assert not isinstance(swept[0], BaseException), swept
+        applied = store.transact_sync(t.apply_replies, "sched", 50, random.Random(0))
+        assert (applied.accepted, applied.stale) == (1, 0)
+        rows = store.transact_sync(
+            lambda tx: tx.sql("SELECT state, attempt, failure_count FROM steps WHERE task_id = ?", (task_id,))
+        )
+        assert [(r["state"], r["attempt"], r["failure_count"]) for r in rows] == [("completed", 1, 0)]
+    finally:
+        go.set()
+        for th in threads:
+            th.join(15)
+        store.close()

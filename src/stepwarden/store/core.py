@@ -349,7 +349,17 @@ def _take(tx: Tx, me: str, take: Mapping[str, Want]) -> Callable[[], list[Reques
 
 
 def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:
-    """Record a reply, new: a scheduler applies it."""
+    """Record a reply, new: a scheduler applies it.
+
+    The request is marked replied first, and only then is the reply stamped with its arrival
+    (``received_at``, which decides whether it came by complete-by). Marking it locks the
+    request row, which the supervisor's sweep checks before it expires an attempt: stamped
+    first, a sweep that ran between the two statements found the request free, expired the
+    attempt, and the reply, stamped in time, was then recorded stale with a failure counted.
+    In this order a sweep either finds the request held and passes it by, or comes first, and
+    the reply is stamped after it: late by its own stamp. (The deferred writes go out in the
+    order of their first ``put``.)"""
+    tx.put("request_replied", request_id=request_id)
     tx.put(
         "insert_reply",
         request_id=request_id,
@@ -358,7 +368,6 @@ def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, err
         error=error,
         me=me,
     )
-    tx.put("request_replied", request_id=request_id)
 
 
 def _taken_by(tx: Tx, me: str) -> list[int]:
