@@ -697,7 +697,8 @@ def test_a_compensation_that_keeps_failing_ends_in_error_naming_the_step(
     assert states(store, task_id) == ("error", ["failed", "failed", "skipped"])
     [al] = alerts(store)
     assert (al["kind"], al["task_id"], al["step"]) == ("compensation_failed", task_id, "a")
-    assert "NOT undone" in al["message"] and "still standing" not in al["message"]  # b never started
+    # b declared no undo, and started: its effect may stand too (see not_undone)
+    assert "NOT undone" in al["message"] and "still standing: 'b'" in al["message"]
     assert r.alerts[0]["kind"] == "compensation_failed"
 
 
@@ -879,6 +880,39 @@ def test_a_compensated_task_names_the_completed_steps_it_had_no_undo_for(
     complete(store, other, "a")
     last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
     assert last["kind"] == "compensated" and "not_undone" not in json.loads(last["body"])
+
+
+@pytest.mark.parametrize("ends", ["timed out", "error reply"])
+def test_a_compensated_task_names_a_started_step_with_no_undo_that_failed(
+    store: Store, clock: FakeClock, make_workflow: Factory, ends: str
+) -> None:
+    """A step with no undo that started and failed (its reply never came by complete-by, or an
+    error came back) may have applied its effect all the same: a step with an undo is undone
+    for that reason. The outcome names it in ``not_undone``; it named only completed steps, so
+    this task ended ``compensated`` saying nothing, read as "every effect undone"."""
+    wf = make_workflow(
+        "a",
+        "b",
+        retry=Retry(max_failures=1, backoff=Backoff(initial=1.0, jitter=0.0)),
+        steps={"b": {"compensate": None, "on_error": "compensate"}},
+    )
+    task_id = submit(store, wf, reply_to="web")
+    claim(store)
+    complete(store, task_id, "a")
+    b = last_request(store, task_id, "b")
+    assert b["id"] in [m.id for m in take(store)]  # the agent calls b's service ...
+    if ends == "timed out":  # ... and its reply is lost
+        clock.advance(11)
+        assert sweep(store, lease(store)).rescued == 1
+    else:
+        send(store, b["id"], "error", error="card declined")
+        apply(store)
+    complete(store, task_id, "a")  # a's undo
+    assert states(store, task_id) == ("compensated", ["compensated", "failed"])
+    last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
+    assert (last["kind"], json.loads(last["body"])["not_undone"]) == ("compensated", ["b"])
+    ended = q(store, "SELECT detail FROM events WHERE kind = 'compensated'")[0]
+    assert json.loads(ended["detail"])["not_undone"] == ["b"]
 
 
 def test_an_undo_that_fails_for_good_names_every_step_left_standing(

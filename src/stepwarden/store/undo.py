@@ -8,14 +8,13 @@ from .base import Row
 
 
 def not_undone(steps: list[Row]) -> list[str]:
-    """The steps whose effect may still stand while the task is given up, in step order: started
-    ones with an undo that has not succeeded, and completed ones that declare no undo."""
-    return [
-        s["name"]
-        for s in steps
-        if (s["started_at"] is not None and s["compensate"] and s["state"] != "compensated")
-        or (s["state"] == "completed" and not s["compensate"])
-    ]
+    """The steps whose effect may still stand while the task is given up, in step order: every
+    started step not undone. That is those with an undo that has not succeeded, and those that
+    declare none: completed ones, and also ones that failed, timed out or were given up while
+    waiting to retry, whose call may have applied its effect (the reason a failed step with an
+    undo is undone too). Named only the completed ones, a task whose last step timed out with no
+    undo ended ``compensated`` saying nothing of it, read as "every effect undone"."""
+    return [s["name"] for s in steps if s["started_at"] is not None and s["state"] != "compensated"]
 
 
 def failed_undos(steps: list[Row]) -> list[Row]:
