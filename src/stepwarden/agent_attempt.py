@@ -211,8 +211,17 @@ class Attempts:
                 last = held
             else:
                 began = self.clock.monotonic()
+                start = _Start()
                 try:
-                    result = await self.call(name, handler, req, deadline, self.on_loop[name][msg.operation])
+                    result = await self.call(
+                        name, handler, req, deadline, self.on_loop[name][msg.operation], start
+                    )
+                except asyncio.CancelledError:
+                    # A stop: a call that began may have reached the service (a plain one runs on
+                    # in its thread). A trial's is then its call, counted failed, not given back
+                    # unrun: given back, another instance would try the service at once, beside it.
+                    state.called = state.called or start.started
+                    raise
                 except Expired as e:
                     if not e.started:
                         return None
@@ -269,13 +278,22 @@ class Attempts:
             await asyncio.wait({report}, timeout=left)
         return (report is None or report.done()) and self.clock.monotonic() < deadline
 
-    async def call(self, agent: str, handler: Handler, req: Request, deadline: float, on_loop: bool) -> Any:
+    async def call(
+        self,
+        agent: str,
+        handler: Handler,
+        req: Request,
+        deadline: float,
+        on_loop: bool,
+        start: _Start | None = None,
+    ) -> Any:
         """The operation's result; :class:`Expired` at the deadline, :class:`Failed` with what
-        it raised, or the role's own cancellation. ``on_loop``: ``is_async(handler)``."""
+        it raised, or the role's own cancellation. ``on_loop``: ``is_async(handler)``.
+        ``start`` says, afterwards, whether the operation began (however the call ended)."""
+        start = start or _Start()
         if on_loop:
-            return await self._on_loop(_awaited(handler, req), deadline)
+            return await self._on_loop(_awaited(handler, req), deadline, start)
         loop = asyncio.get_running_loop()
-        start = _Start()
         # In the caller's context, so the attempt's span (and other context) is current in the thread.
         ctx = contextvars.copy_context()
         job = self.pools[agent].submit(self._in_thread, handler, req, deadline, ctx, start)
@@ -296,7 +314,7 @@ class Attempts:
         if inspect.isawaitable(result):
             # A plain callable that returned a coroutine (a plain decorator around an async def):
             # the operation has not run yet; it runs here, under the same deadline (AGT7).
-            return await self._on_loop(result, deadline)
+            return await self._on_loop(result, deadline, start)
         return result
 
     def _in_thread(
@@ -335,7 +353,7 @@ class Attempts:
             if inspect.iscoroutine(result):
                 result.close()
 
-    async def _on_loop(self, work: Awaitable[Any], deadline: float) -> Any:
+    async def _on_loop(self, work: Awaitable[Any], deadline: float, start: _Start) -> Any:
         """Run an awaitable operation on the loop until ``deadline`` (see the module docstring).
         With no time left it is not started: a coroutine is closed, never to run."""
         task = asyncio.current_task()
@@ -344,6 +362,7 @@ class Attempts:
             if inspect.iscoroutine(work):
                 work.close()
             raise Expired(False)
+        start.started = True
         timeout = asyncio.timeout(left)
         try:
             async with timeout:

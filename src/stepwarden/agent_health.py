@@ -154,6 +154,8 @@ class AgentHealth:
         # Agents whose verdict's write failed, and the task writing it again (_repay).
         self.owed: set[str] = set()
         self._repaying: dict[str, asyncio.Task[None]] = {}
+        # The task renewing the claim on each trial this instance runs (_hold_trial).
+        self._holding: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
 
     def _rules(self, agent: str) -> sa.HealthRules:
@@ -181,7 +183,7 @@ class AgentHealth:
         """Record this instance's stop. A trial verdict still owed is written once more (the
         store may be back), then given up: the trial opens to others after ``trial_ttl``."""
         self._stopping = True
-        for t in self._repaying.values():
+        for t in [*self._repaying.values(), *self._holding.values()]:
             t.cancel()
         if self._background:
             await asyncio.wait(set(self._background), timeout=2)
@@ -223,14 +225,20 @@ class AgentHealth:
                 continue
             if b.local_failures >= self.agents[name].breaker_threshold and now < b.retry_at:
                 continue  # the store was unreachable when we failed: hold back locally
+            # Not while a verdict of ours is unrecorded: the store would take it for the new trial's.
+            trial = b.state != "closed" and now >= b.retry_at and name not in self.verdicts
             if not inst.healthy:
                 if inst.probing or now < inst.probe_at:
                     continue
                 probes.add(name)
-                wants[name] = sa.Want(1, ops=self.ops[name])
+                # While the breaker is open a probe can only be its trial, which the store gives
+                # an unhealthy instance only when no live healthy one could run it: otherwise,
+                # with the healthy instances gone, no instance would ever try the service again.
+                # Asked whatever the mirror says (an instance that pulls nothing for a while has
+                # not read the breaker since): the store knows whether the cool-off is over.
+                may = name not in self.verdicts
+                wants[name] = sa.Want(1, ops=self.ops[name], may_trial=may, trial_if_alone=True)
                 continue
-            # Not while a verdict of ours is unrecorded: the store would take it for the new trial's.
-            trial = b.state != "closed" and now >= b.retry_at and name not in self.verdicts
             wants[name] = sa.Want(room, ops=self.ops[name], may_trial=trial)
         if not wants:
             return [], set(), set(), {}
@@ -248,6 +256,7 @@ class AgentHealth:
         self.trials_unknown -= got.trials
         for name in got.trials:
             self.breakers[name].trial = True
+            self._hold_trial(name)
             log.info("agent %s: breaker cool-off over, this instance runs the trial call", name)
         taken = {m.agent for m in got.requests}
         for name in probes & taken:
@@ -362,6 +371,42 @@ class AgentHealth:
         """The trial request ended without a call's verdict (complete-by passed): count it failed."""
         if self.breakers[agent].trial:
             await self._send(agent, False, why, True)
+
+    def _hold_trial(self, agent: str) -> None:
+        """Keep the claim on a trial this instance runs for as long as its request runs.
+
+        The claim lasts ``trial_ttl``, so that the trial of an instance that died opens to
+        others. Claimed once, a call slower than that (complete-by may be days) lost it while
+        still running: another instance took a second trial and called the service too, and
+        the first call's success then closed nothing (its verdict is about a trial no longer
+        current), so a slow service that answers every trial never got its breaker closed. The
+        claim is renewed every third of ``trial_ttl`` until the request ends (``trial`` cleared);
+        an instance that dies, stalls or loses the store stops renewing, and the trial opens to
+        others as before."""
+        holding = self._holding.get(agent)
+        if holding is None or holding.done():
+            self._holding[agent] = asyncio.create_task(self._renew_trial(agent), name=f"health-hold-{agent}")
+
+    async def _renew_trial(self, agent: str) -> None:
+        b, ttl = self.breakers[agent], self._rules(agent).trial_ttl
+        while True:
+            await self.clock.sleep(ttl / 3)
+            if not b.trial or self._stopping:
+                return
+            try:
+                held = await asyncio.wait_for(
+                    self.store.transact(sa.renew_trial, self.me, agent, ttl), self.settings.report_timeout
+                )
+            except Exception as e:  # the next renewal may go through; past trial_ttl others may try
+                log.warning("agent %s: could not renew the claim on the breaker trial it runs: %r", agent, e)
+                continue
+            if not held:
+                log.warning(
+                    "agent %s: the breaker trial this instance runs is no longer its own (its claim "
+                    "lapsed): its verdict will not change the breaker",
+                    agent,
+                )
+                return
 
     def probe_done(self, agent: str) -> None:
         inst = self.instances[agent]

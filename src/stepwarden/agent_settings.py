@@ -51,7 +51,9 @@ class AgentSettings:
     unhealthy_after: int = 5
     instance_stale: float = 30.0
     success_every: float = 1.0  # write successes at most this often when nothing depends on them
-    trial_ttl: float = 60.0  # a half-open trial not reported within this is open to others again
+    # A half-open trial's claim, renewed while its call runs: one not renewed for this long (its
+    # instance died, stalled or lost the store) is open to others again.
+    trial_ttl: float = 60.0
     report_timeout: float = 5.0  # give up waiting for the store to record a call's outcome
     # Before a reply batch goes out, wait up to this long (real time) for the calls started
     # since the last batch to answer, so that they share its transaction. Without it, slots

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from stepwarden.clock import FakeClock
 from stepwarden.store import Store
 from stepwarden.store import agents as sa
@@ -275,3 +277,69 @@ def test_a_pull_takes_only_the_operations_the_instance_has(
     )
     assert breaker(store)["trial_by"] is None
     assert [m.operation for m in pull(store, A).requests] == ["do_s"]
+
+
+def _unhealthy_b_and_an_open_breaker(store: Store, clock: FakeClock) -> None:
+    """B fails while A succeeds (B's own path: unhealthy), then A fails too: the breaker opens."""
+    register(store, A, B)
+    report(store, B, False)
+    report(store, A, True)
+    for _ in range(RULES.unhealthy_after - 1):
+        report(store, B, False)
+    instances = {i["worker"]: i for i in store.transact_sync(sa.list_agents)["instances"]}
+    assert not instances[B]["healthy"] and instances[A]["healthy"]
+    assert [report(store, A, False).opened for _ in range(THRESHOLD)][-1]
+    clock.advance(COOL_OFF)
+
+
+def probe(store: Store, me: str) -> sa.PullResult:
+    """An unhealthy instance's probe: one request, the trial only if no healthy instance could."""
+    want = sa.Want(1, OPS, may_trial=True, trial_if_alone=True)
+    return store.transact_sync(sa.pull, me, {"svc": want}, RULES)
+
+
+@pytest.mark.parametrize("gone", ["stopped", "silent"])
+def test_an_unhealthy_instance_runs_the_trial_only_when_no_healthy_one_is_left(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch, gone: str
+) -> None:
+    """While a healthy instance is live, the trial is its to run (an unhealthy one failing on its
+    own path would only keep the breaker open). With none left, the unhealthy one's probe is
+    the trial: it used to get nothing while the breaker was open, and with nothing else making
+    calls the breaker stayed open for good."""
+    _unhealthy_b_and_an_open_breaker(store, clock)
+    dispatch_requests(store, 2, budget=600.0)
+    assert probe(store, B).trials == set() and breaker(store)["state"] == "open"
+    if gone == "stopped":
+        store.transact_sync(sa.stop, A)
+    else:  # killed: its heartbeat stops (its last was its last report, a cool-off ago)
+        clock.advance(RULES.stale_after - COOL_OFF - 1)
+        assert probe(store, B).trials == set()
+        clock.advance(2)
+    got = probe(store, B)
+    assert got.trials == {"svc"} and len(got.requests) == 1
+    assert breaker(store)["trial_by"] == B
+    verdict = report(store, B, True, trial=True)  # the service answers B again
+    assert verdict.closed and verdict.healthy
+    assert breaker(store)["state"] == "closed"
+
+
+def test_a_trial_whose_holder_renews_its_claim_is_not_taken_by_another(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """A trial call slower than trial_ttl keeps its claim while its holder renews it; once the
+    renewals stop (the holder died or stalled), the trial opens to others at trial_ttl."""
+    register(store, A, B)
+    dispatch_requests(store, 3, budget=600.0)
+    for w in (A, B, A):
+        report(store, w, False)
+    clock.advance(COOL_OFF)
+    assert pull(store, A).trials == {"svc"}
+    for _ in range(3):  # a minute and a half of a slow trial call, renewed every 20 s
+        clock.advance(RULES.trial_ttl / 3)
+        assert store.transact_sync(sa.renew_trial, A, "svc", RULES.trial_ttl)
+        assert pull(store, B).trials == set()
+    clock.advance(RULES.trial_ttl)  # A stopped renewing
+    assert pull(store, B).trials == {"svc"}
+    assert not store.transact_sync(sa.renew_trial, A, "svc", RULES.trial_ttl)  # no longer A's
+    report(store, A, True, trial=True)  # A's late verdict changes nothing
+    assert (breaker(store)["state"], breaker(store)["trial_by"]) == ("half_open", B)

@@ -8,6 +8,7 @@ clock and short budgets; the breaker's cool-off test drives the role's clock by 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 import time
@@ -385,9 +386,10 @@ def test_the_breaker_opens_after_repeated_failures_and_the_role_stops_pulling(
     assert [r["outcome"] for r in replies(rt_store)] == ["retry"]
 
 
-def down_once() -> tuple[Agent, list[int]]:
+def down_once(slow: asyncio.Event | None = None) -> tuple[Agent, list[int]]:
     """Agent ``svc`` (breaker after 1 failure, 10 s cool-off) whose service is down for its first
-    call and up after; the list counts the calls."""
+    call and up after (each later call answering once ``slow`` is set, if given); the list counts
+    the calls."""
     agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
     calls: list[int] = []
 
@@ -396,6 +398,8 @@ def down_once() -> tuple[Agent, list[int]]:
         calls.append(1)
         if len(calls) == 1:
             raise Transient("down")
+        if slow is not None:
+            await slow.wait()
         return "up"
 
     return agent, calls
@@ -433,20 +437,10 @@ def test_after_the_cool_off_only_one_trial_request_is_taken(
     store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
     dispatch_requests(store, tries=1, budget=60.0)
-    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
-    calls: list[int] = []
 
     async def body() -> None:
         gate = asyncio.Event()
-
-        @agent.operation
-        async def do_s(req: Request) -> str:
-            calls.append(1)
-            if len(calls) == 1:
-                raise Transient("down")
-            await gate.wait()  # the trial call is slow
-            return "up"
-
+        agent, calls = down_once(slow=gate)  # the trial call is slow
         role = make_role(store, agent, clock=clock)
         await role.pull()
         await finish(role)
@@ -461,6 +455,84 @@ def test_after_the_cool_off_only_one_trial_request_is_taken(
     run(body())
     assert [r["outcome"] for r in replies(store)] == ["retry", "ok"]
     assert request_states(store).count("queued") == 2
+
+
+def test_an_unhealthy_instance_left_alone_probes_with_the_trial_and_closes_the_breaker(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """This instance fails on its own path while another succeeds (unhealthy), then the service
+    fails the other too (the breaker opens) and the other leaves. Its probe, once due, is the
+    trial: before, an unhealthy instance never asked for the trial and an open breaker gave its
+    probe nothing, so with no healthy instance left no call ever reached the service again and
+    the agent's requests waited until they expired."""
+    other = "agent-2:2:def"
+    agent, calls = down_once()  # its first call fails on this instance's own path
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock, settings=AgentSettings(unhealthy_after=1))
+        store.transact_sync(sa.register, other, [sa.InstanceSpec("svc", 4, 1, 10.0)])
+        rules = sa.HealthRules(unhealthy_after=1, probe_after=10.0)
+        store.transact_sync(sa.report, other, sa.Report("svc", True), 1, 10.0, rules)  # the other succeeds
+        dispatch_requests(store, tries=1, budget=600.0)
+        assert await role.pull() == 1
+        await finish(role)
+        assert not role.health.healthy("svc") and role.breakers["svc"].state == "closed"
+        opened = store.transact_sync(sa.report, other, sa.Report("svc", False, "down"), 1, 10.0, rules)
+        assert opened.opened  # the service fails the other too
+        store.transact_sync(sa.stop, other)  # ... and the other leaves
+        dispatch_requests(store, n=2, tries=1, budget=600.0)
+        assert await role.pull() == 0  # probing not due yet, and the breaker is open
+        clock.advance(10.0)
+        assert await role.pull() == 1  # the probe, as the trial
+        await finish(role)
+        assert len(calls) == 2
+        assert role.breakers["svc"].state == "closed" and role.health.healthy("svc")
+        assert await role.pull() == 1  # the rest flows again
+        await finish(role)
+
+    run(body())
+    assert "breaker_closed" in kinds(store) and "instance_healthy" in kinds(store)
+
+
+def test_a_trial_call_slower_than_trial_ttl_keeps_its_claim_and_closes_the_breaker(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """The trial's claim lasts trial_ttl; a trial call slower than that (within complete-by) lost
+    it, another instance took a second trial beside it, and the first call's success closed
+    nothing: a slow service that answered every trial kept its breaker open. The holder now
+    renews its claim while the call runs."""
+    dispatch_requests(store, tries=1, budget=600.0)
+    gate = asyncio.Event()
+    agent, calls = down_once(slow=gate)  # the trial call takes minutes
+
+    def holding_renewed_since(moment: float) -> bool:
+        """The trial's claim runs trial_ttl from ``moment`` (the breaker's retry_in): renewed."""
+        retry_in = float(store.transact_sync(sa.list_agents)["breakers"][0]["retry_in"])
+        return retry_in >= 30.0 - (clock.monotonic() - moment)
+
+    async def body() -> None:
+        settings = AgentSettings(trial_ttl=30.0)
+        role = make_role(store, agent, clock=clock, settings=settings)
+        other = AgentRole(store, {"svc": agent}, "agent-2:2:def", clock=clock, settings=settings)
+        await open_breaker(role)
+        dispatch_requests(store, n=3, tries=1, budget=600.0)
+        clock.advance(10.0)
+        assert await role.pull() == 1  # the trial
+        await until(lambda: len(calls) == 2)
+        holding = role.health._holding["svc"]
+        for _ in range(9):  # 90 s: three times trial_ttl
+            await until(lambda: any(t > clock.monotonic() for t, _ in clock._sleepers))  # it waits
+            clock.advance(10.0)
+            await until(functools.partial(holding_renewed_since, clock.monotonic()))
+            assert await other.pull() == 0, "a second trial while the first call runs"
+            assert not holding.done()
+        gate.set()
+        await finish(role)
+        assert role.breakers["svc"].state == "closed"
+        assert len(calls) == 2
+
+    run(body())
+    assert "breaker_closed" in kinds(store)
 
 
 def test_capacity_limits_how_many_requests_an_instance_takes(
@@ -791,6 +863,62 @@ def test_hurry_skips_the_rest_of_the_grace_period_and_hands_the_calls_back(
     assert [r["outcome"] for r in replies(rt_store)] == ["released"]
     failures = rt_store.transact_sync(lambda tx: tx.sql("SELECT failure_count FROM steps"))
     assert [r["failure_count"] for r in failures] == [0]
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["async", "plain"])
+def test_a_trial_call_cut_short_by_a_stop_counts_as_failed_not_unrun(
+    rt_store: Store, dispatch_requests: Dispatch, plain: bool
+) -> None:
+    """A stop past the grace period cancels the running trial call. Its call began (a plain
+    function's thread runs on), so the trial is counted failed and the breaker waits another
+    cool-off; it was given back unrun, and another instance would have tried the service at once,
+    beside the call still running."""
+    dispatch_requests(rt_store, 2, tries=1, budget=60.0)
+    agent = Agent("svc", concurrency=1, breaker_threshold=1, breaker_cool_off=0.2)
+    calls: list[int] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_trial() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Transient("down")
+        entered.set()
+        release.wait(10)
+
+    async def slow_trial_async(req: Request) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Transient("down")
+        entered.set()
+        await asyncio.sleep(60)
+
+    if plain:
+        agent.operation(lambda req: slow_trial(), name="do_s")
+    else:
+        agent.operation(slow_trial_async, name="do_s")
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        settings = AgentSettings(shutdown_grace=0.1, poll_interval=0.01)
+        role = make_role(rt_store, agent, settings=settings)
+        loop_task = asyncio.create_task(role.run(stop))
+        try:
+            await until(entered.is_set, timeout=10)  # the trial call, after the cool-off
+            assert role.breakers["svc"].trial
+            stop.set()
+            await asyncio.wait_for(loop_task, 10)
+        finally:
+            release.set()
+            stop.set()
+            await asyncio.wait_for(loop_task, 10)
+
+    run(body())
+    assert len(calls) == 2
+    seen = kinds(rt_store)
+    assert "breaker_trial" in seen and "breaker_reopened" in seen
+    assert "breaker_trial_returned" not in seen
+    [b] = rt_store.transact_sync(sa.list_agents)["breakers"]
+    assert b["state"] == "open" and b["trial_by"] is None
 
 
 def test_bookkeeping_that_fails_after_a_commit_does_not_send_the_batch_again(

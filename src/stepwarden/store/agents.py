@@ -110,7 +110,7 @@ class HealthRules:
     unhealthy_after: int = 5  # own-fault failures in a row that make an instance unhealthy
     probe_after: float = 5.0  # seconds an unhealthy instance waits before probing again
     stale_after: float = 30.0  # an instance with no heartbeat for this long is not live
-    trial_ttl: float = 60.0  # a trial not reported within this is open to others again
+    trial_ttl: float = 60.0  # a trial whose claim is not renewed within this is open to others again
 
 
 def register(tx: Tx, me: str, specs: Sequence[InstanceSpec]) -> None:
@@ -156,6 +156,11 @@ def pull(
             continue
         if not want.may_trial or b.retry_in is None or b.retry_in > 0:
             continue
+        alone = not want.trial_if_alone or not tx.one(
+            "agent_healthy_others", agent=agent, me=me, stale=rules.stale_after
+        )
+        if not alone:
+            continue  # a healthy instance runs the trial: the service is not to blame for our path
         if not tx.run("agent_breaker_trial", agent=agent, me=me, trial_ttl=rules.trial_ttl):
             continue  # another instance took the trial
         got = _claim(tx, me, agent, want, 1)
@@ -176,6 +181,13 @@ def pull(
 
 def _claim(tx: Tx, me: str, agent: str, want: Want, limit: int) -> list[RequestMsg]:
     return _requests(tx.all("claim_agent_requests", me=me, agent=agent, ops=want.ops, limit=limit))
+
+
+def renew_trial(tx: Tx, me: str, agent: str, trial_ttl: float) -> bool:
+    """Extend the claim ``me`` holds on the agent's half-open trial by ``trial_ttl`` from now,
+    while its call runs (see ``AgentHealth._hold_trial``). False if the trial is not ``me``'s
+    any more: its claim lapsed and another instance took it, or it was decided."""
+    return bool(tx.run("agent_breaker_trial_renew", agent=agent, me=me, trial_ttl=trial_ttl))
 
 
 def return_trials(tx: Tx, me: str, agents: Sequence[str], why: str) -> list[str]:

@@ -321,11 +321,13 @@ class Want:
     ``room`` requests, only for the operations it has (``ops``, a JSON array: see
     :func:`ops_json`); a request for another one is left queued for an instance that has it (a
     worker of another version, in a rolling deploy). ``may_trial`` (pulls only): this instance
-    may run the half-open trial if the breaker's cool-off is over."""
+    may run the half-open trial if the breaker's cool-off is over; ``trial_if_alone`` (an
+    unhealthy instance's probe): only if no other live, healthy instance of the agent could."""
 
     room: int
     ops: str
     may_trial: bool = False
+    trial_if_alone: bool = False
 
 
 def ops_json(operations: Iterable[str]) -> str:

@@ -33,6 +33,18 @@ UPDATE agent_breakers SET state = 'half_open', trial_by = :me, trial_at = {now},
     retry_at = {now} + :trial_ttl, changed_at = {now}
 WHERE agent = :agent AND state IN ('open', 'half_open') AND retry_at <= {now};
 
+-- name: agent_breaker_trial_renew
+-- The trial's holder, its call still running, keeps its claim for another trial_ttl.
+UPDATE agent_breakers SET retry_at = {now} + :trial_ttl
+WHERE agent = :agent AND state = 'half_open' AND trial_by = :me;
+
+-- name: agent_healthy_others
+-- A live, healthy instance of the agent other than :me: it may run the trial (see agents.pull).
+SELECT 1 AS found FROM agent_instances
+WHERE agent = :agent AND worker <> :me AND stopped_at IS NULL AND healthy = 1
+  AND heartbeat_at >= {now} - :stale
+LIMIT 1;
+
 -- name: agent_breaker_untrial
 -- The trial holder found no request to try: the trial is open to anyone again at once.
 UPDATE agent_breakers SET state = 'open', trial_by = NULL, retry_at = {now}, changed_at = {now}
