@@ -20,7 +20,9 @@ migration for the step-by-step run only, and the section that must notice the ch
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -400,6 +402,30 @@ def test_a_database_with_a_table_of_one_of_our_names_is_refused_whole(store_url:
     raw(url, "DROP TABLE events")
     open_store(url).close()  # once the name is free, the store installs beside the application's tables
     assert {"tasks", "events", "orders", "schema_migrations"} <= tables_of(url)
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    ["CREATE TABLE tasks (x TEXT)", "CREATE TABLE schema_migrations (version TEXT PRIMARY KEY)"],
+    ids=["a table of our name", "another tool's schema_migrations"],
+)
+def test_a_sqlite_database_refused_is_left_byte_for_byte_as_it_was(tmp_path: Path, theirs: str) -> None:
+    """Another application's SQLite file, in its own journal mode: the refusal said "nothing was
+    changed", but the store's first connection had already switched the file to WAL for good
+    (its header rewritten, -wal and -shm files beside it). It is now checked read-only first."""
+    path = tmp_path / "theirs.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute(theirs)
+        conn.commit()
+    before = path.read_bytes()
+
+    with pytest.raises(MigrationError):
+        open_store(f"sqlite:///{path}")
+
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.db"]
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("delete",)
 
 
 # Every store records the names of the migrations it applied, and a recorded name that differs

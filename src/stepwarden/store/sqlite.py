@@ -28,7 +28,7 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError, MigrationError, StoreError
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
-from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
+from .sqlite_files import is_rollback_file, primary_code, refuse_foreign_read, shown, sqlite_why
 from .sqlite_lent import CALLER_IDLE_MAX, caller_pragmas, open_blocks
 from .sqlite_tx import SqliteTx, dict_row
 from .sqlite_watch import watch_data_version
@@ -518,6 +518,13 @@ class SQLiteStore(Store):
         folder = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(folder):
             raise MigrationError(f"cannot create the SQLite store: directory {folder} does not exist")
+        if is_rollback_file(self.path):
+            # Not in WAL mode: not a store of ours, or not yet one. Our first connection would
+            # switch it to WAL for good, so a database we then refuse (another application's,
+            # with a table named like ours) is checked first, read-only, and left as it was.
+            uri = Path(self.path).absolute().as_uri() + "?mode=ro"
+            with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=self.busy_timeout)) as ro:
+                schema_version("sqlite", lambda q: [tuple(r) for r in ro.execute(q).fetchall()])
         conn = self._conn()
         self._busy_handler_on(conn)  # SQLite's busy handler waits for another migrating process
         conn.execute("BEGIN IMMEDIATE")
