@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,36 @@ def test_a_public_origin_that_is_not_an_origin_is_one_error_line(
     r = invoke_dashboard(tmp_path, "--public-origin", value)
     assert r.exit_code == 2 and "--public-origin" in r.output and "is not an origin" in r.output
     assert not served
+
+
+def _dashboard(tmp_path: Path, *args: str) -> Any:
+    """``stepwarden --db sqlite:///TMP/x.db dashboard ARGS`` as a process, on a store made first."""
+    import subprocess
+    import sys
+
+    url = db_url(tmp_path)
+    open_store(url).close()
+    argv = [sys.executable, "-m", "stepwarden", "--db", url, "dashboard", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=clean_env())
+
+
+@pytest.mark.parametrize(
+    "host", ["999.1.1.1", "nosuchhost.invalid", "192.0.2.1"], ids=["malformed", "unresolved", "not ours"]
+)
+def test_a_host_that_cannot_work_is_bad_input_exit_2_and_a_taken_port_is_exit_1(
+    tmp_path: Path, host: str
+) -> None:
+    """`--host` is the operator's input: one that is malformed, does not resolve or is not an
+    address of this machine is exit 2 with one line, as for `worker --metrics-host` (it was exit
+    1). A port another process holds is this machine's state: exit 1."""
+    p = _dashboard(tmp_path, "--host", host, "--port", "0")
+    assert p.returncode == 2, p
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot "), p.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        p = _dashboard(tmp_path, "--host", "127.0.0.1", "--port", str(taken.getsockname()[1]))
+    assert p.returncode == 1, p
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot listen on 127.0.0.1:"), p.stderr

@@ -7,6 +7,7 @@ this command can say what to install.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import socket
@@ -132,11 +133,18 @@ def resolve_token(
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A bound socket (port 0 picks a free one), so the real address can be printed before serving."""
+    """A bound socket (port 0 picks a free one), so the real address can be printed before serving.
+
+    A host that does not resolve, or is not an address of this machine, is the operator's input:
+    exit 2, as for ``worker --metrics-host``. A port that is taken, or a name server that does not
+    answer, is this machine's state: exit 1."""
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise click.ClickException(f"cannot resolve --host {host!r}: {e.strerror}") from None
+        why = f"cannot resolve --host {host!r}: {e.strerror}"
+        if e.errno == socket.EAI_AGAIN:
+            raise click.ClickException(why) from None
+        raise click.UsageError(why) from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -144,7 +152,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        why = f"cannot listen on {host}:{port}: {e.strerror}"
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise click.UsageError(f"{why}; give an address of this machine (--host)") from None
+        raise click.ClickException(why) from None
     sock.set_inheritable(True)
     return sock
 
