@@ -223,10 +223,29 @@ def test_unknown_paths_are_404(start: Start, method: str, path: str) -> None:
     assert ledger(url) == {}
 
 
-def test_cli_rejects_out_of_range_rate() -> None:
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--hang-rate", "1.5"], "argument --hang-rate: rate must be within [0, 1], got 1.5"),
+        (["--hang-rate", "often"], "argument --hang-rate: expected a number from 0 to 1, got 'often'"),
+        (["--port", "-1"], "argument --port: a port is within [0, 65535], got -1"),
+        (["--port", "70000"], "argument --port: a port is within [0, 65535], got 70000"),
+        (["--hang-seconds", "-5"], "argument --hang-seconds: seconds must be within [0, 86400], got -5"),
+        (["--hang-seconds", "nan"], "argument --hang-seconds: seconds must be within [0, 86400], got nan"),
+        (["--colour", "red"], "unrecognized arguments: --colour red"),
+    ],
+)
+def test_cli_refuses_bad_input_in_one_line_with_exit_2(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A port out of range printed a traceback (OverflowError from the socket), a negative hang
+    was taken, and every refusal came after argparse's usage block."""
+    argv = args if "--port" in args else ["--port", "0", *args]
     with pytest.raises(SystemExit) as info:
-        main(["--port", "0", "--hang-rate", "1.5"])
+        main(argv)
     assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {says}\n"
 
 
 def test_cli_announces_url_and_exits_cleanly_on_sigterm() -> None:

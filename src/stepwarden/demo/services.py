@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 __all__ = ["SERVICE_OPS", "FakeServices", "Reply", "main", "serve_in_thread"]
 
@@ -326,25 +326,58 @@ def serve_in_thread(
     return f"http://{bound_host!s}:{bound_port}", _stopper(server, thread)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad input is one ``error:`` line and exit 2, as for ``stepwarden`` (argparse prints its
+    usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n")
+
+
 def _rate(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"rate must be within [0, 1], got {text}")
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is within [0, 65535], got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0.0 <= value <= 86400.0:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"seconds must be within [0, 86400], got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog="python -m stepwarden.demo.services",
         description="Fake inventory, payments and shipping services with seeded failures.",
     )
-    p.add_argument("--port", type=int, required=True, help="port to listen on (0 picks a free one)")
+    p.add_argument("--port", type=_port, required=True, help="port to listen on (0 picks a free one)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--seed", default="0", help="seed for failure decisions (any string)")
     p.add_argument("--transient-rate", type=_rate, default=0.0, help="share of calls answered 503")
     p.add_argument("--hang-rate", type=_rate, default=0.0, help="share of calls applied but never answered")
     p.add_argument("--permanent-rate", type=_rate, default=0.0, help="share of forward calls refused (422)")
-    p.add_argument("--hang-seconds", type=float, default=30.0, help="how long a hung reply is withheld")
+    p.add_argument(
+        "--hang-seconds", type=_seconds, default=30.0, help="how long a hung reply is withheld (0 to 86400)"
+    )
     p.add_argument(
         "--unsafe", action="store_true", help="ignore idempotency keys (to prove the ledger check works)"
     )
