@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -73,11 +74,25 @@ class _Console(Console):
         raise ReaderGone
 
 
+# The narrowest COLUMNS=N taken as given: below it a table's ids and times cannot be read at all.
+MIN_COLUMNS = 80
+
+
+def _width() -> int | None:
+    """The text's width: COLUMNS=N if it is a positive number (at least :data:`MIN_COLUMNS`), else
+    the terminal's, else 200 for a pipe or a log file (which has no width: rich would assume 80
+    and cut ids and times short). Rich reads COLUMNS itself, and took ``COLUMNS=0`` for a width
+    of nothing: every table printed empty, with exit 0."""
+    text = os.environ.get("COLUMNS", "").strip()
+    if text.isdigit() and int(text) > 0:
+        return max(MIN_COLUMNS, int(text))
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns if text else None  # a COLUMNS not a width: ignored
+    return 200
+
+
 def _console() -> Console:
-    # A pipe or a log file has no width; rich would assume 80 columns and cut ids and times short.
-    # (COLUMNS, if set, still wins: rich reads it itself.)
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-    return _Console(markup=False, emoji=False, highlight=False, width=width)
+    return _Console(markup=False, emoji=False, highlight=False, width=_width())
 
 
 def _table(*columns: str, title: str | None = None) -> Table:

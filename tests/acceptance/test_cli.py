@@ -581,6 +581,17 @@ def test_task_show_in_text_lists_the_replies_and_full_values_in_a_pipe(world: Wo
     assert "web-order" in row and t["updated_at"].replace("T", " ").rstrip("Z") in row, listing.stdout
 
 
+@pytest.mark.parametrize("columns", ["0", "5", "wide"])
+def test_a_columns_that_is_no_usable_width_still_shows_the_tasks(world: World, columns: str) -> None:
+    """COLUMNS=0 made every table print nothing at all, with exit 0, and COLUMNS=5 blank lines:
+    a width under 80 is taken as 80, and a value that is not a positive number is ignored."""
+    final(world, world.web)
+    env = {**clean_env(), "COLUMNS": columns}
+    listing = sw("--db", world.db.url, "tasks", cwd=world.db.cwd, env=env)
+    assert listing.returncode == 0, str(listing)
+    assert any(ln.split()[:1] == [str(world.web)] for ln in listing.stdout_lines), listing.stdout
+
+
 def test_cancel_of_a_processed_task_exits_2(world: World) -> None:
     final(world, world.web)
     before = world.db.task(world.web)
