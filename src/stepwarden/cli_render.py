@@ -172,7 +172,15 @@ def task_detail(v: dict[str, Any]) -> None:
         )
     console.print(st)
     at = _table(
-        "step", "attempt", "kind", "outcome", "dispatched_by", "taken_by", "complete_by", title="attempts"
+        "step",
+        "attempt",
+        "kind",
+        "state",
+        "outcome",
+        "dispatched_by",
+        "taken_by",
+        "complete_by",
+        title="attempts",
     )
     for s in v["steps"]:
         for a in s.get("attempts", []):
@@ -180,7 +188,8 @@ def task_detail(v: dict[str, Any]) -> None:
                 s["name"],
                 str(a["attempt"]),
                 a["kind"],
-                _v(a["outcome"] or a["state"]),
+                _state(a["state"]),
+                _v(a["outcome"]),
                 a["dispatched_by"],
                 _v(a["taken_by"]),
                 _time(a["complete_by"]),
@@ -217,6 +226,8 @@ _DETAIL_TIMES = {"complete_by"}
 
 
 def detail_value(key: str, value: object) -> object:
+    if value is None:  # as every empty value in the tables, not Python's word for it
+        return "-"
     if isinstance(value, int | float) and not isinstance(value, bool):
         if key in _DETAIL_TIMES and value > 1e9:
             return _time(iso(value))
