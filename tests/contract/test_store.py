@@ -697,8 +697,9 @@ def test_a_compensation_that_keeps_failing_ends_in_error_naming_the_step(
     assert states(store, task_id) == ("error", ["failed", "failed", "skipped"])
     [al] = alerts(store)
     assert (al["kind"], al["task_id"], al["step"]) == ("compensation_failed", task_id, "a")
-    # b declared no undo, and started: its effect may stand too (see not_undone)
-    assert "NOT undone" in al["message"] and "still standing: 'b'" in al["message"]
+    # b declared no undo and no agent took its request (this test answers it directly): it
+    # reached no service, so nothing of it stands (see not_undone)
+    assert "NOT undone" in al["message"] and "still standing" not in al["message"]
     assert r.alerts[0]["kind"] == "compensation_failed"
 
 
@@ -882,14 +883,15 @@ def test_a_compensated_task_names_the_completed_steps_it_had_no_undo_for(
     assert last["kind"] == "compensated" and "not_undone" not in json.loads(last["body"])
 
 
-@pytest.mark.parametrize("ends", ["timed out", "error reply"])
+@pytest.mark.parametrize("ends", ["timed out", "error reply", "never taken"])
 def test_a_compensated_task_names_a_started_step_with_no_undo_that_failed(
     store: Store, clock: FakeClock, make_workflow: Factory, ends: str
 ) -> None:
-    """A step with no undo that started and failed (its reply never came by complete-by, or an
-    error came back) may have applied its effect all the same: a step with an undo is undone
-    for that reason. The outcome names it in ``not_undone``; it named only completed steps, so
-    this task ended ``compensated`` saying nothing, read as "every effect undone"."""
+    """A step with no undo that an agent took and that failed (its reply never came by
+    complete-by, or an error came back) may have applied its effect all the same: a step with an
+    undo is undone for that reason. The outcome names it in ``not_undone``; it named only
+    completed steps, so this task ended ``compensated`` saying nothing, read as "every effect
+    undone". A step whose request no agent took (it expired queued) reached no service: not named."""
     wf = make_workflow(
         "a",
         "b",
@@ -900,19 +902,21 @@ def test_a_compensated_task_names_a_started_step_with_no_undo_that_failed(
     claim(store)
     complete(store, task_id, "a")
     b = last_request(store, task_id, "b")
-    assert b["id"] in [m.id for m in take(store)]  # the agent calls b's service ...
-    if ends == "timed out":  # ... and its reply is lost
-        clock.advance(11)
-        assert sweep(store, lease(store)).rescued == 1
-    else:
+    if ends != "never taken":
+        assert b["id"] in [m.id for m in take(store)]  # the agent calls b's service ...
+    if ends == "error reply":
         send(store, b["id"], "error", error="card declined")
         apply(store)
+    else:  # ... and its reply is lost, or no agent takes the request
+        clock.advance(11)
+        assert sweep(store, lease(store)).rescued == 1
     complete(store, task_id, "a")  # a's undo
     assert states(store, task_id) == ("compensated", ["compensated", "failed"])
     last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
-    assert (last["kind"], json.loads(last["body"])["not_undone"]) == ("compensated", ["b"])
     ended = q(store, "SELECT detail FROM events WHERE kind = 'compensated'")[0]
-    assert json.loads(ended["detail"])["not_undone"] == ["b"]
+    named = ["b"] if ends != "never taken" else None
+    assert (last["kind"], json.loads(last["body"]).get("not_undone")) == ("compensated", named)
+    assert json.loads(ended["detail"] or "{}").get("not_undone") == named
 
 
 def test_an_undo_that_fails_for_good_names_every_step_left_standing(

@@ -20,7 +20,7 @@ from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx, hot
 
 # The records a change writes beside it; other modules reach them here too (``transitions.event``).
 from .records import _now, alert, event, message
-from .undo import not_undone
+from .undo import not_undone, reached_steps
 
 
 def submit(
@@ -165,9 +165,10 @@ def advance(tx: Tx, task: Row, me: str, steps: list[Row] | None = None, now: flo
     # A step that started and never completed, with no undo (its retry was waiting when the task
     # was given up): failed, not left pending in a finished task.
     tx.put("give_up_started", task_id=task["id"])
-    # Completed steps that declare no undo keep their effect: the outcome names them, so that
-    # "compensated" is not read as "every effect undone" (CMP1 makes the undo optional).
-    kept = not_undone(steps)
+    # Steps that declare no undo keep their effect (completed ones, and failed ones whose call
+    # may have applied it): the outcome names them, so that "compensated" is not read as "every
+    # effect undone" (CMP1 makes the undo optional).
+    kept = not_undone(steps, reached_steps(tx, task["id"]))
     extra: dict[str, Any] = {"not_undone": kept} if kept else {}
     tx.put("finish_task", task_id=task["id"], state=final, error=None)
     event(tx, final, task["id"], me, **extra)
@@ -569,7 +570,7 @@ def fail_attempt(
     if undo:
         # The undo stops here, in reverse order, so the steps before this one keep their effects
         # too (CMP3): the alert names every step left un-undone, not only the one that failed.
-        left = not_undone(tx.all("steps_of_task", task_id=task["id"]))
+        left = not_undone(tx.all("steps_of_task", task_id=task["id"]), reached_steps(tx, task["id"]))
         text = f"compensation of step {step['name']!r} failed ({error[:200]}); its effect is NOT undone"
         if others := [n for n in left if n != step["name"]]:
             text += f"; still standing: {', '.join(map(repr, others))}"

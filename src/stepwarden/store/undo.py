@@ -4,17 +4,31 @@ actions that resume its undo read a task's steps the same way."""
 
 from __future__ import annotations
 
-from .base import Row
+from .base import Row, Tx
 
 
-def not_undone(steps: list[Row]) -> list[str]:
-    """The steps whose effect may still stand while the task is given up, in step order: every
-    started step not undone. That is those with an undo that has not succeeded, and those that
-    declare none: completed ones, and also ones that failed, timed out or were given up while
-    waiting to retry, whose call may have applied its effect (the reason a failed step with an
-    undo is undone too). Named only the completed ones, a task whose last step timed out with no
-    undo ended ``compensated`` saying nothing of it, read as "every effect undone"."""
-    return [s["name"] for s in steps if s["started_at"] is not None and s["state"] != "compensated"]
+def not_undone(steps: list[Row], reached: set[int]) -> list[str]:
+    """The steps whose effect may still stand while the task is given up, in step order: those
+    started with an undo that has not succeeded, and those that declare none and either completed
+    or failed after an agent took one of their requests (``reached``: the step indexes of
+    :func:`reached_steps`), whose call may have applied its effect all the same (the reason a
+    failed step with an undo is undone too). Named only when completed, a task whose last step
+    timed out with no undo ended ``compensated`` saying nothing of it, read as "every effect
+    undone". A step whose requests no agent took (they expired queued) never reached its service."""
+    return [
+        s["name"]
+        for s in steps
+        if s["started_at"] is not None
+        and s["state"] != "compensated"
+        and (s["compensate"] or s["state"] == "completed" or s["idx"] in reached)
+    ]
+
+
+def reached_steps(tx: Tx, task_id: int) -> set[int]:
+    """The indexes of the task's steps a forward request of which an agent took: their call may
+    have reached the service. (A request handed back unrun after its take counts too: a handed
+    back call may also have been cut short mid-call by a stop, and which it was is not recorded.)"""
+    return {int(r["step_idx"]) for r in tx.all("steps_reached", task_id=task_id)}
 
 
 def failed_undos(steps: list[Row]) -> list[Row]:

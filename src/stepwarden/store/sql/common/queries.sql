@@ -31,6 +31,10 @@ RETURNING id;
 INSERT INTO steps (task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state)
 VALUES (:task_id, :idx, :name, :agent, :operation, :compensate, :budget, :policy, :on_error, 'pending');
 
+-- name: steps_reached
+-- The steps of a task a forward request of which an agent took (see undo.reached_steps).
+SELECT DISTINCT step_idx FROM requests WHERE task_id = :task_id AND kind = 'do' AND taken_by IS NOT NULL;
+
 -- name: steps_of_task
 SELECT task_id, idx, name, agent, operation, compensate, budget, policy, on_error, state, attempt,
        failure_count, failure_offset, comp_failures, locked_by, complete_by, result, last_error,
