@@ -382,13 +382,19 @@ class AgentHealth:
         current), so a slow service that answers every trial never got its breaker closed. The
         claim is renewed every third of ``trial_ttl`` until the request ends (``trial`` cleared);
         an instance that dies, stalls or loses the store stops renewing, and the trial opens to
-        others as before."""
-        holding = self._holding.get(agent)
-        if holding is None or holding.done():
-            self._holding[agent] = asyncio.create_task(self._renew_trial(agent), name=f"health-hold-{agent}")
+        others as before. Each trial won gets a task of its own: one left from an earlier trial
+        (asleep, or with a renewal in flight that may find the earlier trial decided) is
+        cancelled, so that it cannot end without renewing the new one."""
+        earlier = self._holding.get(agent)
+        if earlier is not None:
+            earlier.cancel()
+        self._holding[agent] = asyncio.create_task(self._renew_trial(agent), name=f"health-hold-{agent}")
 
     async def _renew_trial(self, agent: str) -> None:
-        b, ttl = self.breakers[agent], self._rules(agent).trial_ttl
+        # The claim's own lifetime (``pull`` claims with ``self.rules``), not _rules(agent)'s,
+        # which is at least the cool-off: with a cool-off over three times trial_ttl the claim
+        # lapsed before the first renewal, and with a shorter one each renewal stretched it.
+        b, ttl = self.breakers[agent], self.rules.trial_ttl
         while True:
             await self.clock.sleep(ttl / 3)
             if not b.trial or self._stopping:

@@ -8,7 +8,6 @@ clock and short budgets; the breaker's cool-off test drives the role's clock by 
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 import threading
 import time
@@ -386,11 +385,11 @@ def test_the_breaker_opens_after_repeated_failures_and_the_role_stops_pulling(
     assert [r["outcome"] for r in replies(rt_store)] == ["retry"]
 
 
-def down_once(slow: asyncio.Event | None = None) -> tuple[Agent, list[int]]:
-    """Agent ``svc`` (breaker after 1 failure, 10 s cool-off) whose service is down for its first
-    call and up after (each later call answering once ``slow`` is set, if given); the list counts
-    the calls."""
-    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=10.0)
+def down_once(slow: asyncio.Event | None = None, cool_off: float = 10.0) -> tuple[Agent, list[int]]:
+    """Agent ``svc`` (breaker after 1 failure, 10 s cool-off by default) whose service is down for
+    its first call and up after (each later call answering once ``slow`` is set, if given); the
+    list counts the calls."""
+    agent = Agent("svc", breaker_threshold=1, breaker_cool_off=cool_off)
     calls: list[int] = []
 
     @agent.operation
@@ -494,21 +493,23 @@ def test_an_unhealthy_instance_left_alone_probes_with_the_trial_and_closes_the_b
     assert "breaker_closed" in kinds(store) and "instance_healthy" in kinds(store)
 
 
+@pytest.mark.parametrize("cool_off", [10.0, 100.0])
 def test_a_trial_call_slower_than_trial_ttl_keeps_its_claim_and_closes_the_breaker(
-    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch, cool_off: float
 ) -> None:
     """The trial's claim lasts trial_ttl; a trial call slower than that (within complete-by) lost
     it, another instance took a second trial beside it, and the first call's success closed
     nothing: a slow service that answered every trial kept its breaker open. The holder now
-    renews its claim while the call runs."""
+    renews its claim while the call runs: every third of trial_ttl, by trial_ttl, whatever the
+    cool-off (one longer than trial_ttl once set both, and the claim lapsed first)."""
     dispatch_requests(store, tries=1, budget=600.0)
     gate = asyncio.Event()
-    agent, calls = down_once(slow=gate)  # the trial call takes minutes
+    agent, calls = down_once(slow=gate, cool_off=cool_off)  # the trial call takes minutes
 
-    def holding_renewed_since(moment: float) -> bool:
-        """The trial's claim runs trial_ttl from ``moment`` (the breaker's retry_in): renewed."""
+    def renewed() -> bool:
+        """The trial's claim runs trial_ttl (30 s) from now: renewed at this moment."""
         retry_in = float(store.transact_sync(sa.list_agents)["breakers"][0]["retry_in"])
-        return retry_in >= 30.0 - (clock.monotonic() - moment)
+        return 29.99 <= retry_in <= 30.0
 
     async def body() -> None:
         settings = AgentSettings(trial_ttl=30.0)
@@ -516,14 +517,14 @@ def test_a_trial_call_slower_than_trial_ttl_keeps_its_claim_and_closes_the_break
         other = AgentRole(store, {"svc": agent}, "agent-2:2:def", clock=clock, settings=settings)
         await open_breaker(role)
         dispatch_requests(store, n=3, tries=1, budget=600.0)
-        clock.advance(10.0)
+        clock.advance(cool_off)
         assert await role.pull() == 1  # the trial
         await until(lambda: len(calls) == 2)
         holding = role.health._holding["svc"]
         for _ in range(9):  # 90 s: three times trial_ttl
             await until(lambda: any(t > clock.monotonic() for t, _ in clock._sleepers))  # it waits
             clock.advance(10.0)
-            await until(functools.partial(holding_renewed_since, clock.monotonic()))
+            await until(renewed)
             assert await other.pull() == 0, "a second trial while the first call runs"
             assert not holding.done()
         gate.set()
