@@ -23,6 +23,7 @@ from stepwarden.clock import FakeClock
 from stepwarden.errors import InputError, LostOwnership, NotFound
 from stepwarden.policies import Backoff, Retry
 from stepwarden.store import ApplyResult, RequestMsg, SQLiteStore, Store, SweepResult, open_store, views
+from stepwarden.store import agents as sa
 from stepwarden.store import transitions as t
 from stepwarden.store.agents import Want, ops_json
 from stepwarden.supervisor import Supervisor, SupervisorSettings
@@ -881,6 +882,32 @@ def test_a_compensated_task_names_the_completed_steps_it_had_no_undo_for(
     complete(store, other, "a")
     last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
     assert last["kind"] == "compensated" and "not_undone" not in json.loads(last["body"])
+
+
+@pytest.mark.parametrize("agents", ["none", "one, never taking it", "one, that took it"])
+def test_an_expired_attempt_says_when_no_agent_took_its_request(
+    store: Store, clock: FakeClock, make_workflow: Factory, agents: str
+) -> None:
+    """The step's error said only "passed complete-by", the same for a service that hung as for
+    an agent name mistyped in the workflow, which no worker runs: the operator had nothing to go
+    on. A request still queued at complete-by now says which it may be."""
+    term = lease(store)
+    task_id = submit(store, make_workflow("a", budget=5))
+    claim(store)
+    if agents != "none":
+        store.transact_sync(sa.register, AGENT, [sa.InstanceSpec("svc", 4, 5, 5.0)])
+    if agents == "one, that took it":
+        assert len(take(store)) == 1
+    clock.advance(6)
+    assert sweep(store, term).rescued == 1
+    error = step(store, task_id, "a")["last_error"]
+    assert error.startswith("attempt 1 passed complete-by"), error
+    if agents == "none":
+        assert "never taken: no worker runs agent 'svc'" in error
+    elif agents == "one, never taking it":
+        assert "never taken by agent 'svc': its instances were busy" in error and "'do_a'" in error
+    else:
+        assert error == "attempt 1 passed complete-by"
 
 
 @pytest.mark.parametrize("ends", ["timed out", "error reply", "never taken"])

@@ -25,8 +25,34 @@ def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: rando
     found = tx.all("expired_steps", limit=limit)
     out.examined = len(found)
     for x in sorted(found, key=lambda r: (r["task_id"], r["idx"])):
-        _rescue(tx, x, me, term, rng, out, "still_expired", {}, f"attempt {x['attempt']} passed complete-by")
+        _rescue(tx, x, me, term, rng, out, "still_expired", {}, _expired_why(tx, x))
     return out
+
+
+# An agent instance with no heartbeat for this long is not counted as running its agent (as the
+# listing of agents counts it: store.agents.SILENT_AFTER).
+INSTANCE_SILENT = 60.0
+
+
+def _expired_why(tx: Tx, x: Row) -> str:
+    """Why an attempt is rescued at complete-by, and, when no agent ever took its request, why
+    that may be: the step's error otherwise said only "passed complete-by", the same for a
+    service that hung as for an agent name mistyped in the workflow, which no worker will ever
+    run (an agent is not checked at definition: a worker of another app may run it)."""
+    why = f"attempt {x['attempt']} passed complete-by"
+    req = tx.one("request_of_attempt", task_id=x["task_id"], idx=x["idx"], attempt=x["attempt"])
+    if req is None or req["state"] != "queued":
+        return why
+    agent = str(req["agent"])
+    if tx.one("agent_instance_live", agent=agent, silent=INSTANCE_SILENT) is None:
+        return (
+            f"{why}, its request never taken: no worker runs agent {agent!r} (is that the agent's name,"
+            " and is a worker with it running?)"
+        )
+    return (
+        f"{why}, its request never taken by agent {agent!r}: its instances were busy, unhealthy or"
+        f" held back by an open breaker, or none has operation {req['operation']!r}"
+    )
 
 
 def rescue_orphans(

@@ -143,6 +143,14 @@ WHERE s.state IN ('running', 'compensating') AND s.complete_by IS NOT NULL AND s
                     AND (r.status || '') = 'new')
 ORDER BY s.complete_by LIMIT :limit;
 
+-- name: request_of_attempt
+SELECT state, agent, operation FROM requests WHERE task_id = :task_id AND step_idx = :idx AND attempt = :attempt;
+
+-- name: agent_instance_live
+SELECT 1 AS found FROM agent_instances
+WHERE agent = :agent AND stopped_at IS NULL AND heartbeat_at >= {now} - :silent
+LIMIT 1;
+
 -- name: still_expired
 SELECT 1 AS ok FROM steps s
 WHERE s.task_id = :task_id AND s.idx = :idx AND s.attempt = :attempt
