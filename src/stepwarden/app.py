@@ -204,7 +204,8 @@ class App:
         priority: int = 0,
         reply_to: str | None = None,
     ) -> int:
-        """Submit a task from plain code; returns its id (an existing one for a repeated idempotency key)."""
+        """Submit a task from plain code; returns its id (an existing one for a repeated idempotency
+        key; :class:`~stepwarden.errors.InputError` if a task of another workflow holds the key)."""
         text, kw = self._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
         wf = self._workflow(workflow)
         return self.store.transact_sync(transitions.submit, wf, text, **kw)[0]

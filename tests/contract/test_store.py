@@ -212,6 +212,21 @@ def test_idempotency_key_returns_the_existing_task(store: Store, make_workflow: 
     assert event_kinds(store, first[0]) == ["received"]
 
 
+def test_an_idempotency_key_of_another_workflows_task_is_refused_and_writes_nothing(
+    store: Store, make_workflow: Factory
+) -> None:
+    """The same submission again is the same workflow. Another workflow's task under the key is
+    a key reused by mistake: returning that task (as it did) told the caller its submission was
+    made when nothing of it was. Refused, naming the task that holds the key."""
+    first, _ = submit_full(store, make_workflow(name="refund"), {"n": 1}, idempotency_key="order-1")
+    before = (count(store, "tasks"), count(store, "steps"), count(store, "events"))
+    with pytest.raises(
+        InputError, match=rf"'order-1' is task {first}'s, a task of workflow 'refund', not 'ship'"
+    ):
+        submit_full(store, make_workflow(name="ship"), {"n": 1}, idempotency_key="order-1")
+    assert (count(store, "tasks"), count(store, "steps"), count(store, "events")) == before
+
+
 def test_concurrent_submits_with_one_key_all_get_the_one_task(store: Store, make_workflow: Factory) -> None:
     """Racing submitters of one key each get the same task id, none an error (SUB3 under load)."""
     wf = make_workflow()

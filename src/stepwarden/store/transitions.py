@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import LostOwnership, StoreError
+from ..errors import InputError, LostOwnership, StoreError
 from ..policies import Decision, stored_policy
 from ..workflow import Step, Workflow, encode_result
 from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx, hot
@@ -66,6 +66,15 @@ def submit(
         # this statement's fresh snapshot sees it, unless it was deleted since.
         found = tx.one("task_by_key", key=idempotency_key)
         if found is not None:
+            if found["workflow"] != wf.name:
+                # The same submission again is the same workflow; another workflow's task under
+                # the key is a key reused by mistake, and returning it (as it was) said the
+                # submission had been made when nothing of it had.
+                raise InputError(
+                    f"idempotency key {idempotency_key!r} is task {found['id']}'s, a task of"
+                    f" workflow {found['workflow']!r}, not {wf.name!r}: nothing was submitted; give"
+                    " each submission a key of its own"
+                )
             return int(found["id"]), False
     else:
         raise StoreError(

@@ -17,7 +17,7 @@ SELECT name, version, definition FROM workflows WHERE name = :name;
 SELECT name, version, definition, registered_by, updated_at FROM workflows ORDER BY name;
 
 -- name: task_by_key
-SELECT id FROM tasks WHERE idempotency_key = :key;
+SELECT id, workflow FROM tasks WHERE idempotency_key = :key;
 
 -- name: insert_task
 INSERT INTO tasks (workflow, workflow_version, state, input, correlation_id, idempotency_key,
