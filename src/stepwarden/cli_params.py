@@ -84,7 +84,7 @@ def print_json(value: Any) -> None:
 def positive_id(kind: str, value: str) -> int:
     """A task's or an alert's id as typed: digits only, at most 18 of them, at least 1."""
     if not (value.isascii() and value.isdigit()) or len(value) > 18 or int(value) < 1:
-        raise InputError(f"invalid {kind} {value[:40]!r}: expected a positive integer")
+        raise InputError(f"invalid {kind} {value[:40]!r}: expected a positive integer of at most 18 digits")
     return int(value)
 
 
