@@ -28,7 +28,7 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError, MigrationError, StoreError
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
-from .sqlite_files import is_rollback_file, primary_code, refuse_foreign_read, shown, sqlite_why
+from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
 from .sqlite_lent import CALLER_IDLE_MAX, caller_pragmas, open_blocks
 from .sqlite_tx import SqliteTx, dict_row
 from .sqlite_watch import watch_data_version
@@ -518,13 +518,7 @@ class SQLiteStore(Store):
         folder = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(folder):
             raise MigrationError(f"cannot create the SQLite store: directory {folder} does not exist")
-        if is_rollback_file(self.path):
-            # Not in WAL mode: not a store of ours, or not yet one. Our first connection would
-            # switch it to WAL for good, so a database we then refuse (another application's,
-            # with a table named like ours) is checked first, read-only, and left as it was.
-            uri = Path(self.path).absolute().as_uri() + "?mode=ro"
-            with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=self.busy_timeout)) as ro:
-                schema_version("sqlite", lambda q: [tuple(r) for r in ro.execute(q).fetchall()])
+        self._refuse_foreign_untouched()
         conn = self._conn()
         self._busy_handler_on(conn)  # SQLite's busy handler waits for another migrating process
         conn.execute("BEGIN IMMEDIATE")
@@ -546,6 +540,29 @@ class SQLiteStore(Store):
             raise
         conn.execute("COMMIT")
         return len(todo)
+
+    def _refuse_foreign_untouched(self) -> None:
+        """Refuse another application's database (a table named like ours, another tool's
+        ``schema_migrations``) before the store's first connection, which switches the file to
+        WAL for good: the refusal says nothing was changed, and it was. A database not in WAL
+        mode (not a store of ours, or not yet one) is checked through a read-only connection.
+
+        Through SQLite, not by reading the file's header in Python: closing any descriptor of the
+        file drops every POSIX lock this process holds on it, those of the connections another
+        store of the same file (another App) has open, and their reads then went stale (a worker
+        whose app had a store of its own never saw its own heartbeat). SQLite shares one
+        descriptor per file between a process's connections."""
+        if not os.path.isfile(self.path) or os.path.getsize(self.path) == 0:
+            return
+        uri = Path(self.path).absolute().as_uri() + "?mode=ro"
+        try:
+            with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=self.busy_timeout)) as ro:
+                mode = ro.execute("PRAGMA journal_mode").fetchone()
+                if mode is None or str(mode[0]).lower() == "wal":
+                    return
+                schema_version("sqlite", lambda q: [tuple(r) for r in ro.execute(q)])
+        except sqlite3.Error:
+            return  # not a database, locked, unreadable: the store's own connection says which
 
     async def listen(
         self, wake: Callable[[str], None], stop: asyncio.Event, channels: Sequence[str] | None = None

@@ -56,17 +56,6 @@ def _is_wal_file(path: str) -> bool:
     return header[:16] == b"SQLite format 3\x00" and header[18:20] == b"\x02\x02"
 
 
-def is_rollback_file(path: str) -> bool:
-    """Whether ``path`` is a SQLite database not in WAL mode (a rollback journal: bytes 18 and 19
-    of its header are 1), read from its header without opening it through SQLite."""
-    try:
-        with open(path, "rb") as f:
-            header = f.read(20)
-    except OSError:
-        return False
-    return header[:16] == b"SQLite format 3\x00" and header[18:20] == b"\x01\x01"
-
-
 def refuse_foreign_read(path: str) -> None:
     """Refuse, before any connection, to open a WAL store that this user cannot write and that no
     process has open (no ``-shm`` file), with :class:`StoreError`.
