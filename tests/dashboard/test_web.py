@@ -265,6 +265,11 @@ def test_cancel_and_acknowledge(scene: Scene, client: TestClient) -> None:
     assert row["acked_at"] is not None and row["acked_by"] == "dashboard:bob"
     r = client.post(f"/alerts/{aid}/ack", data={"csrf": csrf}, headers={"Origin": ORIGIN})
     assert r.status_code == 200 and "already acknowledged" in r.text
+    # one alert_acked event on the task, as an acknowledgement from the CLI records (none was)
+    acked = scene.store.transact_sync(
+        lambda tx: tx.sql("SELECT task_id, actor FROM events WHERE kind = 'alert_acked'")
+    )
+    assert acked == [{"task_id": tid, "actor": "dashboard:bob"}]
     assert client.post("/alerts/777/ack", data={"csrf": csrf}, headers={"Origin": ORIGIN}).status_code == 404
     assert "by dashboard:bob" in client.get("/alerts").text
     assert str(aid) not in re.findall(r'data-alert-id="(\d+)"', client.get("/alerts?unacked=1").text)

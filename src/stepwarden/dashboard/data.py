@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import alerts
 from ..errors import NotFound
 from ..metrics import breaker_state
 from ..store import TASK_STATES, Tx, views
@@ -112,14 +113,14 @@ def alert_list(tx: Tx, unacked_only: bool) -> dict[str, Any]:
 
 
 def ack_alert(tx: Tx, alert_id: int, actor: str) -> bool:
-    """Acknowledge an alert; False if it was already acknowledged. :class:`NotFound` if none."""
-    if not 0 < alert_id < MAX_ID or not tx.sql("SELECT id FROM alerts WHERE id = ?", (alert_id,)):
+    """Acknowledge an alert; False if it was already acknowledged. :class:`NotFound` if none.
+
+    The one acknowledgement of the CLI and ``app.ack_alert`` (:func:`stepwarden.alerts.ack_alert`),
+    with its ``alert_acked`` event: the dashboard's own UPDATE wrote none, so its acknowledgements
+    were missing from the task's timeline, from ``watch`` and from the events' metrics."""
+    if not 0 < alert_id < MAX_ID:
         raise NotFound(f"no alert {alert_id}")
-    changed = tx.sql(
-        "UPDATE alerts SET acked_at = ?, acked_by = ? WHERE id = ? AND acked_at IS NULL RETURNING id",
-        (now(tx), actor, alert_id),
-    )
-    return bool(changed)
+    return alerts.ack_alert(tx, alert_id, actor)[1]
 
 
 @read_only
