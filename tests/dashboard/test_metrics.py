@@ -254,3 +254,42 @@ def test_breaker_states_as_workers_record_them() -> None:
     assert [breaker_state(v) for v in ("closed", "half_open", "open")] == ["closed", "half_open", "open"]
     assert breaker_state({"state": "half_open", "failures": 3}) == "half_open"
     assert breaker_state(None) == "closed" and breaker_state("unknown") == "open"
+
+
+def test_a_refresh_that_ends_last_with_older_totals_does_not_lower_a_counter(
+    scene: Scene, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two refreshes overlap (two scrapers, or a scrape and the overview page): the first copies
+    the totals, then the second copies newer ones and is served; the first, ending last, was then
+    served over it, and a counter went down (Prometheus reads that as a reset)."""
+    import threading
+
+    from stepwarden.metrics import system
+    from stepwarden.store.records import event
+
+    m = StoreMetrics(scene.store)
+    scene.store.transact_sync(m.refresh)
+    read = system.read_snapshot
+    copied, go = threading.Event(), threading.Event()
+    first: list[int] = []
+
+    def paused(tx: object, tally: EventTally) -> object:
+        out = read(tx, tally)  # type: ignore[arg-type]
+        if not first:  # the first refresh below: it has copied the totals, and waits
+            first.append(1)
+            copied.set()
+            assert go.wait(15)
+        return out
+
+    monkeypatch.setattr(system, "read_snapshot", paused)
+    slow = threading.Thread(target=lambda: scene.store.transact_sync(m.refresh))
+    slow.start()
+    try:
+        assert copied.wait(15)
+        scene.store.transact_sync(lambda tx: event(tx, "received", None, "x"))  # one more submitted
+        scene.store.transact_sync(m.refresh)
+        served = value(parse(m.render().decode()), "stepwarden_tasks_submitted_total")
+    finally:
+        go.set()
+        slow.join(15)
+    assert value(parse(m.render().decode()), "stepwarden_tasks_submitted_total") == served

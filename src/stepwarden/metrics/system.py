@@ -37,6 +37,7 @@ class StoreSnapshot:
     alerts: dict[str, int] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=dict)
     refresh_seconds: float = 0.0
+    seq: int = 0  # the order in which snapshots copied the tally's totals (see StoreMetrics.refresh)
 
 
 def read_snapshot(tx: Tx, tally: EventTally) -> tuple[StoreSnapshot, list[dict[str, Any]]]:
@@ -62,6 +63,8 @@ def read_snapshot(tx: Tx, tally: EventTally) -> tuple[StoreSnapshot, list[dict[s
     }
     with tally.lock:
         snap.totals = dict(tally.totals)
+        tally.copies += 1
+        snap.seq = tally.copies
     snap.refresh_seconds = time.monotonic() - t0
     return snap, replies
 
@@ -103,8 +106,16 @@ class StoreMetrics(Collector):
                 self.attempt_duration.labels(r["agent"], r["outcome"]).observe(max(0.0, at - r["taken_at"]))
             self.reply_latency.labels(r["agent"]).observe(max(0.0, at - float(r["dispatched_at"])))
         with self._lock:
-            self.snapshot = snap
-        return snap
+            # Two refreshes may overlap (two scrapers, a scrape and a page): the one that copied
+            # the totals first may finish last, and served as the newer its counters went down,
+            # which Prometheus reads as a reset. Only a snapshot with later totals replaces the
+            # one served, and a lease's term (the leader-changes counter) never goes back either.
+            if snap.seq > self.snapshot.seq:
+                served = {lease["name"]: lease["term"] for lease in self.snapshot.leases}
+                for lease in snap.leases:
+                    lease["term"] = max(lease["term"], served.get(lease["name"], lease["term"]))
+                self.snapshot = snap
+            return self.snapshot
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

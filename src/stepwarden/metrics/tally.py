@@ -181,6 +181,7 @@ class EventTally:
     minutes: dict[int, Counter[str]] = field(default_factory=dict)
     started: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    copies: int = 0  # copies of ``totals`` taken for snapshots, numbered under ``lock``
 
     def __post_init__(self) -> None:
         tail = _XactTail if self.dialect == "postgres" else _IdTail
