@@ -248,11 +248,13 @@ class App:
         the next ``tx.submit`` or when the block ends), and nothing of stepwarden's is written
         after it. On PostgreSQL, SQL sent on the connection after such an end begins a new
         transaction, in which later submissions are written: that is found when the block ends,
-        by the transaction's id, and raises :class:`StoreError` naming the tasks the end
-        committed apart from the rest (a lent connection's new transaction is rolled back). With
-        your own ``sqlite3`` connection in its default mode (it begins a transaction before a
-        write) the block's end reads its tasks on another connection, which sees committed rows
-        only, and raises the same error for any it finds there. A
+        by a mark the block set in its transaction when it began (a transaction-local setting),
+        and raises :class:`StoreError` naming the tasks the end committed apart from the rest (a
+        lent connection's new transaction is rolled back), also for an end before the block's
+        first submission. With your own ``sqlite3`` connection in its default mode (it begins a
+        transaction before a write) the block marks its transaction with a savepoint, beginning
+        one first if none is open; its end raises the same error when the savepoint is gone, or
+        when another connection, which sees committed rows only, finds a task of the block. A
         PostgreSQL transaction aborted by a failed statement that the block caught raises it too
         when the block ends: it could commit nothing. On SQLite a block inside
         another one on the same database in the same thread is refused at once

@@ -5,6 +5,8 @@ transaction itself (a COMMIT or ROLLBACK), which would otherwise commit part of 
 from __future__ import annotations
 
 import json
+import secrets
+import sqlite3
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,9 @@ from .workflow import Workflow
 
 if TYPE_CHECKING:
     from .app import App
+
+# The savepoint that marks the block's transaction on the caller's own sqlite3 connection.
+SQLITE_MARK = "stepwarden_block"
 
 
 class AppTransaction:
@@ -35,10 +40,16 @@ class AppTransaction:
         self._opened = app.store.in_transaction(conn)
         self._submitted: list[int] = []  # the tasks this block created
         self._reported = False  # the end was raised as a StoreError already
-        # PostgreSQL: the id of the transaction the block's first submission wrote in. psycopg
-        # begins a new transaction with the first statement after a COMMIT, so one ended on the
-        # connection and followed by more SQL looks open again; a different id at the end says so.
-        self._xact: str | None = None
+        # A mark of the block's own transaction, looked for when the block ends. A transaction
+        # ended on the connection (COMMIT, ROLLBACK) and followed by more SQL looks open again:
+        # psycopg begins a new one with the next statement, as sqlite3 does before the next
+        # write in its default mode. The mark was the transaction id of the first submission,
+        # so an end before it split the block unnoticed: the caller's row committed apart from
+        # the tasks, or rolled back under them. PostgreSQL: a transaction-local setting; the
+        # caller's own sqlite3 connection: a savepoint (a lent SQLite connection is in
+        # autocommit mode, where an end is found as the transaction being closed).
+        self._mark: str | None = None
+        self._mark_block()
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         """Your SQL in this transaction, with the driver's placeholders (``?`` sqlite3, ``%s`` psycopg).
@@ -125,13 +136,36 @@ class AppTransaction:
         self._opened = self._opened or self._open_now()
         if created:
             self._submitted.append(task_id)
-            if self._xact is None and self.app.store.dialect == "postgres":
-                self._xact = self._current_xact()  # one round trip per block, not per submission
         return task_id
 
-    def _current_xact(self) -> str | None:
-        row = self._tx.sql("SELECT pg_current_xact_id_if_assigned()::text AS x")[0]
-        return None if row["x"] is None else str(row["x"])
+    def _mark_block(self) -> None:
+        """Mark the transaction the block begins in (see ``_mark``), before its first statement."""
+        dialect = self.app.store.dialect
+        if dialect == "postgres":
+            self._mark = secrets.token_hex(8)
+            self._tx.sql("SELECT set_config('stepwarden.block', ?, true)", (self._mark,))
+            self._opened = True
+        elif dialect == "sqlite" and not self._lent:
+            if not self._open_now():  # a savepoint would begin one, and its release commit it
+                self.connection.execute("BEGIN")
+            self.connection.execute(f"SAVEPOINT {SQLITE_MARK}")
+            self._mark = SQLITE_MARK
+            self._opened = True
+
+    def _still_marked(self) -> bool:
+        """The block's transaction is the one it began in; on SQLite its savepoint is released."""
+        if self._mark is None:
+            return True
+        if self.app.store.dialect == "postgres":
+            row = self._tx.sql("SELECT current_setting('stepwarden.block', true) AS mark")[0]
+            return bool(row["mark"] == self._mark)
+        try:
+            self.connection.execute(f"RELEASE {SQLITE_MARK}")
+        except sqlite3.OperationalError as e:
+            if "no such savepoint" not in str(e):
+                raise
+            return False
+        return True
 
     def _open_now(self) -> bool:
         return self.app.store.in_transaction(self.connection)
@@ -146,10 +180,15 @@ class AppTransaction:
             )
         if self._opened and not self._open_now():
             raise self._ended_error()
-        if self._xact is not None and self._current_xact() != self._xact:
-            raise self._restarted_error()
-        if self._submitted and not self._lent and self.app.store.dialect == "sqlite":
+        marked = self._still_marked()
+        if self.app.store.dialect == "postgres":
+            if not marked:
+                raise self._restarted_error()
+            return
+        if self._submitted and not self._lent:
             self._check_sqlite_split()
+        if not marked:  # ended before the block's first submission: its tasks are all in the new one
+            raise self._split_error([], sorted(set(self._submitted)))
 
     def _restarted_error(self) -> StoreError:
         """The transaction was ended on the connection and a later statement began another: what

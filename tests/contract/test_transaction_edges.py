@@ -404,6 +404,62 @@ def test_a_rollback_on_the_callers_own_connection_then_a_write_fails_the_block_o
     assert counts(app) == NOTHING
 
 
+@pytest.mark.parametrize("how", ["COMMIT", "ROLLBACK"])
+def test_an_end_on_the_callers_own_connection_before_the_first_submission_fails_the_block(
+    app: App, store_url: str, how: str
+) -> None:
+    """The block's first statement, then a COMMIT or ROLLBACK on the connection (a helper, an
+    ORM), then more SQL, then the submission: the block was marked by the transaction its first
+    submission wrote in, so this went unnoticed, the order committed apart from its task (or
+    rolled back under it). The block is now marked when it begins."""
+    conn = own_connection(store_url, autocommit=False)
+    try:
+        with pytest.raises(StoreError) as raised, app.transaction(conn) as tx:
+            insert_order(tx, "o-1")
+            end_on_the_connection(conn, how)
+            conn.execute("INSERT INTO orders (id) VALUES ('audit')")  # past tx: begins a new one
+            task_id = tx.submit("order", {"order": "o-1"}, reply_to="web")
+        message = str(raised.value)
+        assert "ended inside the block" in message and "began a new one" in message, message
+        assert "the first committed none of the block's tasks" in message, message
+        assert f"task {task_id}, written in the new transaction, left in it for you to roll back" in message
+        conn.rollback()
+    finally:
+        conn.close()
+    assert counts(app) == {**NOTHING, "orders": 1 if how == "COMMIT" else 0}
+
+
+@pytest.mark.parametrize("how", ["COMMIT", "ROLLBACK"])
+def test_postgres_an_end_on_a_lent_connection_before_the_first_submission_fails_the_block(
+    pg_app: App, how: str
+) -> None:
+    """The same on a lent connection: the new transaction, with the task, is rolled back."""
+    with pytest.raises(StoreError, match="committed none of the block's tasks"), pg_app.transaction() as tx:
+        insert_order(tx, "o-1")
+        tx.connection.commit() if how == "COMMIT" else tx.connection.rollback()
+        tx.connection.execute("SELECT 1")
+        tx.submit("order", {"order": "o-1"}, reply_to="web")
+    assert counts(pg_app) == {**NOTHING, "orders": 1 if how == "COMMIT" else 0}
+
+
+def test_the_callers_transaction_begun_before_the_block_and_ended_in_it_fails_the_block(
+    app: App, store_url: str
+) -> None:
+    """The caller's own row, written before the block, then a ROLLBACK inside it and more SQL:
+    the task would have committed with no order. The block's mark is in the caller's transaction."""
+    conn = own_connection(store_url, autocommit=False)
+    try:
+        conn.execute("INSERT INTO orders (id) VALUES ('o-1')")
+        with pytest.raises(StoreError, match="began a new one"), app.transaction(conn) as tx:
+            conn.rollback()
+            conn.execute("INSERT INTO orders (id) VALUES ('audit')")
+            tx.submit("order", {"order": "o-1"}, reply_to="web")
+        conn.rollback()
+    finally:
+        conn.close()
+    assert counts(app) == NOTHING
+
+
 def test_postgres_a_rollback_on_the_connection_then_more_sql_fails_the_block(pg_app: App) -> None:
     """A ROLLBACK then more SQL: the first task is gone with its order, the block's rest would
     have committed alone; the error says the first transaction committed none of the tasks."""
