@@ -34,7 +34,7 @@ from .logs import log_raised
 from .policies import Backoff
 from .stop_writes import StopWrites
 from .store import ApplyResult, RequestMsg, Store
-from .store.agents import Want
+from .store.agents import Want, task_workflows
 from .tracing import AttemptSpan, NoAttempt
 
 # The logger the agent role always had (agent_health.py logs under it too): log configurations and
@@ -306,9 +306,30 @@ class AgentRole:
             self._no_reservations.clear()
         return out
 
-    def accept(self, msgs: list[RequestMsg], reserved: Mapping[str, Want], failed: bool = False) -> None:
+    async def workflows_of(self, msgs: list[RequestMsg]) -> dict[int, str]:
+        """The workflow of each task of ``msgs``, for their attempts' trace spans, when spans are
+        recorded (else nothing, and no read). A pull reads them in its own transaction; requests
+        a scheduler round or a reply batch took for this worker's slots come from a take that
+        reads no task, and their spans lacked ``stepwarden.workflow`` (in the default worker,
+        nearly all of them). One read after that transaction, only while tracing."""
+        if not msgs or not self.tracer.wants_workflows:
+            return {}
+        try:
+            return await self.store.transact(task_workflows, sorted({m.task_id for m in msgs}))
+        except Exception as e:  # the spans go without it: the attempts are what matters
+            log.debug("agent %s: could not read the workflows of its attempts' tasks: %r", self.me, e)
+            return {}
+
+    def accept(
+        self,
+        msgs: list[RequestMsg],
+        reserved: Mapping[str, Want],
+        failed: bool = False,
+        workflows: Mapping[int, str] | None = None,
+    ) -> None:
         """Start ``msgs`` and give back the reservation. ``failed``: the transaction raised, so
-        whether it took requests for this reservation is unknown (see ``_takes_unknown``)."""
+        whether it took requests for this reservation is unknown (see ``_takes_unknown``).
+        ``workflows``: each task's workflow, for the spans (:meth:`workflows_of`)."""
         for name, want in reserved.items():
             self.inflight[name] -= want.room
         if failed and reserved:
@@ -329,7 +350,7 @@ class AgentRole:
             return
         sent = reserved.at if isinstance(reserved, Reservation) else self.clock.monotonic()
         for msg in msgs:
-            self._start(msg, sent)
+            self._start(msg, sent, workflow=(workflows or {}).get(msg.task_id))
 
     async def execute(
         self,
@@ -568,11 +589,13 @@ class AgentRole:
                 reserved = self.reserve(freeing)
                 taken: list[RequestMsg] = []
                 sent = False
+                workflows: dict[int, str] = {}
                 try:
                     applied, taken = await self.store.send_replies_and_take(self.me, replies, reserved)
                     sent = True
+                    workflows = await self.workflows_of(taken)
                 finally:
-                    self.accept(taken, reserved, failed=not sent)
+                    self.accept(taken, reserved, failed=not sent, workflows=workflows)
             else:
                 applied = await self.store.send_replies(self.me, replies, apply=False)
         except Exception as e:

@@ -29,7 +29,17 @@ class LocalAgents(Protocol):
         (so no other pull takes them too)."""
         ...
 
-    def accept(self, msgs: list[RequestMsg], reserved: Mapping[str, Want], failed: bool = False) -> None:
+    async def workflows_of(self, msgs: list[RequestMsg]) -> Mapping[int, str]:
+        """Each task's workflow, for the attempts' trace spans (empty when none are recorded)."""
+        ...
+
+    def accept(
+        self,
+        msgs: list[RequestMsg],
+        reserved: Mapping[str, Want],
+        failed: bool = False,
+        workflows: Mapping[int, str] | None = None,
+    ) -> None:
         """Run ``msgs`` (taken in the round's transaction) and give back the unused reservations.
         ``failed``: the transaction raised, and may have taken requests all the same."""
         ...
@@ -100,13 +110,15 @@ class SchedulerRole:
             reserved = self.local.reserve()
             taken: list[RequestMsg] = []
             done = False
+            workflows: Mapping[int, str] = {}
             try:
                 applied, claimed, taken = await self.store.schedule_and_take(
                     self.me, self.settings.batch, reserved
                 )
                 done = True
+                workflows = await self.local.workflows_of(taken)
             finally:
-                self.local.accept(taken, reserved, failed=not done)
+                self.local.accept(taken, reserved, failed=not done, workflows=workflows)
         if applied.accepted or applied.stale:
             self.accepted += applied.accepted
             self.stale += applied.stale

@@ -173,7 +173,16 @@ class _Local:
     def reserve(self) -> dict[str, Want]:
         return {"svc": Want(2, ops='["do_s"]')}
 
-    def accept(self, msgs: list[Any], reserved: Mapping[str, Want], failed: bool = False) -> None:
+    async def workflows_of(self, msgs: list[Any]) -> dict[int, str]:
+        return {}
+
+    def accept(
+        self,
+        msgs: list[Any],
+        reserved: Mapping[str, Want],
+        failed: bool = False,
+        workflows: Mapping[int, str] | None = None,
+    ) -> None:
         self.accepted.append(failed)
 
 

@@ -246,3 +246,52 @@ def test_a_plain_function_sees_the_attempt_span_in_its_thread(
     asyncio.run(body())
     assert store.known_identity is not None
     assert seen == [tracing.task_trace_id(task_id, store.known_identity)]
+
+
+@pytest.mark.parametrize("took", ["a scheduler round", "a reply batch"])
+def test_attempts_taken_for_the_workers_own_slots_carry_their_workflow(
+    store: Store,
+    clock: FakeClock,
+    make_workflow: Callable[..., Workflow],
+    exporter: InMemorySpanExporter,
+    took: str,
+) -> None:
+    """In the default worker (scheduler and agent in one process) a scheduler round or a reply
+    batch takes requests for the worker's own slots in its transaction, which reads no task:
+    those attempts' spans lacked `stepwarden.workflow`, which a pull's have (found by review)."""
+    from stepwarden.scheduler import SchedulerRole
+
+    exporter.clear()
+    wf = make_workflow("a", "b", name="checkout", budget=60.0, compensate=False)
+    store.transact_sync(
+        t.submit, wf, encode_input({}), correlation_id=None, idempotency_key=None, priority=0, reply_to=None
+    )
+    agent = Agent("svc")
+
+    @agent.operation
+    async def do_a(req: Request) -> str:
+        return "a"
+
+    @agent.operation
+    async def do_b(req: Request) -> str:
+        return "b"
+
+    async def body() -> None:
+        role = AgentRole(store, {"svc": agent}, ME, clock=clock, settings=AgentSettings(apply_replies=True))
+        await role.health.register({"svc": 1})
+        role.attempts.store_id = await store.identity()
+        sched = SchedulerRole(store, ME, clock=clock, local=role)
+        if took == "a scheduler round":
+            await sched.tick()  # claims the task, dispatches a, takes it for this worker's slot
+        else:
+            assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 1
+            assert await role.pull() == 1
+        await finish(role)  # a's reply batch applies it, dispatches b and takes it
+        await finish(role)
+
+    asyncio.run(body())
+    spans = [s for s in exporter.get_finished_spans() if s.name.startswith("attempt svc.")]
+    assert sorted(s.name for s in spans) == ["attempt svc.do_a", "attempt svc.do_b"]
+    assert all(
+        s.attributes is not None and s.attributes.get("stepwarden.workflow") == "checkout" for s in spans
+    )

@@ -172,11 +172,18 @@ def pull(
         out.breakers[agent] = BreakerView(agent, "half_open", b.failures, rules.trial_ttl, b.opened_by, me)
         event(tx, "breaker_trial", None, me, agent=agent, request=got[0].id)
     if with_workflows and out.requests:
-        ids = sorted({m.task_id for m in out.requests})
-        marks = ", ".join("?" for _ in ids)
-        for r in tx.sql(f"SELECT id, workflow FROM tasks WHERE id IN ({marks})", tuple(ids)):
-            out.workflows[int(r["id"])] = str(r["workflow"])
+        out.workflows = task_workflows(tx, sorted({m.task_id for m in out.requests}))
     return out
+
+
+@read_only
+def task_workflows(tx: Tx, ids: Sequence[int]) -> dict[int, str]:
+    """The workflow of each of the tasks ``ids`` (for the attempts' trace spans)."""
+    if not ids:
+        return {}
+    marks = ", ".join("?" for _ in ids)
+    rows = tx.sql(f"SELECT id, workflow FROM tasks WHERE id IN ({marks})", tuple(ids))
+    return {int(r["id"]): str(r["workflow"]) for r in rows}
 
 
 def _claim(tx: Tx, me: str, agent: str, want: Want, limit: int) -> list[RequestMsg]:
