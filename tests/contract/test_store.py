@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import sqlite3
 import threading
@@ -197,6 +198,34 @@ def test_submit_is_one_transaction_a_failure_leaves_nothing(
     with pytest.raises(INTEGRITY_ERRORS):
         submit(store, make_workflow())
     assert (count(store, "tasks"), count(store, "steps"), count(store, "events")) == (0, 0, 0)
+
+
+def test_the_store_keeps_the_highest_version_of_a_workflow_and_says_when_a_worker_differs(
+    store: Store, make_workflow: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``submit`` without ``--app`` builds tasks from the definition in the store: the highest
+    version registered, so that a rolling deploy's old workers starting again do not undo it.
+    A worker with an older version (a rollback that kept the old number), or the same version
+    with other steps, was ignored or replaced the definition without a word."""
+    from stepwarden.store.core import _register
+
+    new = Workflow.of("order", make_workflow("a", "b").steps, version=2)
+    old = Workflow.of("order", make_workflow("a").steps, version=1)
+    store.transact_sync(_register, [new], "deploy-2:1:aa")
+    with caplog.at_level(logging.WARNING, logger="stepwarden.store"):
+        store.transact_sync(_register, [old], "rollback:2:bb")
+    assert store.workflow_sync("order").version == 2  # kept
+    [line] = [r.getMessage() for r in caplog.records if r.name == "stepwarden.store"]
+    assert "this app's version 1 is older than version 2 in the store (registered by deploy-2:1:aa)" in line
+    assert "give it a higher version" in line
+    caplog.clear()
+    changed = Workflow.of("order", make_workflow("a", "c").steps, version=2)
+    with caplog.at_level(logging.WARNING, logger="stepwarden.store"):
+        store.transact_sync(_register, [changed], "hotfix:3:cc")
+        store.transact_sync(_register, [changed], "hotfix:4:dd")  # the same again: nothing to say
+    assert [s.name for s in store.workflow_sync("order").steps] == ["a", "c"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "stepwarden.store"]
+    assert "version 2 differs from the definition in the store (registered by deploy-2:1:aa)" in line
 
 
 def test_idempotency_key_returns_the_existing_task(store: Store, make_workflow: Factory) -> None:

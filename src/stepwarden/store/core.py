@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ from ..policies import stored_policy
 from ..workflow import Workflow, encode_result
 from . import transitions as t
 from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx, hot
+
+log = logging.getLogger("stepwarden.store")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -262,11 +265,41 @@ class Store:
 
 
 def _register(tx: Tx, workflows: list[Workflow], by: str) -> str:
-    """Record the workflows; returns the store's identity, which a worker needs next."""
+    """Record the workflows; returns the store's identity, which a worker needs next.
+
+    The store keeps one definition per workflow, the highest version registered (a rolling
+    deploy's old workers starting again do not undo the new definition), and ``submit`` without
+    ``--app`` builds tasks from it. Two cases are said in a warning, which otherwise went
+    unnoticed: this app's version is lower (a rollback that kept the old number: tasks
+    submitted that way get steps this app's workers may not run), and the same version with
+    other steps (a change made without a new number: the last worker to start wins)."""
     for wf in workflows:
-        tx.run(
-            "upsert_workflow", name=wf.name, version=wf.version, definition=json.dumps(wf.to_dict()), by=by
-        )
+        definition = json.dumps(wf.to_dict())
+        stored = tx.one("get_workflow", name=wf.name)
+        if stored is not None and int(stored["version"]) > wf.version:
+            log.warning(
+                "workflow %r: this app's version %d is older than version %d in the store (registered"
+                " by %s), which `submit` without --app keeps using; to roll back a definition, give"
+                " it a higher version",
+                wf.name,
+                wf.version,
+                int(stored["version"]),
+                stored["registered_by"],
+            )
+        elif (
+            stored is not None
+            and int(stored["version"]) == wf.version
+            and json.loads(stored["definition"]) != wf.to_dict()
+        ):
+            log.warning(
+                "workflow %r version %d differs from the definition in the store (registered by"
+                " %s) and replaces it; give a changed definition a new version, or workers of"
+                " each kind will replace each other's as they start",
+                wf.name,
+                wf.version,
+                stored["registered_by"],
+            )
+        tx.run("upsert_workflow", name=wf.name, version=wf.version, definition=definition, by=by)
     return read_identity(tx)
 
 

@@ -11,7 +11,7 @@ ON CONFLICT (name) DO UPDATE SET version = excluded.version, definition = exclud
 WHERE excluded.version >= workflows.version;
 
 -- name: get_workflow
-SELECT name, version, definition FROM workflows WHERE name = :name;
+SELECT name, version, definition, registered_by FROM workflows WHERE name = :name;
 
 -- name: list_workflows
 SELECT name, version, definition, registered_by, updated_at FROM workflows ORDER BY name;
