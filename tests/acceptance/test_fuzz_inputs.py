@@ -380,11 +380,17 @@ def task_row(store: Store, task_id: int) -> dict[str, Any]:
     return dict(rows[0])
 
 
-def task_with_key(store: Store, key: str) -> int | None:
+def task_with_key(store: Store, key: str, workflow: str | None = None) -> int | None:
+    """The task that holds ``key``; with ``workflow``, -1 if a task of another workflow holds it
+    (SUB3: such a submission is refused, the key being reused by mistake)."""
     if not good_key(key):
         return None
-    rows = store.transact_sync(lambda tx: tx.sql("SELECT id FROM tasks WHERE idempotency_key = ?", (key,)))
-    return int(rows[0]["id"]) if rows else None
+    rows = store.transact_sync(
+        lambda tx: tx.sql("SELECT id, workflow FROM tasks WHERE idempotency_key = ?", (key,))
+    )
+    if not rows:
+        return None
+    return -1 if workflow is not None and rows[0]["workflow"] != workflow else int(rows[0]["id"])
 
 
 # -- the API ---------------------------------------------------------------------------------------------
@@ -455,7 +461,12 @@ def test_api_submission_succeeds_or_refuses_clearly_and_writes_nothing_when_refu
             and (reply_to is None or good_name(reply_to))
         )
         ok = valid and workflow in steps_of
-        existing = task_with_key(app.store, idempotency_key) if ok and idempotency_key is not None else None
+        existing = (
+            task_with_key(app.store, idempotency_key, workflow)
+            if ok and idempotency_key is not None
+            else None
+        )
+        ok = ok and existing != -1  # the key is another workflow's task: refused
         before, snap = table_counts(app.store), store_snapshot(app.store)
         kw = {
             "correlation_id": correlation_id,

@@ -185,8 +185,11 @@ def test_worker_killed_mid_step_whose_failure_compensates_its_lost_effect_is_und
     hung = cluster.wait(lambda: rig.hanging(task, "do", "c"), 30, "step c's first call to hang")
     assert hung["pid"] == doomed.pid
     assert rig.effects(task)[f"{task}:c"] == (1, 0, 0)
-    kill(doomed)
+    # Running before the kill: started after it, on a loaded machine it came up after the
+    # retry's short complete-by (3 s) had all but passed, took it with nothing left and made no
+    # call, and the replay under test never happened.
     fresh = rig.start("agent2", "agent")
+    kill(doomed)
 
     assert cluster.wait(lambda: rig.final_state(task), 40, "the task to end") == "compensated"
 
