@@ -26,6 +26,8 @@ def _with(url: str, *, path: str | None = None, user: str | None = None, query: 
         ("unknown-database", 1, 'database "sw_no_such_db" does not exist'),
         ("unknown-role", 1, 'role "sw_no_such_role" does not exist'),
         ("bad-sslmode", 2, "invalid sslmode value"),
+        ("bad-sslmode-of-a-host-not-resolved", 2, 'invalid sslmode value: "bogus"'),
+        ("bad-gssencmode", 2, 'invalid gssencmode value: "maybe"'),
         ("unknown-uri-option", 2, 'invalid URI query parameter: "sw_no_such_option"'),
         ("unclosed-ipv6-bracket", 2, "bad PostgreSQL URL"),
         ("bad-connect-timeout", 2, "bad value for connect_timeout: 'abc'"),
@@ -38,6 +40,8 @@ def test_a_url_that_cannot_work_fails_at_once_in_one_line(
         "unknown-database": _with(pg_url, path="/sw_no_such_db"),
         "unknown-role": _with(pg_url, user="sw_no_such_role"),
         "bad-sslmode": _with(pg_url, query="sslmode=bogus"),
+        "bad-sslmode-of-a-host-not-resolved": "postgresql://nosuchhost.invalid/db?sslmode=bogus",
+        "bad-gssencmode": _with(pg_url, query="gssencmode=maybe"),
         "unknown-uri-option": _with(pg_url, query="sw_no_such_option=1"),
         "unclosed-ipv6-bracket": "postgresql://[::1/db",
         "bad-connect-timeout": _with(pg_url, query="connect_timeout=abc"),  # was overridden by ours

@@ -154,6 +154,10 @@ def _first_connection(conninfo: str) -> str | None:
         given = psycopg.conninfo.conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
         raise InputError(f"bad PostgreSQL URL: {_first_line(e)}") from None
+    for key, allowed in _CLIENT_CHOICES.items():
+        value = given.get(key)
+        if value is not None and str(value) not in allowed:
+            raise InputError(f'bad PostgreSQL URL {redact_url(conninfo)}: invalid {key} value: "{value}"')
     try:
         # The probe waits 5 s at most (less if the URL says less); a bad connect_timeout of the
         # URL's is bad input here, not a pool that never opens.
@@ -171,6 +175,15 @@ def _first_connection(conninfo: str) -> str | None:
         return text
     return None
 
+
+# Settings whose value libpq checks only once it has a host's address (psycopg resolves host names
+# first): a mistyped one with a host that does not resolve yet waited out 10 s, and was reported as
+# the host. Their values have not changed in libpq since they came (sslmode in 7.4).
+_CLIENT_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+}
 
 # A server's refusals that pass: it is starting, stopping or full. Any other FATAL at connect time
 # (no such database or role, authentication failed) stays until someone changes something.
