@@ -16,6 +16,8 @@ import signal
 import socket
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -230,19 +232,34 @@ def worker(
         click.echo(f"worker metrics on {served.url}", err=True)
         if not is_loopback(host):  # as the dashboard warns: these metrics ask for no token
             click.echo(f"warning: metrics served on {shown}, beyond this machine, to anyone", err=True)
+    # Last, after the app has closed (the callbacks run in reverse), once the worker has run: the
+    # interpreter's own shutdown sets Python's signal handlers back to the default, and a signal
+    # then ended a stopped worker with 143 or 130.
+    ran: list[bool] = []
+    ctx.call_on_close(lambda: _ignore_stop_signals() if ran else None)
     ctx.call_on_close(app.close)
 
     async def main() -> bool:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        loop.set_default_executor(UnjoinedExecutor(thread_name_prefix=DEFAULT_EXECUTOR_PREFIX))
         signals = _StopSignals(w, stop)
         # Before the worker opens the store: a stop signal while it opens stops it there (the
         # opening waits in a thread, this loop free to run the handler).
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, signals.received, sig.name)
-        return await w.run(stop)
+        started = await w.run(stop)
+        # Stopped: what is left is closing the loop and the store. A signal now (a second one,
+        # late, or GNU timeout's repeat) fell on the default handlers once the loop closed, and
+        # the stop that had completed exited 143 or 130; now it ends the process with 0 at once.
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, _exit_stopped)
+        return started
 
-    if not asyncio.run(main()):
+    started = asyncio.run(main())
+    ran.append(True)
+    if not started:
         # Stopped while it opened the store or recorded its workflows (it says so): that may
         # still wait, for a lock or a server, in a thread; the exit ends it, and it commits whole
         # or not at all.
@@ -283,6 +300,41 @@ class _StopSignals:
             self.stop.set()
         elif name != self.first[0] or now - self.first[1] >= REPEAT_WINDOW:
             self.w.hurry()
+
+
+# The worker loop's default executor (``asyncio.to_thread``, ``run_in_executor(None, ...)`` in an
+# async operation or sink): its threads are named so that the exit sees them (below).
+DEFAULT_EXECUTOR_PREFIX = "stepwarden-agent-default"
+# How long the loop's close waits for the default executor's idle threads to end.
+EXECUTOR_IDLE_JOIN = 0.5
+
+
+class UnjoinedExecutor(ThreadPoolExecutor):
+    """The worker loop's default executor. ``asyncio.run`` waits for its threads, with no bound,
+    when the loop closes: an async operation that handed a blocking call to a thread
+    (``asyncio.to_thread``) held a stopped worker's process until the call returned, for good if
+    it never did, and a second signal changed nothing. Its shutdown waits only for idle threads,
+    briefly; a call still running is left to its thread, which the exit ends, as a plain
+    function's (:func:`_exit_despite_stuck_threads`)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=True)
+        if wait:
+            end = time.monotonic() + EXECUTOR_IDLE_JOIN
+            for t in threading.enumerate():
+                if t.name.startswith(DEFAULT_EXECUTOR_PREFIX):
+                    t.join(max(0.0, end - time.monotonic()))
+
+
+def _ignore_stop_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _exit_stopped(signum: int, frame: Any) -> None:
+    """A stop signal after the worker stopped: exit 0 now (see ``main`` in :func:`worker`)."""
+    _exit_now(0)
 
 
 def _exit_now(code: int) -> NoReturn:

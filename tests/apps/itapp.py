@@ -115,6 +115,16 @@ async def block(req: Request) -> Any:
     return out
 
 
+async def block_in_thread(req: Request) -> Any:
+    """An async operation that hands a blocking call to the loop's default executor, as
+    ``asyncio.to_thread`` does: cancelling it leaves the thread running."""
+    row = _start(req, "block_in_thread")
+    await asyncio.to_thread(time.sleep, _sleep_for(req))
+    out = _result(req, "block_in_thread")
+    _end(row, "ok", out)
+    return out
+
+
 def block_sync(req: Request) -> Any:
     row = _start(req, "block_sync")
     time.sleep(_sleep_for(req))
@@ -158,7 +168,7 @@ def make_app(db: str | None = None) -> App:
     # leadership changes hands); each such call counts against the breaker (AGT3), which would
     # open and hold the next attempts back: these tests are about rescue, not about the breaker.
     it = app.agent("it", concurrency=16, breaker_threshold=1000)
-    for fn in (quick, block, block_sync, undo):
+    for fn in (quick, block, block_in_thread, block_sync, undo):
         it.operation(fn)
     # The failing operations live in an agent of their own, whose circuit breaker never opens in
     # these tests, so every try reaches the operation (and its log) and the breaker never holds

@@ -42,6 +42,14 @@ def make_app(db: str | None = None) -> App:
             Step("second", "it.quick", complete_by=BUDGET, retry=_retry(max_failures=1)),
         ],
     )
+    # An async operation blocked in asyncio.to_thread: its thread runs on, as a plain function's.
+    app.workflow(
+        "two-long-thread",
+        [
+            Step("first", "it.block_in_thread", complete_by=BUDGET, retry=_retry(max_failures=1)),
+            Step("second", "it.quick", complete_by=BUDGET, retry=_retry(max_failures=1)),
+        ],
+    )
     app.workflow(
         "two-short",
         [

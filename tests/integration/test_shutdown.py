@@ -367,3 +367,35 @@ def test_a_second_signal_skips_the_rest_of_the_grace_period(cluster: Cluster, se
     assert [(r["step"], r["attempt"], r["outcome"]) for r in runs] == [("first", 1, None)]
 
     next_worker_finishes(cluster, task, released=(0, 1))
+
+
+def test_sigterm_with_an_async_call_blocked_in_to_thread_exits_within_the_bound(cluster: Cluster) -> None:
+    """An async operation awaiting ``asyncio.to_thread``: the worker stopped after the grace
+    period, then ``asyncio.run`` waited, with no bound, for the loop's default executor, and the
+    process exited only when the blocking call returned (never, for one that hangs). Its thread
+    is now left to the exit, as a plain function's is."""
+    task, leaving = start_lone_worker_mid_step(cluster, "two-long-thread", 60)
+    sigterm_and_wait_for_exit(leaving, "worker")
+    assert "exiting with" in leaving.log_text() and "still running" in leaving.log_text()
+    assert_nothing_held(cluster, task, leaving)
+
+
+def test_stop_signals_that_keep_coming_until_the_exit_do_not_change_its_code(cluster: Cluster) -> None:
+    """SIGTERM, then SIGTERM and SIGINT every 20 ms until the process is gone: once the loop had
+    closed, a signal fell on the default handlers and the stop, completed, exited 143 or 130."""
+    for run in range(2):
+        w = cluster.start(f"signalled{run}", "supervisor")
+        wait_to_lead(cluster, w)
+        w.expect_alive = False
+        w.signal(signal.SIGTERM)
+        end = time.monotonic() + EXIT_WITHIN
+        n = 0
+        while w.popen.poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+            w.signal(signal.SIGINT if n % 2 else signal.SIGTERM)
+            n += 1
+        assert w.popen.wait(timeout=5) == 0, f"exit code after {n} more signals:\n{w.log_text()}"
+
+
+def wait_to_lead(cluster: Cluster, w: WorkerProc) -> None:
+    cluster.wait(lambda: lease_holder(cluster) == w.identity, 20, f"worker {w.name} to lead")
