@@ -113,7 +113,7 @@ class AttemptState:
         return report
 
 
-def is_async(handler: Handler) -> bool:
+def is_async(handler: Callable[..., Any]) -> bool:
     """A coroutine function (``functools.partial`` of one included), or an object whose class
     defines ``async def __call__``: run on the loop. Decided by looking, not by calling; a plain
     wrapper around an ``async def`` is caught at run time instead (see :meth:`Attempts.call`)."""

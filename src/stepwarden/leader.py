@@ -235,9 +235,12 @@ class LeaseKeeper:
         ctx = Leadership(self.name, self.holder, term, self.clock)
         log.info("lease %s: %s leads with term %d", self.name, self.holder, term)
         self.on_change("acquired", term)
-        work = asyncio.create_task(self.work(ctx), name=f"lease-{self.name}-work")
         reason = "stopped"
+        work: asyncio.Task[None] | None = None
         try:
+            # Inside the try: work that fails to start (it returned no coroutine) still gives the
+            # term up and resigns, instead of leaving the lease held to its TTL.
+            work = asyncio.create_task(self.work(ctx), name=f"lease-{self.name}-work")
             while not stop.is_set():
                 now = self.clock.monotonic()
                 wake = min(now + s.renew_every, trust_until)
@@ -267,15 +270,21 @@ class LeaseKeeper:
                     reason = LOST  # the database refused: someone else holds it now
                     break
                 trust_until = sent + s.ttl - s.margin
+        except Exception as e:  # the work could not start: the term is given up, as for work that raised
+            reason = f"leader work could not start: {e!r}"
+            raise
         finally:
             self.term = None  # not trusted from here on, whatever the work does next
-            work.cancel()
             keeper_cancelled = False
-            try:
-                await self._wait(s.ttl, work=work)  # for the cancelled work to end
-            except asyncio.CancelledError:  # the keeper itself is being cancelled: resign first
-                keeper_cancelled = True
-            self._ended(work, term, reason)
+            if work is not None:
+                work.cancel()
+                try:
+                    await self._wait(s.ttl, work=work)  # for the cancelled work to end
+                except asyncio.CancelledError:  # the keeper itself is being cancelled: resign first
+                    keeper_cancelled = True
+                self._ended(work, term, reason)
+            else:
+                log.info("lease %s: %s stops leading term %d: %s", self.name, self.holder, term, reason)
             if reason != LOST:
                 await self._resign(term, stop)
             self.on_change("lost", term)
@@ -382,5 +391,11 @@ async def run_while_leader(
     settings: LeaseSettings | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> None:
-    """Run ``work`` whenever this process holds lease ``name``, cancelled the moment it may not (LEAD7)."""
+    """Run ``work`` whenever this process holds lease ``name``, cancelled the moment it may not (LEAD7).
+    ``work`` that is not an async function is refused (InputError) before campaigning: a plain
+    function's body ran under the lease, holding the event loop, before awaiting it failed."""
+    from .agent_attempt import is_async  # the one test of "async" the agents use too
+
+    if not callable(work) or not is_async(work):
+        raise InputError(f"work must be an async function of the Leadership, not {show(work)}")
     await LeaseKeeper(store, name, holder, work, settings=settings, clock=clock).run(stop)

@@ -328,6 +328,30 @@ def test_renewals_tell_the_stop_writes_whether_the_store_answers(
     run(body())
 
 
+def test_work_that_cannot_start_gives_the_term_up_and_resigns(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    """Work that raises as it is called (here an async function given one argument too many)
+    left the term set and the lease held to its TTL; the keeper now resigns, then raises."""
+    import functools
+
+    async def two(ctx: Leadership, extra: int) -> None:
+        return None
+
+    async def body() -> None:
+        a = LeaseKeeper(tracked_store, LEASE, "A", functools.partial(two, 1, 2), settings=S, clock=clock)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        task = asyncio.create_task(a.run(stop))
+        await fake_time.run_for(0.5)
+        assert task.done()
+        with pytest.raises(TypeError):
+            task.result()
+        assert a.term is None and not a.is_leader
+        assert event_kinds(tracked_store) == ["lease_acquired", "lease_resigned"]
+
+    run(body())
+
+
 def test_graceful_stop_resigns_so_the_other_acquires_at_its_next_retry(
     tracked_store: Any, clock: FakeClock, fake_time: Any
 ) -> None:
