@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from .clock import STOPPED, SYSTEM_CLOCK, Clock, Stopped, unless_stopped
+from .clock import STOPPED, SYSTEM_CLOCK, Clock, unless_stopped
 from .errors import InputError
 from .policies import check_seconds, show
 from .stop_writes import StopWrites
@@ -157,16 +157,15 @@ class LeaseKeeper:
             try:
                 sent = self.clock.monotonic()
                 # Raced with ``stop``: an acquire stuck on a dead connection must not hold up a
-                # shutdown (if it commits after all, the lease runs out by its TTL).
-                acquire = self.store.acquire_lease(self.name, self.holder, s.ttl)
-                got = _none_if_stopped(await unless_stopped(acquire, stop))
+                # shutdown (see _campaign).
+                got = await self._campaign(self.store.acquire_lease(self.name, self.holder, s.ttl), stop)
             except Exception as e:  # the store is down: keep campaigning, never crash (REL3)
                 log.warning("lease %s: acquire failed: %s", self.name, e)
                 got = None
             if got is None and s.take_from_dead is not None and not stop.is_set():
                 try:
                     sent = self.clock.monotonic()
-                    got = _none_if_stopped(await unless_stopped(self._take_from_dead(s.take_from_dead), stop))
+                    got = await self._campaign(self._take_from_dead(s.take_from_dead), stop)
                 except Exception as e:
                     log.warning("lease %s: takeover failed: %s", self.name, e)
             if got is None:
@@ -176,6 +175,32 @@ class LeaseKeeper:
             # Having just given the lease up (a stall, a lost renewal), let a healthier peer win it;
             # after work that keeps raising, wait longer each time (its errors are logged).
             await self._wait(self._pause(), stop=stop)
+
+    async def _campaign(
+        self, grant: Coroutine[Any, Any, tuple[int, float] | None], stop: asyncio.Event
+    ) -> tuple[int, float] | None:
+        """The lease, if ``grant`` (an acquire, a takeover) gets it before ``stop`` is set.
+
+        Stopped while it waits (for a lock, a slow server), the grant is not abandoned: its
+        transaction goes on in the store's thread and may still commit, and a lease granted
+        then and never resigned held off every other keeper until its TTL (10 s measured, where
+        a resignation lets one in within ``retry_every``). So it is waited for a little longer,
+        a brief stop write's bound (1 s: a lock released, a slow commit, answer within it; a
+        connection gone dark would hold the stop for nothing), and a lease it got is resigned
+        at once. Past that, the grant is left to run out by its TTL."""
+        job = asyncio.ensure_future(grant)
+        got = await unless_stopped(asyncio.shield(job), stop)
+        if got is not STOPPED:
+            return got
+        try:
+            late = await asyncio.wait_for(asyncio.shield(job), self.stop_writes.brief)
+        except Exception:  # no answer within the bound, or no lease: nothing to resign
+            job.cancel()
+            return None
+        if late is not None:
+            log.info("lease %s: term %d granted as the keeper stopped; resigning it", self.name, late[0])
+            await self._resign(late[0], stop)
+        return None
 
     def _pause(self) -> float:
         """Seconds before campaigning again: ``retry_every``, doubled for each term in a row whose
@@ -373,12 +398,6 @@ class LeaseKeeper:
             sleeper.cancel()
             if stopper is not None:
                 stopper.cancel()
-
-
-def _none_if_stopped(got: tuple[int, float] | Stopped | None) -> tuple[int, float] | None:
-    """A campaign cut short by ``stop`` got no lease, as one refused: either way there is nothing
-    to lead (a grant that commits after all runs out by its TTL)."""
-    return None if got is STOPPED else got
 
 
 async def run_while_leader(

@@ -103,3 +103,43 @@ def test_a_keeper_stopped_while_it_campaigns_logs_no_failure(
     finally:
         store.close()
     assert [r.getMessage() for r in caplog.records] == []
+
+
+def test_a_lease_granted_as_its_keeper_stops_is_resigned_not_left_to_its_ttl(tmp_path: Path) -> None:
+    """Stopped while its acquire waited for SQLite's write lock (another process's long write),
+    the keeper returned; the acquire committed afterwards in the store's thread, and the lease,
+    never resigned, kept every other keeper out until its TTL (10 s measured, against a retry of
+    0.5 s). The keeper now waits a brief bound for a grant still pending, and resigns it."""
+    import sqlite3
+    import threading
+
+    path = tmp_path / "lease.db"
+    store = open_store(f"sqlite:///{path}")
+    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    blocker.execute("BEGIN IMMEDIATE")  # another process's write, holding the lock
+
+    async def work(ctx: Leadership) -> None:
+        raise AssertionError("a stopping keeper must not start leading")
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        settings = LeaseSettings(ttl=10.0, renew_every=1.0, retry_every=0.5, margin=2.0)
+        keeper = LeaseKeeper(store, "report", "A:1:aa", work, settings=settings)
+        running = asyncio.create_task(keeper.run(stop))
+        await asyncio.sleep(0.3)  # its acquire waits for the lock
+        stop.set()
+        threading.Timer(0.3, lambda: blocker.execute("COMMIT")).start()  # released meanwhile
+        await asyncio.wait_for(running, 10)
+
+    try:
+        asyncio.run(body())
+        kinds = [
+            r["kind"] for r in store.transact_sync(lambda tx: tx.sql("SELECT kind FROM events ORDER BY id"))
+        ]
+        assert kinds == ["lease_acquired", "lease_resigned"]
+        [lease] = store.transact_sync(lambda tx: tx.sql("SELECT holder, expires_at FROM leases"))
+        now = store.transact_sync(lambda tx: tx.all("now"))[0]["now"]
+        assert lease["expires_at"] <= now, "resigned: free for the next keeper at once"
+    finally:
+        blocker.close()
+        store.close()
