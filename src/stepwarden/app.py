@@ -253,8 +253,8 @@ class App:
         and raises :class:`StoreError` naming the tasks the end committed apart from the rest (a
         lent connection's new transaction is rolled back), also for an end before the block's
         first submission. With your own ``sqlite3`` connection in its default mode (it begins a
-        transaction before a write) the block marks its transaction with a savepoint, beginning
-        one first if none is open; its end raises the same error when the savepoint is gone, or
+        transaction before a write) the block marks its transaction with a savepoint once one is
+        open; its end raises the same error when the savepoint is gone, or
         when another connection, which sees committed rows only, finds a task of the block. A
         PostgreSQL transaction aborted by a failed statement that the block caught raises it too
         when the block ends: it could commit nothing. On SQLite a block inside

@@ -45,9 +45,12 @@ class AppTransaction:
         # psycopg begins a new one with the next statement, as sqlite3 does before the next
         # write in its default mode. The mark was the transaction id of the first submission,
         # so an end before it split the block unnoticed: the caller's row committed apart from
-        # the tasks, or rolled back under them. PostgreSQL: a transaction-local setting; the
-        # caller's own sqlite3 connection: a savepoint (a lent SQLite connection is in
-        # autocommit mode, where an end is found as the transaction being closed).
+        # the tasks, or rolled back under them. PostgreSQL: a transaction-local setting, set
+        # when the block begins; the caller's own sqlite3 connection: a savepoint, set as soon as
+        # a transaction is open (at the start, or after the block's first write through tx: not
+        # a BEGIN of ours, which would make a first read take a snapshot, and a fence that
+        # failed keep the write lock). A lent SQLite connection is in autocommit mode, where an
+        # end is found as the transaction being closed.
         self._mark: str | None = None
         self._mark_block()
 
@@ -74,6 +77,7 @@ class AppTransaction:
                 raise
         if self._open_now():
             self._opened = True
+            self._mark_sqlite()
         elif was_open:  # this statement ended it: stopped here, what follows would run outside it
             raise self._ended_error()
         return out
@@ -108,6 +112,7 @@ class AppTransaction:
                 store.rollback(self.connection)
             raise
         self._opened = self._opened or self._open_now()
+        self._mark_sqlite()
 
     def submit(
         self,
@@ -134,23 +139,26 @@ class AppTransaction:
         # is left to write once the transaction has ended.
         self._tx.flush()
         self._opened = self._opened or self._open_now()
+        self._mark_sqlite()
         if created:
             self._submitted.append(task_id)
         return task_id
 
     def _mark_block(self) -> None:
         """Mark the transaction the block begins in (see ``_mark``), before its first statement."""
-        dialect = self.app.store.dialect
-        if dialect == "postgres":
+        if self.app.store.dialect == "postgres":
             self._mark = secrets.token_hex(8)
             self._tx.sql("SELECT set_config('stepwarden.block', ?, true)", (self._mark,))
             self._opened = True
-        elif dialect == "sqlite" and not self._lent:
-            if not self._open_now():  # a savepoint would begin one, and its release commit it
-                self.connection.execute("BEGIN")
+        else:
+            self._mark_sqlite()
+
+    def _mark_sqlite(self) -> None:
+        """The caller's own sqlite3 connection: a savepoint in its transaction, once one is open
+        (a savepoint outside one would begin it, and its release commit it)."""
+        if self._mark is None and not self._lent and self.app.store.dialect == "sqlite" and self._open_now():
             self.connection.execute(f"SAVEPOINT {SQLITE_MARK}")
             self._mark = SQLITE_MARK
-            self._opened = True
 
     def _still_marked(self) -> bool:
         """The block's transaction is the one it began in; on SQLite its savepoint is released."""

@@ -156,3 +156,41 @@ def test_a_fence_after_the_transaction_read_an_older_state_is_refused(
     finally:
         conn.close()
     assert orders(path) == ["elsewhere"]
+
+
+def test_a_failed_fence_on_the_callers_connection_holds_no_lock(
+    app: App, path: str, clock: FakeClock
+) -> None:
+    """The fence begins the transaction to take the write lock; a check that fails rolls that
+    back, holding nothing: a deposed leader that catches LostOwnership must not keep the lock
+    from the new leader. (Broken for a while when the block began a transaction of its own.)"""
+    conn = default_mode(path)
+    other = sqlite3.connect(path, timeout=0.5, isolation_level=None)
+    try:
+        with pytest.raises(LostOwnership), app.transaction(conn) as tx:
+            tx.fence(Leadership(LEASE, "A", 7, clock))  # a term this process never held
+        assert not conn.in_transaction
+        other.execute("BEGIN IMMEDIATE")  # another writer gets the lock at once
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+        conn.close()
+
+
+def test_a_block_that_reads_first_then_writes_after_another_connections_commit(app: App, path: str) -> None:
+    """sqlite3's default mode begins the transaction at the first write: a block's first read
+    takes no snapshot, so another connection's commit before the block's first write is fine.
+    (A BEGIN of the block's own made that read a snapshot, and the write failed: locked.)"""
+    conn = default_mode(path)
+    other = sqlite3.connect(path, timeout=2)
+    try:
+        with app.transaction(conn) as tx:
+            tx.execute("SELECT COUNT(*) FROM orders").fetchone()
+            other.execute("INSERT INTO orders (id) VALUES ('x')")
+            other.commit()
+            tx.execute("INSERT INTO orders (id) VALUES ('y')")
+            tx.submit("order", {"order": "y"})
+        conn.commit()
+    finally:
+        other.close()
+        conn.close()
