@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from .agent import Agent, default_classify
-from .agent_attempt import is_async
 from .alerts import AlertSink, ack_alert, as_sink
 from .app_transaction import AppTransaction
 from .clock import SYSTEM_CLOCK, Clock
@@ -385,9 +384,7 @@ class App:
         check_name("lease name", name)
         if holder is not None:
             check_key("lease holder", holder)
-        if not callable(work) or not is_async(work):
-            # A plain function's body ran under the lease before awaiting its result failed: a
-            # loop in it held the event loop (and the renewals) as leader.
+        if not callable(work):
             raise InputError(f"work must be an async function of the Leadership, not {show(work)}")
         if not isinstance(stop, asyncio.Event):
             raise InputError(f"stop must be an asyncio.Event, not {show(stop)}")

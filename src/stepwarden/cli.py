@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, NoReturn
@@ -233,10 +234,12 @@ def worker(
         if not is_loopback(host):  # as the dashboard warns: these metrics ask for no token
             click.echo(f"warning: metrics served on {shown}, beyond this machine, to anyone", err=True)
     # Last, after the app has closed (the callbacks run in reverse), once the worker has run: the
-    # interpreter's own shutdown sets Python's signal handlers back to the default, and a signal
-    # then ended a stopped worker with 143 or 130.
+    # stop signals stay ignored through the interpreter's own shutdown (which would set Python's
+    # handlers back to the default: a signal then ended a stopped worker with 143 or 130) when
+    # this is the process's command; run in-process (by a test, say), they are set back as they were.
     ran: list[bool] = []
-    ctx.call_on_close(lambda: _ignore_stop_signals() if ran else None)
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # before asyncio.run's own SIGINT
+    ctx.call_on_close(lambda: _after_the_worker(before) if ran else None)
     ctx.call_on_close(app.close)
 
     async def main() -> bool:
@@ -249,12 +252,13 @@ def worker(
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, signals.received, sig.name)
         started = await w.run(stop)
-        # Stopped: what is left is closing the loop and the store. A signal now (a second one,
-        # late, or GNU timeout's repeat) fell on the default handlers once the loop closed, and
-        # the stop that had completed exited 143 or 130; now it ends the process with 0 at once.
+        # Stopped: what is left is closing the loop and the store (which lets a stop write past
+        # its bound finish in its thread). A signal now (a second one, late, or GNU timeout's
+        # repeat) fell on the default handlers once the loop closed, and the stop that had
+        # completed exited 143 or 130: from here on the stop signals are ignored.
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
-            signal.signal(sig, _exit_stopped)
+            signal.signal(sig, signal.SIG_IGN)
         return started
 
     started = asyncio.run(main())
@@ -326,15 +330,14 @@ class UnjoinedExecutor(ThreadPoolExecutor):
                     t.join(max(0.0, end - time.monotonic()))
 
 
-def _ignore_stop_signals() -> None:
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-
-
-def _exit_stopped(signum: int, frame: Any) -> None:
-    """A stop signal after the worker stopped: exit 0 now (see ``main`` in :func:`worker`)."""
-    _exit_now(0)
+def _after_the_worker(before: Mapping[signal.Signals, Any]) -> None:
+    """The stop signals once the worker's command is done: still ignored if the process is
+    ending (:data:`_COMMAND`), else as they were before it ran."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        if not _COMMAND and before.get(sig) is not None:
+            signal.signal(sig, before[sig])
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -517,7 +520,14 @@ from .dashboard.command import dashboard as _dashboard  # noqa: E402 - click onl
 cli.add_command(_dashboard)
 
 
+# Whether this process is the ``stepwarden`` command itself (its command line, not ``argv`` given
+# by a caller in-process): a worker's command then leaves the stop signals ignored as it ends.
+_COMMAND = False
+
+
 def main(argv: list[str] | None = None) -> None:
+    global _COMMAND
+    _COMMAND = argv is None
     run(cli, argv, "stepwarden")
 
 

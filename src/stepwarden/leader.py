@@ -12,6 +12,7 @@ fenced by the term in SQL (LEAD4), so a paused ex-leader that wakes up changes n
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -189,13 +190,19 @@ class LeaseKeeper:
         connection gone dark would hold the stop for nothing), and a lease it got is resigned
         at once. Past that, the grant is left to run out by its TTL."""
         job = asyncio.ensure_future(grant)
-        got = await unless_stopped(asyncio.shield(job), stop)
+        try:
+            got = await unless_stopped(asyncio.shield(job), stop)
+        except BaseException:  # its error (raised here, retrieved), or the keeper cancelled
+            job.cancel()
+            raise
         if got is not STOPPED:
             return got
         try:
             late = await asyncio.wait_for(asyncio.shield(job), self.stop_writes.brief)
-        except Exception:  # no answer within the bound, or no lease: nothing to resign
+        except BaseException as e:  # no answer within the bound, no lease, or the keeper cancelled
             job.cancel()
+            if isinstance(e, asyncio.CancelledError):
+                raise
             return None
         if late is not None:
             log.info("lease %s: term %d granted as the keeper stopped; resigning it", self.name, late[0])
@@ -260,12 +267,25 @@ class LeaseKeeper:
         ctx = Leadership(self.name, self.holder, term, self.clock)
         log.info("lease %s: %s leads with term %d", self.name, self.holder, term)
         self.on_change("acquired", term)
-        reason = "stopped"
-        work: asyncio.Task[None] | None = None
         try:
-            # Inside the try: work that fails to start (it returned no coroutine) still gives the
-            # term up and resigns, instead of leaving the lease held to its TTL.
-            work = asyncio.create_task(self.work(ctx), name=f"lease-{self.name}-work")
+            work = self._start_work(ctx)
+        except Exception as e:
+            # Work that cannot start (it raised as it was called, or returned no coroutine: a
+            # plain function) gives the term up and resigns, instead of leaving the lease held
+            # to its TTL; the error is the caller's to see.
+            self.term = None
+            log.info(
+                "lease %s: %s stops leading term %d: its work could not start: %r",
+                self.name,
+                self.holder,
+                term,
+                e,
+            )
+            await self._resign(term, stop)
+            self.on_change("lost", term)
+            raise
+        reason = "stopped"
+        try:
             while not stop.is_set():
                 now = self.clock.monotonic()
                 wake = min(now + s.renew_every, trust_until)
@@ -295,26 +315,29 @@ class LeaseKeeper:
                     reason = LOST  # the database refused: someone else holds it now
                     break
                 trust_until = sent + s.ttl - s.margin
-        except Exception as e:  # the work could not start: the term is given up, as for work that raised
-            reason = f"leader work could not start: {e!r}"
-            raise
         finally:
             self.term = None  # not trusted from here on, whatever the work does next
+            work.cancel()
             keeper_cancelled = False
-            if work is not None:
-                work.cancel()
-                try:
-                    await self._wait(s.ttl, work=work)  # for the cancelled work to end
-                except asyncio.CancelledError:  # the keeper itself is being cancelled: resign first
-                    keeper_cancelled = True
-                self._ended(work, term, reason)
-            else:
-                log.info("lease %s: %s stops leading term %d: %s", self.name, self.holder, term, reason)
+            try:
+                await self._wait(s.ttl, work=work)  # for the cancelled work to end
+            except asyncio.CancelledError:  # the keeper itself is being cancelled: resign first
+                keeper_cancelled = True
+            self._ended(work, term, reason)
             if reason != LOST:
                 await self._resign(term, stop)
             self.on_change("lost", term)
             if keeper_cancelled:
                 raise asyncio.CancelledError
+
+    def _start_work(self, ctx: Leadership) -> asyncio.Task[None]:
+        started = self.work(ctx)
+        if not inspect.isawaitable(started):
+            raise InputError(
+                f"lease {self.name}: the leader work must be an async function of the Leadership;"
+                f" {show(self.work)} returned {show(started)}"
+            )
+        return asyncio.ensure_future(started)
 
     def _ended(self, work: asyncio.Task[None], term: int, reason: str) -> None:
         """Log how the term's work ended; count the terms in a row whose work raised."""
@@ -410,11 +433,5 @@ async def run_while_leader(
     settings: LeaseSettings | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> None:
-    """Run ``work`` whenever this process holds lease ``name``, cancelled the moment it may not (LEAD7).
-    ``work`` that is not an async function is refused (InputError) before campaigning: a plain
-    function's body ran under the lease, holding the event loop, before awaiting it failed."""
-    from .agent_attempt import is_async  # the one test of "async" the agents use too
-
-    if not callable(work) or not is_async(work):
-        raise InputError(f"work must be an async function of the Leadership, not {show(work)}")
+    """Run ``work`` whenever this process holds lease ``name``, cancelled the moment it may not (LEAD7)."""
     await LeaseKeeper(store, name, holder, work, settings=settings, clock=clock).run(stop)

@@ -328,23 +328,32 @@ def test_renewals_tell_the_stop_writes_whether_the_store_answers(
     run(body())
 
 
+@pytest.mark.parametrize("bad", ["raises as it is called", "a plain function"])
 def test_work_that_cannot_start_gives_the_term_up_and_resigns(
-    tracked_store: Any, clock: FakeClock, fake_time: Any
+    tracked_store: Any, clock: FakeClock, fake_time: Any, bad: str
 ) -> None:
-    """Work that raises as it is called (here an async function given one argument too many)
-    left the term set and the lease held to its TTL; the keeper now resigns, then raises."""
+    """Work that raises as it is called (an async function given an argument too many), or a
+    plain function (it returns no coroutine), left the term set and the lease held to its TTL;
+    the keeper now resigns, then raises (InputError for the plain function)."""
     import functools
+
+    from stepwarden.errors import InputError
 
     async def two(ctx: Leadership, extra: int) -> None:
         return None
 
+    def plain(ctx: Leadership) -> None:
+        return None
+
+    work: Any = functools.partial(two, 1, 2) if bad == "raises as it is called" else plain  # type: ignore[arg-type]
+
     async def body() -> None:
-        a = LeaseKeeper(tracked_store, LEASE, "A", functools.partial(two, 1, 2), settings=S, clock=clock)  # type: ignore[arg-type]
+        a = LeaseKeeper(tracked_store, LEASE, "A", work, settings=S, clock=clock)
         stop = asyncio.Event()
         task = asyncio.create_task(a.run(stop))
         await fake_time.run_for(0.5)
         assert task.done()
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError if bad == "raises as it is called" else InputError):
             task.result()
         assert a.term is None and not a.is_leader
         assert event_kinds(tracked_store) == ["lease_acquired", "lease_resigned"]

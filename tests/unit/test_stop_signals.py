@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -98,3 +99,30 @@ def test_every_later_signal_is_passed_on_and_the_first_is_kept(clock: FakeClock)
     clock.advance(1.0)
     got.received("SIGTERM")
     assert w.hurried == 2 and w.stopped_by == "SIGTERM" and stop.is_set()
+
+
+def test_the_worker_command_run_in_process_sets_the_stop_signals_back(tmp_path: Path) -> None:
+    """The worker command ignores SIGTERM and SIGINT once it has stopped (a late signal ended a
+    completed stop with 143 or 130), and as the process's own command it leaves them ignored
+    for the interpreter's shutdown; run in-process (a test, an embedding program) it set them to
+    ignored for good, and Ctrl-C no longer stopped the host. They are now set back."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, signal, threading
+        from stepwarden.cli import main
+        threading.Timer(2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        try:
+            main(["--db", "sqlite:///{tmp_path / "w.db"}", "worker", "--roles", "scheduler,supervisor"])
+        except SystemExit as e:
+            print("exit", e.code)
+        print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+              signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[-2:] == ["True", "True"], p.stdout + p.stderr
