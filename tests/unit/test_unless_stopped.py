@@ -143,3 +143,44 @@ def test_a_lease_granted_as_its_keeper_stops_is_resigned_not_left_to_its_ttl(tmp
     finally:
         blocker.close()
         store.close()
+
+
+@pytest.mark.parametrize("when", ["campaigning", "stopping"])
+def test_a_keeper_cancelled_while_its_grant_is_pending_cancels_the_grant(tmp_path: Path, when: str) -> None:
+    """The grant is awaited through a shield (a stop lets it finish, to resign what it got); a
+    keeper cancelled meanwhile (asyncio.run ending, a caller cancelling run_while_leader) left it
+    running, never awaited: a lease it then got was never resigned."""
+    store = open_store(f"sqlite:///{tmp_path / 'lease.db'}")
+    entered, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def hangs(name: str, holder: str, ttl: float) -> tuple[int, float] | None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return None
+
+    store.acquire_lease = hangs  # type: ignore[method-assign]
+
+    async def work(ctx: Leadership) -> None:
+        raise AssertionError("no lease was acquired")
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        keeper = LeaseKeeper(store, "probe", "me:1:abc", work, settings=LeaseSettings())
+        running = asyncio.create_task(keeper.run(stop))
+        await asyncio.wait_for(entered.wait(), 5)
+        if when == "stopping":
+            stop.set()  # the keeper now waits a brief bound for the grant
+            await asyncio.sleep(0.1)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        await asyncio.wait_for(cancelled.wait(), 5)
+
+    try:
+        asyncio.run(body())
+    finally:
+        store.close()
