@@ -334,34 +334,27 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"rate must be within [0, 1], got {text}")
-    return value
+def _bounded(
+    parse: Callable[[str], Any], low: float, high: float, expected: str, in_range: str
+) -> Callable[[str], Any]:
+    """An argument type: ``parse(text)`` within ``[low, high]`` (NaN fails both comparisons),
+    else one line saying what was ``expected`` or the range a value must be ``in_range`` of."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{in_range}, got {text}")
+        return value
+
+    return convert
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is within [0, 65535], got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0.0 <= value <= 86400.0:  # NaN fails both comparisons
-        raise argparse.ArgumentTypeError(f"seconds must be within [0, 86400], got {text}")
-    return value
+_rate = _bounded(float, 0.0, 1.0, "a number from 0 to 1", "rate must be within [0, 1]")
+_port = _bounded(int, 0, 65535, "a whole number", "a port is within [0, 65535]")
+_seconds = _bounded(float, 0.0, 86400.0, "a number of seconds", "seconds must be within [0, 86400]")
 
 
 def _parser() -> argparse.ArgumentParser:
