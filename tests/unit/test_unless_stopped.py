@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,28 @@ def test_an_error_of_the_call_is_raised() -> None:
         asyncio.run(body())
 
 
+class HungAcquire:
+    """``store.acquire_lease`` on a connection gone dark: it never answers; ``entered`` once
+    called, ``cancelled`` once the call was cancelled."""
+
+    def __init__(self, store: Any) -> None:
+        self.entered, self.cancelled = asyncio.Event(), asyncio.Event()
+        store.acquire_lease = self
+
+    async def __call__(self, name: str, holder: str, ttl: float) -> tuple[int, float] | None:
+        self.entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return None
+
+
+async def never_leads(ctx: Leadership) -> None:
+    raise AssertionError("no lease was acquired")
+
+
 def test_a_keeper_stopped_while_it_campaigns_logs_no_failure(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -78,23 +101,13 @@ def test_a_keeper_stopped_while_it_campaigns_logs_no_failure(
     at a stop: ``acquire failed: Result is not set.`` was logged as a store failure."""
     caplog.set_level(logging.WARNING, logger="stepwarden")
     store = open_store(f"sqlite:///{tmp_path / 'lease.db'}")
-    entered = asyncio.Event()
-
-    async def hangs(name: str, holder: str, ttl: float) -> tuple[int, float] | None:
-        entered.set()
-        await asyncio.Event().wait()  # a dead connection: the acquire never answers
-        return None
-
-    store.acquire_lease = hangs  # type: ignore[method-assign]
-
-    async def work(ctx: Leadership) -> None:
-        raise AssertionError("no lease was acquired")
+    hung = HungAcquire(store)
 
     async def body() -> None:
         stop = asyncio.Event()
-        keeper = LeaseKeeper(store, "probe", "me:1:abc", work, settings=LeaseSettings())
+        keeper = LeaseKeeper(store, "probe", "me:1:abc", never_leads, settings=LeaseSettings())
         running = asyncio.create_task(keeper.run(stop))
-        await asyncio.wait_for(entered.wait(), 5)
+        await asyncio.wait_for(hung.entered.wait(), 5)
         stop.set()
         await asyncio.wait_for(running, 5)
 
@@ -151,34 +164,20 @@ def test_a_keeper_cancelled_while_its_grant_is_pending_cancels_the_grant(tmp_pat
     keeper cancelled meanwhile (asyncio.run ending, a caller cancelling run_while_leader) left it
     running, never awaited: a lease it then got was never resigned."""
     store = open_store(f"sqlite:///{tmp_path / 'lease.db'}")
-    entered, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def hangs(name: str, holder: str, ttl: float) -> tuple[int, float] | None:
-        entered.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return None
-
-    store.acquire_lease = hangs  # type: ignore[method-assign]
-
-    async def work(ctx: Leadership) -> None:
-        raise AssertionError("no lease was acquired")
+    hung = HungAcquire(store)
 
     async def body() -> None:
         stop = asyncio.Event()
-        keeper = LeaseKeeper(store, "probe", "me:1:abc", work, settings=LeaseSettings())
+        keeper = LeaseKeeper(store, "probe", "me:1:abc", never_leads, settings=LeaseSettings())
         running = asyncio.create_task(keeper.run(stop))
-        await asyncio.wait_for(entered.wait(), 5)
+        await asyncio.wait_for(hung.entered.wait(), 5)
         if when == "stopping":
             stop.set()  # the keeper now waits a brief bound for the grant
             await asyncio.sleep(0.1)
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running
-        await asyncio.wait_for(cancelled.wait(), 5)
+        await asyncio.wait_for(hung.cancelled.wait(), 5)
 
     try:
         asyncio.run(body())
