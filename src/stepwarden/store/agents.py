@@ -29,14 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..liveness import SILENT_AFTER  # an instance this long silent is listed only with include_stopped
 from .base import ApplyResult, RequestMsg, Row, Tx, hot, read_only
 from .core import Want as Want
 from .core import _record_replies, _requests
 from .core import ops_json as ops_json
 from .records import alert, event
 from .views import iso
-
-SILENT_AFTER = 60.0  # an instance with no heartbeat for this long is listed only with include_stopped
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..errors import LostOwnership
+from ..liveness import SILENT_AFTER
 from .base import Row, SweepResult, Tx
 from .records import event
 from .transitions import fail_attempt
@@ -25,13 +28,8 @@ def sweep_expired(tx: Tx, me: str, lease: str, term: int, limit: int, rng: rando
     found = tx.all("expired_steps", limit=limit)
     out.examined = len(found)
     for x in sorted(found, key=lambda r: (r["task_id"], r["idx"])):
-        _rescue(tx, x, me, term, rng, out, "still_expired", {}, _expired_why(tx, x))
+        _rescue(tx, x, me, term, rng, out, "still_expired", {}, partial(_expired_why, tx, x))
     return out
-
-
-# An agent instance with no heartbeat for this long is not counted as running its agent (as the
-# listing of agents counts it: store.agents.SILENT_AFTER).
-INSTANCE_SILENT = 60.0
 
 
 def _expired_why(tx: Tx, x: Row) -> str:
@@ -44,7 +42,7 @@ def _expired_why(tx: Tx, x: Row) -> str:
     if req is None or req["state"] != "queued":
         return why
     agent = str(req["agent"])
-    if tx.one("agent_instance_live", agent=agent, silent=INSTANCE_SILENT) is None:
+    if tx.one("agent_instance_live", agent=agent, silent=SILENT_AFTER) is None:
         return (
             f"{why}, its request never taken: no worker runs agent {agent!r} (is that the agent's name,"
             " and is a worker with it running?)"
@@ -78,7 +76,9 @@ def rescue_orphans(
     out.examined = len(found)
     for x in found:
         why = f"attempt {x['attempt']} was taken by worker {worker}, presumed dead: {reason}"
-        _rescue(tx, x, me, term, rng, out, "still_orphaned", {"worker": worker}, why, immediate=True)
+        _rescue(
+            tx, x, me, term, rng, out, "still_orphaned", {"worker": worker}, partial(str, why), immediate=True
+        )
     return out
 
 
@@ -126,7 +126,7 @@ def _rescue(
     out: SweepResult,
     recheck: str,
     params: dict[str, Any],
-    why: str,
+    why_of: Callable[[], str],
     *,
     immediate: bool = False,
 ) -> None:
@@ -147,6 +147,7 @@ def _rescue(
     step = next(s for s in steps if s["idx"] == x["idx"])
     if tx.one(recheck, task_id=x["task_id"], idx=x["idx"], attempt=x["attempt"], **params) is None:
         return
+    why = why_of()  # after the re-check: a candidate skipped here costs no reads for its reason
     tx.put("expire_request", task_id=task["id"], idx=step["idx"], attempt=step["attempt"])
     now = tx.one("now")
     event(
