@@ -217,8 +217,10 @@ def worker(
     if metrics_port is not None:
         try:
             from .metrics import start_worker_metrics
-        except ImportError:
-            raise InputError("--metrics-port needs the extra: pip install 'stepwarden[dashboard]'") from None
+        except ImportError as e:  # the machine lacks a package, not bad input: exit 1, as `dashboard`
+            raise StepwardenError(
+                f"--metrics-port needs the extra: pip install 'stepwarden[dashboard]' (missing {e.name})"
+            ) from None
         shown = bracketed(host)
         try:
             served = start_worker_metrics(w, metrics_port, host)

@@ -567,6 +567,30 @@ def test_a_busy_metrics_port_is_one_line_naming_it_and_creates_no_store(tmp_path
     assert f"127.0.0.1:{port}" in line and "--metrics-port" in line, line
 
 
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("prometheus_client", ("worker", "--app", DEMO_APP, "--metrics-port", "0")),
+        ("uvicorn", ("dashboard", "--port", "0")),
+    ],
+)
+def test_a_missing_extra_is_one_line_exit_1_naming_it_and_creates_no_store(
+    tmp_path: Path, module: str, args: tuple[str, ...]
+) -> None:
+    """Without the ``dashboard`` extra both commands that need it say which install is missing,
+    exit 1 (the machine lacks a package; the command line was right) and create no store."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    message = f"No module named {module!r}"
+    (shadow / f"{module}.py").write_text(f"raise ImportError({message!r}, name={module!r})\n")
+    missing = tmp_path / "never.db"
+    env = clean_env(PYTHONPATH=str(shadow))
+    r = sw("--db", f"sqlite:///{missing}", *args, cwd=tmp_path, env=env)
+    line = assert_one_error_line(r, code=1)
+    assert "pip install 'stepwarden[dashboard]'" in line and f"missing {module}" in line, line
+    assert not missing.exists(), f"a refused command created the store file\n{r}"
+
+
 def test_ctrl_c_during_a_command_exits_130_with_one_line(tmp_path: Path) -> None:
     """An interrupted command says so on one line and exits 130, the shell's code for SIGINT."""
     import signal
