@@ -237,7 +237,12 @@ class AgentHealth:
                 # Asked whatever the mirror says (an instance that pulls nothing for a while has
                 # not read the breaker since): the store knows whether the cool-off is over.
                 may = name not in self.verdicts
-                wants[name] = sa.Want(1, ops=self.ops[name], may_trial=may, trial_if_alone=True)
+                # The trial is a healthy instance's to run; left untaken for one probe interval
+                # (the cool-off), it is this one's.
+                unclaimed = self._rules(name).probe_after
+                wants[name] = sa.Want(
+                    1, ops=self.ops[name], may_trial=may, trial_if_alone=True, trial_unclaimed=unclaimed
+                )
                 continue
             wants[name] = sa.Want(room, ops=self.ops[name], may_trial=trial)
         if not wants:

@@ -292,9 +292,10 @@ def _unhealthy_b_and_an_open_breaker(store: Store, clock: FakeClock) -> None:
     clock.advance(COOL_OFF)
 
 
-def probe(store: Store, me: str) -> sa.PullResult:
-    """An unhealthy instance's probe: one request, the trial only if no healthy instance could."""
-    want = sa.Want(1, OPS, may_trial=True, trial_if_alone=True)
+def probe(store: Store, me: str, unclaimed: float = 0.0) -> sa.PullResult:
+    """An unhealthy instance's probe: one request, the trial only if no healthy instance could
+    (or, with ``unclaimed``, if none took it for that long after it fell due)."""
+    want = sa.Want(1, OPS, may_trial=True, trial_if_alone=True, trial_unclaimed=unclaimed)
     return store.transact_sync(sa.pull, me, {"svc": want}, RULES)
 
 
@@ -321,6 +322,26 @@ def test_an_unhealthy_instance_runs_the_trial_only_when_no_healthy_one_is_left(
     verdict = report(store, B, True, trial=True)  # the service answers B again
     assert verdict.closed and verdict.healthy
     assert breaker(store)["state"] == "closed"
+
+
+def test_an_unhealthy_instance_takes_a_trial_left_untaken_past_its_bound_beside_a_live_healthy_one(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """A live, healthy instance that pulls takes the trial when it falls due; one that leaves it
+    untaken (it cannot run it) for ``trial_unclaimed`` seconds gives it to the unhealthy probe.
+    Measured from when the trial fell due, on the database's clock."""
+    _unhealthy_b_and_an_open_breaker(store, clock)  # the trial falls due now
+    dispatch_requests(store, 2, budget=600.0)
+    beat = {"svc": (4, 4)}
+    assert probe(store, B, unclaimed=5.0).trials == set()
+    clock.advance(4.9)
+    store.transact_sync(sa.beat, A, beat)  # A is live and healthy, and takes nothing
+    assert probe(store, B, unclaimed=5.0).trials == set() and breaker(store)["state"] == "open"
+    clock.advance(0.2)
+    store.transact_sync(sa.beat, A, beat)
+    got = probe(store, B, unclaimed=5.0)
+    assert got.trials == {"svc"} and len(got.requests) == 1 and breaker(store)["trial_by"] == B
+    assert probe(store, A).trials == set(), "the trial is B's now: A's pull does not take it too"
 
 
 def test_a_trial_whose_holder_renews_its_claim_is_not_taken_by_another(

@@ -493,6 +493,42 @@ def test_an_unhealthy_instance_left_alone_probes_with_the_trial_and_closes_the_b
     assert "breaker_closed" in kinds(store) and "instance_healthy" in kinds(store)
 
 
+def test_an_unhealthy_instance_takes_the_trial_a_live_healthy_one_leaves_untaken_for_a_cool_off(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """The other instance stays live and healthy (it beats) but never takes the trial: its slots
+    held by calls that never end, say, or its version lacking the operation. The trial was the
+    healthy instance's alone, so the breaker stayed open for as long as that lasted. Now, once
+    the trial has been due for a cool-off with nobody taking it, this instance's probe takes it."""
+    other = "agent-2:2:def"
+    agent, calls = down_once()
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock, settings=AgentSettings(unhealthy_after=1))
+        store.transact_sync(sa.register, other, [sa.InstanceSpec("svc", 4, 1, 10.0)])
+        rules = sa.HealthRules(unhealthy_after=1, probe_after=10.0)
+        store.transact_sync(sa.report, other, sa.Report("svc", True), 1, 10.0, rules)
+        dispatch_requests(store, tries=1, budget=600.0)
+        assert await role.pull() == 1
+        await finish(role)
+        assert not role.health.healthy("svc")
+        opened = store.transact_sync(sa.report, other, sa.Report("svc", False, "down"), 1, 10.0, rules)
+        assert opened.opened
+        dispatch_requests(store, n=2, tries=1, budget=600.0)
+        taken = []
+        for _ in range(4):  # the trial falls due at 10 s; the healthy instance leaves it untaken
+            clock.advance(5.0)
+            store.transact_sync(sa.beat, other, {"svc": (4, 4)})  # live, its slots all held
+            taken.append(await role.pull())
+        assert taken == [0, 0, 0, 1], "the probe takes the trial a cool-off after it fell due"
+        await finish(role)
+        assert len(calls) == 2
+        assert role.breakers["svc"].state == "closed" and role.health.healthy("svc")
+
+    run(body())
+    assert "breaker_closed" in kinds(store)
+
+
 @pytest.mark.parametrize("cool_off", [10.0, 100.0])
 def test_a_trial_call_slower_than_trial_ttl_keeps_its_claim_and_closes_the_breaker(
     store: Store, clock: FakeClock, dispatch_requests: Dispatch, cool_off: float

@@ -155,8 +155,14 @@ def pull(
             continue
         if not want.may_trial or b.retry_in is None or b.retry_in > 0:
             continue
-        alone = not want.trial_if_alone or not tx.one(
-            "agent_healthy_others", agent=agent, me=me, stale=rules.stale_after
+        # A healthy instance that pulls takes a trial the moment it is due; one left untaken for
+        # trial_unclaimed is one the healthy instances cannot run, and waiting on them would
+        # keep the breaker open for as long as that lasts.
+        unclaimed = want.trial_unclaimed > 0 and -b.retry_in >= want.trial_unclaimed
+        alone = (
+            not want.trial_if_alone
+            or unclaimed
+            or not tx.one("agent_healthy_others", agent=agent, me=me, stale=rules.stale_after)
         )
         if not alone:
             continue  # a healthy instance runs the trial: the service is not to blame for our path

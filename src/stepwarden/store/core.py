@@ -355,12 +355,16 @@ class Want:
     :func:`ops_json`); a request for another one is left queued for an instance that has it (a
     worker of another version, in a rolling deploy). ``may_trial`` (pulls only): this instance
     may run the half-open trial if the breaker's cool-off is over; ``trial_if_alone`` (an
-    unhealthy instance's probe): only if no other live, healthy instance of the agent could."""
+    unhealthy instance's probe): only if no other live, healthy instance of the agent could, or
+    if the trial has been due for ``trial_unclaimed`` seconds and none took it (a live, healthy
+    instance may be unable to: its slots held by calls that never end, or its version lacking
+    the operation of every queued request)."""
 
     room: int
     ops: str
     may_trial: bool = False
     trial_if_alone: bool = False
+    trial_unclaimed: float = 0.0
 
 
 def ops_json(operations: Iterable[str]) -> str:
