@@ -327,21 +327,47 @@ def test_an_unhealthy_instance_runs_the_trial_only_when_no_healthy_one_is_left(
 def test_an_unhealthy_instance_takes_a_trial_left_untaken_past_its_bound_beside_a_live_healthy_one(
     store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:
-    """A live, healthy instance that pulls takes the trial when it falls due; one that leaves it
-    untaken (it cannot run it) for ``trial_unclaimed`` seconds gives it to the unhealthy probe.
-    Measured from when the trial fell due, on the database's clock."""
+    """A live, healthy instance that pulls takes the trial when it falls due; one that cannot run
+    it (its slots all held, or a version without the operation, which takes the trial and gives
+    it back at once for want of a request) for ``trial_unclaimed`` seconds leaves it to the
+    unhealthy probe. Measured from when the trial first fell due, on the database's clock."""
     _unhealthy_b_and_an_open_breaker(store, clock)  # the trial falls due now
     dispatch_requests(store, 2, budget=600.0)
     beat = {"svc": (4, 4)}
+    lacking = {"svc": sa.Want(4, sa.ops_json(["another_op"]), may_trial=True)}
+
+    def a_cannot_run_it() -> None:
+        store.transact_sync(sa.beat, A, beat)  # A is live and healthy
+        got = store.transact_sync(sa.pull, A, lacking, RULES)
+        assert got.trials == set() and got.requests == []  # taken and given back, or left
+
+    a_cannot_run_it()
     assert probe(store, B, unclaimed=5.0).trials == set()
-    clock.advance(4.9)
-    store.transact_sync(sa.beat, A, beat)  # A is live and healthy, and takes nothing
+    for _ in range(7):
+        clock.advance(0.7)
+        a_cannot_run_it()
     assert probe(store, B, unclaimed=5.0).trials == set() and breaker(store)["state"] == "open"
     clock.advance(0.2)
-    store.transact_sync(sa.beat, A, beat)
+    a_cannot_run_it()
     got = probe(store, B, unclaimed=5.0)
     assert got.trials == {"svc"} and len(got.requests) == 1 and breaker(store)["trial_by"] == B
     assert probe(store, A).trials == set(), "the trial is B's now: A's pull does not take it too"
+
+
+def test_a_trial_a_healthy_instance_ran_and_failed_starts_the_count_again(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """The bound counts from when the trial fell due after the breaker last (re)opened: a healthy
+    instance that runs its trials (and they fail) keeps them, however long the breaker is open."""
+    _unhealthy_b_and_an_open_breaker(store, clock)
+    dispatch_requests(store, 3, budget=600.0)
+    for _ in range(3):
+        got = pull(store, A)
+        assert got.trials == {"svc"}
+        clock.advance(1.0)
+        report(store, A, False, trial=True)  # the trial failed: another cool-off
+        clock.advance(COOL_OFF)
+        assert probe(store, B, unclaimed=5.0).trials == set()
 
 
 def test_a_trial_whose_holder_renews_its_claim_is_not_taken_by_another(

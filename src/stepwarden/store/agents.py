@@ -41,7 +41,9 @@ from .views import iso
 @dataclass(frozen=True)
 class BreakerView:
     """One agent's shared breaker as read in a transaction; ``retry_in`` is seconds on the database
-    clock until a trial may be claimed (None when closed)."""
+    clock until a trial may be claimed (None when closed); ``due_for``, seconds since the trial
+    first fell due, a cool-off after the breaker (re)opened, however often it was claimed and
+    given back since (None when closed)."""
 
     agent: str
     state: str
@@ -49,9 +51,11 @@ class BreakerView:
     retry_in: float | None
     opened_by: str | None = None
     trial_by: str | None = None
+    due_for: float | None = None
 
     @classmethod
     def of(cls, r: Row) -> BreakerView:
+        closed = r["state"] == "closed" or r["due_for"] is None
         return cls(
             agent=str(r["agent"]),
             state=str(r["state"]),
@@ -59,6 +63,7 @@ class BreakerView:
             retry_in=None if r["retry_in"] is None else float(r["retry_in"]),
             opened_by=r["opened_by"],
             trial_by=r["trial_by"],
+            due_for=None if closed else float(r["due_for"]),
         )
 
 
@@ -155,10 +160,13 @@ def pull(
             continue
         if not want.may_trial or b.retry_in is None or b.retry_in > 0:
             continue
-        # A healthy instance that pulls takes a trial the moment it is due; one left untaken for
-        # trial_unclaimed is one the healthy instances cannot run, and waiting on them would
-        # keep the breaker open for as long as that lasts.
-        unclaimed = want.trial_unclaimed > 0 and -b.retry_in >= want.trial_unclaimed
+        # A healthy instance that pulls takes a trial the moment it is due; one still not run
+        # trial_unclaimed after it fell due (untaken, or taken and given back for want of a
+        # request of the taker's operations) is one the healthy instances cannot run, and
+        # waiting on them would keep the breaker open for as long as that lasts. A trial that
+        # was run and failed reopened the breaker, which starts the count again.
+        due_for = b.due_for if b.due_for is not None else -b.retry_in
+        unclaimed = want.trial_unclaimed > 0 and due_for >= want.trial_unclaimed
         alone = (
             not want.trial_if_alone
             or unclaimed

@@ -23,7 +23,7 @@ UPDATE agent_instances SET stopped_at = {now}, inflight = 0 WHERE worker = :work
 
 -- name: agent_breakers_all
 SELECT agent, state, failures, threshold, cool_off, opened_at, opened_by, retry_at, trial_by, reason,
-       opens, changed_at, retry_at - {now} AS retry_in
+       opens, changed_at, retry_at - {now} AS retry_in, {now} - opened_at - cool_off AS due_for
 FROM agent_breakers ORDER BY agent;
 
 -- name: agent_breaker_trial
