@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from stepwarden.clock import FakeClock
+from stepwarden.liveness import SILENT_AFTER
 from stepwarden.store import Store
 from stepwarden.store import agents as sa
 
@@ -250,9 +251,9 @@ def test_heartbeat_records_capacity_and_load(store: Store) -> None:
 
 def test_an_instance_killed_without_a_word_leaves_the_listing(store: Store, clock: FakeClock) -> None:
     register(store, A, B)
-    clock.advance(sa.SILENT_AFTER / 2)
+    clock.advance(SILENT_AFTER / 2)
     store.transact_sync(sa.beat, B, {"svc": (4, 0)})
-    clock.advance(sa.SILENT_AFTER / 2 + 1)  # A never beat again (SIGKILL)
+    clock.advance(SILENT_AFTER / 2 + 1)  # A never beat again (SIGKILL)
     assert [i["worker"] for i in store.transact_sync(sa.list_agents)["instances"]] == [B]
     assert len(store.transact_sync(sa.list_agents, True)["instances"]) == 2
 

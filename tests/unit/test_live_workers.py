@@ -33,8 +33,8 @@ def test_a_worker_killed_without_a_word_leaves_the_metrics_but_stays_listed_as_s
     it, marked silent."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from stepwarden.liveness import SILENT_AFTER
     from stepwarden.metrics import StoreMetrics
-    from stepwarden.store.agents import SILENT_AFTER
 
     killed, live = "killed:1:aaaaaa", "live:2:bbbbbb"
     asyncio.run(store.worker_beat(killed, ["agent"], ["svc"], breakers={"svc": "open"}))
@@ -73,7 +73,7 @@ def test_the_cli_table_and_the_dashboard_mark_a_silent_worker(
     from stepwarden.cli_render import workers_table
     from stepwarden.cli_views import _show
     from stepwarden.dashboard.web import create_app
-    from stepwarden.store.agents import SILENT_AFTER
+    from stepwarden.liveness import SILENT_AFTER
 
     with warnings.catch_warnings():  # starlette's note about httpx, as in the dashboard tests
         warnings.simplefilter("ignore")
