@@ -42,6 +42,7 @@ from .cli_views import COMMANDS
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
 from .logs import safe_text
+from .store.base import redact_url
 from .supervisor import SupervisorSettings
 from .worker import ROLES, Worker, WorkerSettings, parse_list
 from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
@@ -131,7 +132,7 @@ for _command in COMMANDS:
 def init(ctx: click.Context) -> None:
     """Create or upgrade the schema (idempotent)."""
     store = open_for(ctx, create=True)
-    echo(f"store ready: {store.url}")
+    echo(f"store ready: {redact_url(store.url)}")
 
 
 @cli.command()

@@ -221,7 +221,7 @@ class Worker:
             self.identity,
             ",".join(s.roles),
             ",".join(self.agents) or "-",
-            store.url,
+            redact_url(store.url),
         )
         jobs: list[asyncio.Task[None]] = []
         m = self.metrics

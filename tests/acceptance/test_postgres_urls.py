@@ -9,7 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from .helpers import assert_one_error_line, sw
+from .helpers import SW, Procs, assert_one_error_line, sw, wait_until
 
 
 def _with(url: str, *, path: str | None = None, user: str | None = None, query: str = "") -> str:
@@ -63,3 +63,37 @@ def test_a_server_that_never_suits_is_waited_for_then_named_with_its_reason(
     line = assert_one_error_line(r, 1)
     assert "session is not read-only" in line and "still failing after 10 s" in line, line
     assert "pool initialization" not in line
+
+
+def _with_password(url: str, password: str) -> tuple[str, str]:
+    """``url`` with a password in its user part (the server's own, if the URL has one: a test
+    server that trusts local connections ignores one it did not ask for)."""
+    parts = urlsplit(url)
+    if parts.password:
+        return url, parts.password
+    user = parts.username or "postgres"
+    netloc = f"{user}:{password}@{parts.netloc.split('@', 1)[-1]}"
+    return urlunsplit(parts._replace(netloc=netloc)), password
+
+
+@pytest.mark.parametrize("where", ["user part", "query"])
+def test_init_and_a_worker_never_show_the_password(
+    pg_url: str, tmp_path: Path, procs: Procs, where: str
+) -> None:
+    """`init` printed the store's URL as given, and a worker's start line logged it: a password
+    in it went to the terminal and to every log collector. Both mask it, as error lines did."""
+    if where == "user part":
+        url, secret = _with_password(pg_url, "sw-secret-9f3e")
+    else:  # the server's own password, if its URL has one, moved to the query
+        parts = urlsplit(pg_url)
+        secret = parts.password or "sw-secret-9f3e"
+        user = parts.username or "postgres"
+        url = _with(pg_url, user=user, query=f"password={secret}")
+    r = sw("--db", url, "init", cwd=tmp_path)
+    assert r.returncode == 0, str(r)
+    assert "store ready: postgresql://" in r.stdout and "***" in r.stdout, str(r)
+    assert secret not in r.stdout + r.stderr, str(r)
+    w = procs.start([str(SW), "--db", url, "worker", "--roles", "scheduler"], "worker")
+    wait_until(lambda: "starting: roles=scheduler" in procs.log_of(w) or None, 30, "the start line")
+    log = procs.log_of(w)
+    assert "store=postgresql://" in log and secret not in log, log

@@ -133,3 +133,27 @@ def test_urls_without_a_host_part_keep_their_form(url: str) -> None:
     if "#" not in url:
         with_ours = url + ("&" if "?" in url else "?") + "listen=off"
         assert parse_url(with_ours) == (url, {"listen": "off"})
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://app:s3cret@db:5432/shop", "postgresql://app:***@db:5432/shop"),
+        ("postgresql://:s3cret@db/shop", "postgresql://:***@db/shop"),
+        (
+            "postgresql://app@db/shop?password=s3cret&sslmode=require",
+            "postgresql://app@db/shop?password=***&sslmode=require",
+        ),
+        (
+            "postgresql://app@db/shop?sslmode=require&password=s3cret",
+            "postgresql://app@db/shop?sslmode=require&password=***",
+        ),
+        ("host=db password=s3cret dbname=shop", "host=db password=*** dbname=shop"),
+        ("postgresql://app@db/shop", "postgresql://app@db/shop"),
+        ("sqlite:///var/lib/shop.db", "sqlite:///var/lib/shop.db"),
+    ],
+)
+def test_a_url_shown_anywhere_masks_its_password(url: str, shown: str) -> None:
+    from stepwarden.store.base import redact_url
+
+    assert redact_url(url) == shown

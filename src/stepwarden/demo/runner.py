@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..store import FINAL_TASK_STATES, Store, open_store, views
+from ..store.base import redact_url
 from ..store.core import _register
 from ..supervisor import SupervisorSettings
 from .ledger import OrderOutcome, check_ledger, fetch_ledger
@@ -241,7 +242,8 @@ def _run(
         )
     if not o.as_json:
         out.print(
-            f"[bold]stepwarden demo[/]: {o.orders} orders, {o.workers} workers, store {store.url}",
+            f"[bold]stepwarden demo[/]: {o.orders} orders, {o.workers} workers,"
+            f" store {redact_url(store.url)}",
             soft_wrap=True,
         )
         out.print(
@@ -397,7 +399,7 @@ def _summarise(
         "throughput_per_s": round(o.orders / elapsed, 2) if elapsed > 0 else None,
         "ledger_ok": report.ok,
         "ledger_problems": report.problems,
-        "store": store.url,
+        "store": redact_url(store.url),
         "workdir": workdir,
     }
     ok = stuck == 0 and lost == 0 and report.ok and len(tasks) == o.orders
@@ -446,6 +448,6 @@ def _summarise(
         out.print(f"[red]ledger check FAILED[/]: {'; '.join(wrong) or 'see below'}", soft_wrap=True)
     for p in report.problems:
         out.print(f"  [red]{p}[/]", soft_wrap=True)
-    out.print(f"inspect: stepwarden --db {store.url} tasks", soft_wrap=True)
+    out.print(f"inspect: stepwarden --db {redact_url(store.url)} tasks", soft_wrap=True)
     out.print(f"kept for inspection (delete it when done): {workdir}", soft_wrap=True)
     return ok

@@ -43,8 +43,10 @@ def shorten(text: str, limit: int = 120) -> str:
 
 
 def redact_url(url: str) -> str:
-    """A store URL fit for an error line or a log: a password in it is masked."""
-    return re.sub(r"://([^:@/]+):[^@/]*@", r"://\1:***@", url)
+    """A store URL fit for an error line, a log or a terminal: a password in it is masked, in the
+    user part (``user:secret@``) and as a libpq parameter (``?password=secret``)."""
+    url = re.sub(r"://([^:@/]*):[^@/]*@", r"://\1:***@", url)
+    return re.sub(r"((?:^|[?&\s])password=)[^&#\s]*", r"\1***", url, flags=re.IGNORECASE)
 
 
 # The hot path's writes a transaction defers, by query, with the parameters that name the row
