@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from .helpers import (
+    DEMO_APP,
     FINAL,
     LEASE_KEYS,
     STEP_KEYS,
@@ -32,6 +33,7 @@ from .helpers import (
     clean_env,
     make_db,
     order,
+    register_demo_workflows,
     sw,
     wait_until,
 )
@@ -399,6 +401,57 @@ def test_a_read_only_postgres_role_can_run_the_read_commands(make_pg_db: Any, tm
     finally:
         with psycopg.connect(url, autocommit=True) as admin:
             admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")
+
+
+def test_a_postgres_role_without_create_rights_runs_workers_and_submits_on_a_migrated_schema(
+    make_pg_db: Any, tmp_path: Path, procs: Procs
+) -> None:
+    """Least privilege: the owner migrates with `init`; the workers' and the applications' role may
+    read and write the tables and nothing more. Opening the store ran `CREATE TABLE IF NOT EXISTS
+    schema_migrations` before it knew nothing was pending, and PostgreSQL checks the right to create
+    even for a table that exists: such a role could not start a worker or submit at all. On a
+    schema that does need migrating it is refused with one line naming `init`, and nothing changes."""
+    import uuid
+
+    import psycopg
+
+    url = make_pg_db()
+    empty = make_pg_db(empty=True)
+    role = f"sw_dml_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+    for u in (url, empty):
+        with psycopg.connect(u, autocommit=True) as admin:
+            admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+            admin.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
+            admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+            admin.execute(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}")
+
+    def as_role(u: str) -> str:
+        parts = urlsplit(u)
+        return urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
+
+    try:
+        register_demo_workflows(url)
+        db = Db(tmp_path / "unused.db", tmp_path, as_role(url))
+        tid = db.submit(order("dml-1"), "--correlation-id", "dml-1")
+        procs.worker(
+            db, procs.services("--transient-rate", "0", "--hang-rate", "0", "--permanent-rate", "0"), "w"
+        )
+        assert db.wait_state(tid, FINAL)["state"] == "processed"
+        fresh = Db(tmp_path / "unused.db", tmp_path, as_role(empty))
+        before = Db(tmp_path / "unused.db", tmp_path, empty).snapshot(require_schema=False)
+        r = fresh.sw("worker", "--app", DEMO_APP)
+        line = assert_one_error_line(r, code=1)
+        assert "stepwarden init" in line and "nothing was changed" in line, line
+        assert Db(tmp_path / "unused.db", tmp_path, empty).snapshot(require_schema=False) == before
+    finally:
+        procs.stop_all()
+        for u in (url, empty):
+            with psycopg.connect(u, autocommit=True) as admin:
+                admin.execute(f"DROP OWNED BY {role}")
+        with psycopg.connect(url, autocommit=True) as admin:
             admin.execute(f"DROP ROLE {role}")
 
 

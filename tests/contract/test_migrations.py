@@ -463,3 +463,31 @@ def test_a_store_in_a_later_schema_of_the_search_path_is_still_read_as_the_store
         store.close()
     finally:
         raw(pg_url, "DROP SCHEMA IF EXISTS " + raw(pg_url, "SELECT current_user")[0][0] + " CASCADE")
+
+
+# Indexes that a migration redefined although a released query names them in INDEXED BY, and the
+# migration that did: a worker from before it stops claiming ("no query solution") once a newer
+# process migrates its SQLite store (deploying.md says so). No other may be added.
+REDEFINED_INDEXED_BY = {("tasks_claimable", 6)}
+
+
+def test_no_sqlite_migration_redefines_an_index_a_query_names_in_indexed_by() -> None:
+    """A query that says ``INDEXED BY name`` fails outright when the index ``name`` exists but no
+    longer fits it (another predicate, other columns): SQLite does not fall back to a scan. A
+    worker of the previous version still runs the previous queries against the migrated schema,
+    so an index named that way must keep its definition; a changed one gets a new name."""
+    from stepwarden.store.sql import load_migrations, load_queries
+
+    named = set()
+    for text in load_queries("sqlite", "0").values():
+        named |= set(re.findall(r"INDEXED\s+BY\s+(\w+)", text, flags=re.IGNORECASE))
+    assert named, "no INDEXED BY found: has the query loader changed?"
+    redefined = set()
+    for version, _name, script in load_migrations("sqlite"):
+        for index in re.findall(r"DROP\s+INDEX\s+(?:IF\s+EXISTS\s+)?(\w+)", script, flags=re.IGNORECASE):
+            if index in named or (index, version) in REDEFINED_INDEXED_BY:
+                redefined.add((index, version))
+    assert redefined == REDEFINED_INDEXED_BY, (
+        "a migration drops an index that a query names in INDEXED BY: give the new definition a new"
+        f" name and leave the old one to a major version ({sorted(redefined - REDEFINED_INDEXED_BY)})"
+    )

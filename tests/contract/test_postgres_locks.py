@@ -170,6 +170,49 @@ def test_a_migration_waits_for_another_sessions_migration_and_says_who_holds_it(
         store.close()
 
 
+def test_a_short_wait_for_another_sessions_migration_is_not_reported(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Processes starting together wait for each other's migration, well under a second; each used
+    to log a WARNING at its first failed try (and, when the holder had just committed, one naming
+    "a session this role cannot see"). The first report comes after a second of waiting."""
+    store = open_store(pg_url)
+    assert isinstance(store, PostgresStore)
+    holder = _hold_migration_lock(pg_url)
+    done: list[int | BaseException] = []
+
+    def migrate() -> None:
+        try:
+            done.append(store.migrate())
+        except BaseException as e:
+            done.append(e)
+
+    def tried() -> bool:  # the waiter's session has run its try for the lock (or the look-up after)
+        row = holder.execute(
+            "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND query LIKE %s",
+            ("%advisory%",),
+        ).fetchone()
+        return bool(row and row[0])
+
+    th = threading.Thread(target=migrate)
+    try:
+        with caplog.at_level(logging.WARNING, logger="stepwarden.postgres"):
+            th.start()
+            deadline = time.monotonic() + 10
+            while not tried() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert tried(), "the migration never tried for the lock"
+            holder.rollback()
+            th.join(timeout=10)
+        assert done == [0]
+        assert "waiting for another session" not in caplog.text, caplog.text
+    finally:
+        holder.close()
+        th.join(timeout=10)
+        store.close()
+
+
 def test_a_migration_lock_held_too_long_fails_naming_the_holder_and_leaves_no_waiter(pg_url: str) -> None:
     store = open_store(pg_url)
     assert isinstance(store, PostgresStore)

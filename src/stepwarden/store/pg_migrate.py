@@ -9,7 +9,6 @@ than for rows, and its retry is the whole migration, which commits whole or not 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +32,7 @@ MIGRATION_LOCK = 7413000001
 MIGRATION_LOCK_WAIT = 120.0
 MIGRATION_LOCK_POLL = 0.25
 MIGRATION_LOCK_REPORT = 10.0
+MIGRATION_LOCK_FIRST_REPORT = 1.0
 
 
 def migrate(store: PostgresStore, target: int | None = None, lock_wait: float | None = None) -> int:
@@ -66,8 +66,11 @@ def _migrate_once(store: PostgresStore, target: int | None, lock_wait: float) ->
     """Take the migration lock without queueing behind it (``pg_try_advisory_xact_lock``, in
     a fresh transaction each try): a plain lock wait would end at ``lock_timeout`` with an
     error that reads like a failure, and would hold a transaction open meanwhile."""
-    deadline = time.monotonic() + lock_wait
-    said = -math.inf
+    # The first report after a second of waiting, then every MIGRATION_LOCK_REPORT: processes
+    # starting together wait for each other's migration, well under a second, and said so each.
+    start = time.monotonic()
+    said = start - MIGRATION_LOCK_REPORT + MIGRATION_LOCK_FIRST_REPORT
+    deadline = start + lock_wait
     while True:
         with store.pool.connection() as conn, conn.transaction():
             store._begin(conn, clock=False)
@@ -91,19 +94,33 @@ def _migrate_once(store: PostgresStore, target: int | None, lock_wait: float) ->
 
 
 def _apply_migrations(conn: Any, target: int | None) -> int:
+    """Nothing pending, nothing run: a role with no right to create in the schema (a worker's or
+    an application's, the schema migrated by its owner with ``init``) opens an up-to-date store.
+    PostgreSQL checks the schema's CREATE right even for ``CREATE TABLE IF NOT EXISTS`` of a
+    table that exists, so that statement runs only when something is to be applied."""
     version = schema_version("postgres", lambda q: [tuple(r.values()) for r in conn.execute(q).fetchall()])
-    conn.execute(
-        "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
-        " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
-    )
     todo = pending_migrations("postgres", version, target)
-    for version, name, statements in todo:
-        for stmt in statements:
-            conn.execute(stmt)
+    if not todo:
+        return 0
+    try:
         conn.execute(
-            "INSERT INTO schema_migrations VALUES (%s, %s, extract(epoch from now()))",
-            (version, name),
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+            " name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
         )
+        for version, name, statements in todo:
+            for stmt in statements:
+                conn.execute(stmt)
+            conn.execute(
+                "INSERT INTO schema_migrations VALUES (%s, %s, extract(epoch from now()))",
+                (version, name),
+            )
+    except psycopg.errors.InsufficientPrivilege as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MigrationError(
+            f"the schema needs {len(todo)} migration(s) and this role may not apply them ({first}):"
+            " run `stepwarden init` with a role that owns the schema, then start this again;"
+            " nothing was changed"
+        ) from None
     return len(todo)
 
 
