@@ -244,13 +244,16 @@ def watch(
     end = None if timeout is None else time.monotonic() + timeout
     after = 0
     while True:  # look at least once, however short the timeout
+        # The state before the events: a task's final state commits with its last events, so the
+        # events read after a final state include them. In the other order, a task that became
+        # final between the two reads ended the watch without its last events.
+        state = store.transact_sync(views.task_state, tid)
         for e in store.transact_sync(views.events_after, tid, after):
             after = e["id"]
             detail = json.loads(e["detail"]) if e["detail"] else {}
             shown = " ".join(f"{k}={detail_value(k, v)}" for k, v in detail.items())
             line = f"{views.iso(e['at'])} {e['kind']:<16} {shown}"
             echo(safe_text(line))  # a reason or error from a service may hold ESC sequences
-        state = store.transact_sync(views.task_state, tid)
         if state is None:
             raise NotFound(f"no task {tid}")
         if state in FINAL_TASK_STATES:
