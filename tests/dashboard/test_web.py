@@ -298,6 +298,23 @@ def test_bearer_token_acts_without_a_session(scene: Scene, client: TestClient) -
     assert r.status_code == 404 and r.text.count("\n") == 1 and "999999" in r.text, r.text
 
 
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("/tasks/9999999999999999999/cancel", "no task 9999999999999999999"),
+        ("/tasks/9999999999999999999/retry", "no task 9999999999999999999"),
+        ("/alerts/9999999999999999999/ack", "no alert 9999999999999999999"),
+    ],
+)
+def test_an_action_on_an_id_beyond_the_store_names_that_id(
+    scene: Scene, client: TestClient, path: str, says: str
+) -> None:
+    """It said `no task 0`: the id the path gave was out of the store's range and became 0."""
+    r = client.post(path, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 404 and r.text == says + "\n", r.text
+    assert client.post(path).status_code in (401, 403), "a refusal comes before the look-up"
+
+
 def test_a_signed_in_browser_behind_a_proxy_that_adds_its_own_bearer_header_can_act(
     scene: Scene, client: TestClient
 ) -> None:

@@ -428,6 +428,7 @@ class Dashboard:
         task_id = _path_id(request, "task_id")
 
         async def run(actor: str, form: FormData) -> str:
+            _in_range(request, "task_id", "task")
             step = str(form.get("step") or "").strip() or None
             state = await self.store.transact(tr.retry_task, task_id, step, actor)
             return tr.describe_retry(task_id, state, step)
@@ -438,6 +439,7 @@ class Dashboard:
         task_id = _path_id(request, "task_id")
 
         async def run(actor: str, form: FormData) -> str:
+            _in_range(request, "task_id", "task")
             state = await self.store.transact(tr.cancel_task, task_id, actor)
             return f"task {task_id}: cancel requested (now {state})"
 
@@ -447,6 +449,7 @@ class Dashboard:
         alert_id = _path_id(request, "alert_id")
 
         async def run(actor: str, form: FormData) -> str:
+            _in_range(request, "alert_id", "alert")
             changed = await self.store.transact(data.ack_alert, alert_id, actor)
             return (
                 f"alert {alert_id} acknowledged" if changed else f"alert {alert_id} was already acknowledged"
@@ -499,6 +502,13 @@ def _path_id(request: Request, key: str) -> int:
     """A row id from the path; ids beyond what the store can hold become 0, which no row has."""
     value = int(request.path_params[key])
     return value if 0 < value < data.MAX_ID else 0
+
+
+def _in_range(request: Request, key: str, what: str) -> None:
+    """An action on an id beyond what the store can hold (the path's 0) names the id it was given:
+    it said ``no task 0``. Checked inside the action, after its token: a refusal comes first."""
+    if _path_id(request, key) == 0:
+        raise NotFound(f"no {what} {request.path_params[key]}")
 
 
 class _ActionCounts(Collector):
