@@ -846,16 +846,20 @@ class StoreMachine(RuleBasedStateMachine):
             return
         assert task is not None
         now_state = self.store.transact_sync(t.cancel_task, task_id, OPERATOR)
-        task.cancel_requested = True
         if self._reopen_undos(task):
-            pass  # it ended in error while being undone: the undo resumes, with a fresh budget
+            # It ended in error while being undone: the undo resumes, with a fresh budget, as a
+            # retry resumes it; one a step's failure began still ends compensated, which says why.
+            pass
         elif task.state == "error" or (task.state == "pending" and task.locked_by is None):
+            task.cancel_requested = True
             for s in task.steps:
                 if not s.started and s.state == "pending":
                     s.state = "skipped"
             task.state = "compensating"
             task.locked_by = None
             task.run_at = 0.0
+        else:
+            task.cancel_requested = True  # a step is running: the undo begins when its reply is applied
         assert now_state == task.state
 
     def _retry(self, task_id: int, step: str | None) -> None:

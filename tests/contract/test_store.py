@@ -800,13 +800,16 @@ def test_retry_of_a_task_whose_undo_failed_resumes_the_undo_not_the_steps(
     assert states(store, fresh) == ("error", ["completed", "failed", "compensated"])
 
 
+@pytest.mark.parametrize("cancel", [False, True], ids=["undo-after-a-failure", "undo-of-a-cancel"])
 def test_cancel_of_a_task_whose_undo_failed_gives_the_undo_its_full_budget(
-    store: Store, clock: FakeClock, make_workflow: Factory
+    store: Store, clock: FakeClock, make_workflow: Factory, cancel: bool
 ) -> None:
     """Cancelling it resumed the undo with its failures still counted: of the policy's 3, the
     first refusal had used one, so the second transient failure ended the task in error again,
-    with a second compensation_failed alert."""
-    task_id = _undo_of_b_fails_for_good(store, make_workflow, cancel=False)
+    with a second compensation_failed alert. It resumes the undo as a retry does, so an undo that
+    c's failure began ends compensated, which says why (it ended cancelled); one a cancel began
+    ends cancelled."""
+    task_id = _undo_of_b_fails_for_good(store, make_workflow, cancel=cancel)
     assert store.transact_sync(t.cancel_task, task_id, "operator") == "compensating"
     for _ in range(2):
         assert claim(store) == 1
@@ -818,7 +821,8 @@ def test_cancel_of_a_task_whose_undo_failed_gives_the_undo_its_full_budget(
     assert claim(store) == 1
     complete(store, task_id, "b")
     complete(store, task_id, "a")
-    assert states(store, task_id) == ("cancelled", ["compensated", "compensated", "compensated"])
+    final = "cancelled" if cancel else "compensated"
+    assert states(store, task_id) == (final, ["compensated", "compensated", "compensated"])
 
 
 # -- cancel and retry -----------------------------------------------------------------------------------

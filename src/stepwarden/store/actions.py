@@ -110,9 +110,13 @@ def cancel_task(tx: Tx, task_id: int, actor: str) -> str:
         )
     if task["cancel_requested"] and task["state"] != "error":
         return str(task["state"])  # asked already, and on its way: nothing new to write
-    tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
+    undoing = task["state"] == "error" and failed_undos(tx.all("steps_of_task", task_id=task_id))
+    if not (undoing and not task["cancel_requested"]):
+        # Not for an undo that a step's failure began: the cancel resumes it as a retry does, and
+        # it ends compensated, which says why (marked cancelled, it ended `cancelled`).
+        tx.sql("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?", (_now(tx), task_id))
     event(tx, "cancel_requested", task_id, actor)
-    if task["state"] == "error" and failed_undos(tx.all("steps_of_task", task_id=task_id)):
+    if undoing:
         # Ended while being undone: the undo resumes, with a fresh budget of attempts (one more
         # failure used to end it in error again at once).
         _reopen_undos(tx, task_id)
