@@ -45,14 +45,26 @@ DEFAULT_BUSY_TIMEOUT = 30.0  # seconds a writer waits for the write lock (``?bus
 INLINE_SPIN = 0.002
 
 
+# A wait for the write lock longer than this is not our processes taking turns (each holds it
+# for a millisecond or so) but a long holder: a backup, a `sqlite3` shell, a migration. From
+# then on the tries grow apart to LOCK_POLL_SLOW, so that waiting costs next to no CPU: at 2 ms
+# apart, every waiting transaction of every worker tried ~500 times a second (16 % of a core
+# for one idle worker while a shell held the lock).
+LOCK_WAIT_LONG = 0.1
+LOCK_POLL_SLOW = 0.05
+
+
 def _lock_retry_delays() -> Iterator[float]:
-    """Seconds between tries for the write lock: 0.1 ms growing to 2 ms. SQLite's own busy
-    handler sleeps 1, 2, 5, 10, 15, 20, 25... ms, so under contention a writer idled for
-    milliseconds after the lock was freed (see :meth:`SQLiteStore.begin`)."""
+    """Seconds between tries for the write lock: 0.1 ms growing to 2 ms, and past
+    :data:`LOCK_WAIT_LONG` of waiting on to :data:`LOCK_POLL_SLOW`. SQLite's own busy handler
+    sleeps 1, 2, 5, 10, 15, 20, 25... ms, so under contention a writer idled for milliseconds
+    after the lock was freed (see :meth:`SQLiteStore.begin`)."""
     delay = 0.0001
+    long_after = time.monotonic() + LOCK_WAIT_LONG
     while True:
         yield delay
-        delay = min(delay * 1.5, 0.002)
+        cap = 0.002 if time.monotonic() < long_after else LOCK_POLL_SLOW
+        delay = min(delay * 1.5, cap)
 
 
 def _busy(e: sqlite3.OperationalError) -> bool:
@@ -319,7 +331,8 @@ class SQLiteStore(Store):
         statements and the commit run back to back, with no ``await`` between ``BEGIN`` and
         ``COMMIT``: the loop is blocked for the transaction (a batch: about a millisecond, the
         commit's fsync included) and for at most ``INLINE_SPIN`` of waiting for the lock before
-        it; a longer wait polls the lock every millisecond between the loop's other work, up to
+        it; a longer wait polls the lock between the loop's other work (every millisecond, and
+        past ``LOCK_WAIT_LONG`` of waiting slower, up to ``LOCK_POLL_SLOW`` apart), up to
         ``busy_timeout`` (or the bound a stopping worker sets) as :meth:`begin` does. Inside an
         ``app.transaction()`` block open in this thread it goes to the store's thread, which
         waits for the block's lock instead of refusing."""
@@ -335,7 +348,7 @@ class SQLiteStore(Store):
                 if time.monotonic() - started < INLINE_SPIN:
                     time.sleep(next(delays))
                 else:
-                    await asyncio.sleep(0.001)
+                    await asyncio.sleep(max(0.001, next(delays)))
 
     @contextmanager
     def _inline_use(self) -> Iterator[_StoreConnection]:
@@ -423,8 +436,8 @@ class SQLiteStore(Store):
         transactions from several processes that idling, not the work, sets the pace. Here the
         busy handler is off for BEGIN only (set back for every other statement: this is a
         caller's lent connection; the store's own set it only when it changes, see
-        :meth:`_own_write_lock`) and the retry sleeps 0.1 ms growing to 2 ms, until the same
-        ``busy_timeout`` deadline.
+        :meth:`_own_write_lock`) and the retry sleeps 0.1 ms growing to 2 ms (to 50 ms past 0.1 s
+        of waiting), until the same ``busy_timeout`` deadline.
 
         A lock still taken at the deadline, or a store this user cannot write, is a
         :class:`StoreError` naming the store (chained from sqlite3's error): ``app.transaction()``
