@@ -244,6 +244,8 @@ class AgentRole:
         # The deadline of each call counts from here, before the transaction is sent, as a lease's
         # trust does (LEAD2): the time the database says is left was measured later than this, so
         # a slow round trip shortens the call's time rather than carrying it past complete-by.
+        # A wait before the transaction began (SQLite's write lock, a pooled connection) is
+        # added back to that time by the store (RequestMsg.remaining): it is not the call's.
         sent = self.clock.monotonic()
         try:
             msgs, trials, probes, workflows = await self.health.pull(rooms, self.tracer.wants_workflows)

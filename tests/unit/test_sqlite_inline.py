@@ -10,7 +10,7 @@ import itertools
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -386,3 +386,49 @@ def test_a_long_wait_for_the_lock_tries_for_it_tens_of_times_a_second_not_hundre
     assert marks(store) == ["after"]
     assert tries < 150, f"{tries} tries for the lock in 1 s of waiting"
     assert after_release < 0.5, f"took the freed lock {after_release:.3f} s after it was freed"
+
+
+@pytest.mark.parametrize("path", ["an agent's pull, hot", "a take on the store's thread"])
+def test_a_request_taken_after_a_long_wait_for_the_lock_keeps_the_time_it_had_when_asked_for(
+    tmp_path: Path, path: str, dispatch_requests: Callable[..., list[int]]
+) -> None:
+    """REL3: an agent counts a request's time from just before it asks for the transaction that
+    takes it, and the time left comes from the database inside that transaction. A wait for the
+    write lock before the transaction began (another process holding it) came off the call's
+    time: after a 15 s wait a call with 10 s left was cut short at once, and counted as failed.
+    The request's ``remaining`` now includes the wait, so the agent's deadline stays where the
+    database's complete-by puts it."""
+    from stepwarden.store import agents as sa
+    from stepwarden.store import open_store
+
+    store = open_store(f"sqlite:///{tmp_path / 'sw.db'}")  # the wall clock: the wait is real
+    assert isinstance(store, SQLiteStore)
+    holder = sqlite3.connect(store.path, isolation_level=None)
+    try:
+        dispatch_requests(store, budget=5.0)
+        holder.execute("BEGIN IMMEDIATE")
+
+        async def main() -> tuple[list[Any], float]:
+            async def take() -> list[Any]:
+                if path.startswith("an agent"):
+                    want = {"svc": sa.Want(1, sa.ops_json(["do_s"]))}
+                    pulled = await store.transact(sa.pull, "agent-1", want, sa.HealthRules())
+                    return list(pulled.requests)
+                return list(await store.claim_requests("agent-1", ["svc"], 1))
+
+            asked = time.monotonic()
+            got = asyncio.create_task(take())
+            await asyncio.sleep(1.5)
+            holder.execute("COMMIT")
+            return await asyncio.wait_for(got, 10), asked
+
+        msgs, asked = asyncio.run(main())
+        [msg] = msgs
+        deadline = asked + msg.remaining  # as the agent computes it
+        assert msg.remaining > 4.5, f"{msg.remaining:.2f} s left: the 1.5 s wait came off the call's time"
+        assert deadline <= time.monotonic() + (msg.complete_by - time.time()) + 0.05, "past complete-by"
+    finally:
+        if holder.in_transaction:
+            holder.execute("ROLLBACK")
+        holder.close()
+        store.close()

@@ -200,7 +200,7 @@ def task_workflows(tx: Tx, ids: Sequence[int]) -> dict[int, str]:
 
 
 def _claim(tx: Tx, me: str, agent: str, want: Want, limit: int) -> list[RequestMsg]:
-    return _requests(tx.all("claim_agent_requests", me=me, agent=agent, ops=want.ops, limit=limit))
+    return _requests(tx.all("claim_agent_requests", me=me, agent=agent, ops=want.ops, limit=limit), tx.waited)
 
 
 def renew_trial(tx: Tx, me: str, agent: str, trial_ttl: float) -> bool:

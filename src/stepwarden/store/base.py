@@ -7,6 +7,7 @@ the transaction discipline (``BEGIN IMMEDIATE`` on SQLite).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,23 @@ def hot(fn: F) -> F:
 def shorten(text: str, limit: int = 120) -> str:
     """``text`` cut to ``limit`` characters for an error line (a path, a URL), marked with "..."."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def timed(fn: F, asked: float, clock: Any) -> F:
+    """``fn``, setting ``tx.waited`` as it starts: the seconds since ``asked`` on ``clock``'s
+    monotonic time. Its transaction has begun by then (its lock or connection held). Why: an agent
+    counts a request's time from just before it asks for the transaction that takes it, and the
+    time the store says is left is read inside that transaction; a wait before it began (another
+    process holding SQLite's write lock, an exhausted pool) came off the call's time, so a call
+    taken after a 15 s wait was cut short at once and counted as failed. The request's
+    ``remaining`` now includes that wait (:class:`RequestMsg`)."""
+
+    @functools.wraps(fn)  # its markers (hot, lane, read-only...) too: they live in its __dict__
+    def run(tx: Tx, *args: Any, **kwargs: Any) -> Any:
+        tx.waited = max(0.0, clock.monotonic() - asked)
+        return fn(tx, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def redact_url(url: str) -> str:
@@ -103,6 +121,9 @@ class Tx(Protocol):
 
     dialect: str  # "sqlite" or "postgres": for the few transitions one dialect does in one statement
     dispatched: list[str]  # the agents this transaction sent requests to, in order
+    # Seconds between the transaction being asked for (Store.transact) and its function starting:
+    # the waits for a thread, a pooled connection or SQLite's write lock (see :func:`timed`).
+    waited: float
     # Inside a caller's transaction (App.transaction): its statements run long before its commit,
     # so nothing may be decided then on what will still be true at commit.
     caller_managed: bool
@@ -172,6 +193,8 @@ class RequestMsg:
     policy: Retry  # the step's, read once per distinct stored text (policies.stored_policy)
     idempotency_key: str
     complete_by: float
+    # Seconds of complete-by left, counted from when the taking transaction was asked for: the
+    # database's ``complete_by - now`` plus the wait before that transaction began (``Tx.waited``).
     remaining: float
 
 

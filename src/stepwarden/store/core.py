@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .. import liveness
+from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import StoreError, UnknownWorkflow
 from ..policies import stored_policy
 from ..workflow import Workflow, encode_result
 from . import transitions as t
-from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx, hot
+from .base import ApplyResult, RequestMsg, Row, SweepResult, Tx, hot, timed
 
 log = logging.getLogger("stepwarden.store")
 
@@ -37,6 +38,7 @@ class Store:
     dialect = "abstract"
     url = ""
     threads = 1  # transactions in flight at once from one process (SQLite has one writer anyway)
+    clock: Clock = SYSTEM_CLOCK  # the dialects set their own
 
     def __init__(self) -> None:
         self._executors: dict[str, ThreadPoolExecutor] = {}
@@ -114,7 +116,8 @@ class Store:
         or a busy leader would lose its lease for no reason but its own backlog."""
         executor = self.lane(getattr(fn, "stepwarden_lane", "main"))
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, lambda: self.transact_sync(fn, *args, **kwargs))
+        run = timed(fn, self.clock.monotonic(), self.clock)
+        return await loop.run_in_executor(executor, lambda: self.transact_sync(run, *args, **kwargs))
 
     def lane(self, name: str) -> ThreadPoolExecutor:
         """The threads (and so the connections) that run one lane's transactions."""
@@ -325,10 +328,12 @@ def _claim_requests(tx: Tx, me: str, agents: list[str], limit: int) -> list[Requ
             )
             ops = ops_json(r["operation"] for r in queued)
             rows += tx.all("claim_agent_requests", me=me, agent=agent, ops=ops, limit=limit - len(rows))
-    return _requests(rows)
+    return _requests(rows, tx.waited)
 
 
-def _requests(rows: list[Row]) -> list[RequestMsg]:
+def _requests(rows: list[Row], waited: float) -> list[RequestMsg]:
+    """The requests of ``rows``; ``waited``: the taking transaction's wait before it began, added
+    to each one's time left (see :attr:`RequestMsg.remaining`)."""
     return [
         RequestMsg(
             id=r["id"],
@@ -342,7 +347,7 @@ def _requests(rows: list[Row]) -> list[RequestMsg]:
             policy=stored_policy(r["policy"]),
             idempotency_key=r["idempotency_key"],
             complete_by=r["complete_by"],
-            remaining=float(r["remaining"]),
+            remaining=float(r["remaining"]) + waited,
         )
         for r in sorted(rows, key=lambda r: r["id"])
     ]
@@ -384,7 +389,7 @@ def _take(tx: Tx, me: str, take: Mapping[str, Want]) -> Callable[[], list[Reques
     ]
     if reads and tx.dispatched:
         tx.notify_if_queued(sorted(set(tx.dispatched)))
-    return lambda: _requests([row for read in reads for row in read()])
+    return lambda: _requests([row for read in reads for row in read()], tx.waited)
 
 
 def _send_reply(tx: Tx, me: str, request_id: int, outcome: str, result: Any, error: str | None) -> None:

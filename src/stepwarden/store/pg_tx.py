@@ -38,6 +38,7 @@ def _to_psycopg(sql: str) -> str:
 
 class PgTx:
     dialect = "postgres"
+    waited = 0.0  # see Tx.waited
 
     def __init__(
         self,

@@ -26,6 +26,7 @@ from urllib.parse import urlencode
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..errors import InputError, MigrationError, StoreError
+from .base import timed
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
 from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
@@ -339,12 +340,13 @@ class SQLiteStore(Store):
         if not (self.inline and getattr(fn, "stepwarden_hot", False)) or self._in_block():
             return await super().transact(fn, *args, **kwargs)
         started = time.monotonic()
+        run = timed(fn, self.clock.monotonic(), self.clock)
         delays = _lock_retry_delays()
         with self._explaining():
             while True:
                 with self._inline_use() as conn:  # a new one after close(), as _conn() gives
                     if self._own_write_lock(conn, started):
-                        return self._run(conn, fn, *args, **kwargs)
+                        return self._run(conn, run, *args, **kwargs)
                 if time.monotonic() - started < INLINE_SPIN:
                     time.sleep(next(delays))
                 else:

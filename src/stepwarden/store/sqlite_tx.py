@@ -17,6 +17,7 @@ def dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
 
 class SqliteTx:
     dialect = "sqlite"
+    waited = 0.0  # see Tx.waited
 
     def __init__(
         self, conn: sqlite3.Connection, queries: dict[str, str], *, caller_managed: bool = False
