@@ -157,6 +157,9 @@ class AgentHealth:
         # The task renewing the claim on each trial this instance runs (_hold_trial).
         self._holding: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
+        # Whether the last pull asked the store: one that found no slot free did not, and its
+        # "success" says nothing of the store (it ended an outage in the log, and its back-off).
+        self.asked = False
 
     def _rules(self, agent: str) -> sa.HealthRules:
         cool = self.agents[agent].breaker_cool_off
@@ -215,7 +218,9 @@ class AgentHealth:
         An unhealthy instance takes nothing for the agent, except one probe request once its
         cool-off is over; an open breaker lets through only the trial, claimed in the store by one
         instance. Returns the requests, the agents whose trial we hold, those being probed, and
-        (``with_workflows``, for tracing) the workflow of each request's task."""
+        (``with_workflows``, for tracing) the workflow of each request's task. :attr:`asked`
+        says whether it asked the store at all (with no slot free, it does not)."""
+        self.asked = False
         now = self.clock.monotonic()
         wants: dict[str, sa.Want] = {}
         probes: set[str] = set()
@@ -247,6 +252,7 @@ class AgentHealth:
             wants[name] = sa.Want(room, ops=self.ops[name], may_trial=trial)
         if not wants:
             return [], set(), set(), {}
+        self.asked = True
         try:
             got = await self.store.transact(sa.pull, self.me, wants, self.rules, with_workflows)
         except Exception:

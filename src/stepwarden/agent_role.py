@@ -206,10 +206,19 @@ class AgentRole:
                     await sleep_or_wake(self.clock, outage.failed(e), stop, self.wake)
                     self.wake.clear()
                     continue
-                outage.answered()
-                self.stop_writes.answered()
-                if swept is not None:  # the store answers the pull: this is no outage
-                    log.warning("agent %s: could not look for lost takes: %r", self.me, swept)
+                if self.health.asked:
+                    outage.answered()
+                    self.stop_writes.answered()
+                    if swept is not None:  # the store answers the pull: this is no outage
+                        log.warning("agent %s: could not look for lost takes: %r", self.me, swept)
+                elif swept is not None:
+                    # A pull with no slot free asks the store nothing: the sweep was the round's
+                    # one question, and it failed. (Taken as an answer, such a pull ended an
+                    # outage in the log, twice in one 90 s outage, and reset its back-off.)
+                    self.stop_writes.failed()
+                    await sleep_or_wake(self.clock, outage.failed(swept), stop, self.wake)
+                    self.wake.clear()
+                    continue
                 if got:
                     idle = self.settings.poll_interval
                     continue

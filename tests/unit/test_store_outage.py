@@ -211,3 +211,45 @@ def test_an_agent_roles_rounds_tell_the_stop_writes_whether_the_store_answers(rt
             await asyncio.wait_for(running, 5)
 
     asyncio.run(body())
+
+
+def test_an_agent_whose_slots_are_all_held_does_not_take_its_idle_rounds_for_the_store_answering(
+    rt_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With every slot held (a scheduler's transaction reserved them, and waits for a connection),
+    a pull asks the store nothing. Its empty answer was taken for the store answering: in a 90 s
+    outage the agent logged "the store answers again" twice while the server was down, and its
+    back-off started over each time. Now only a round that asked the store ends the outage."""
+    caplog.set_level(logging.INFO, logger="stepwarden")
+    agent = Agent("svc", concurrency=2)
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        return None
+
+    outages = Outages(Sleeps())
+
+    async def body() -> None:
+        role = make_role(Down(rt_store, outages), agent, clock=outages.clock)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        running = asyncio.create_task(role.run(stop))
+        try:
+            await drive(outages.clock, lambda: len(outages.clock.slept) >= 3)  # up, registered
+            outages.down = True
+            await drive(outages.clock, lambda: len(outages.failed_at) >= 2)
+            reserved = role.reserve()  # a scheduler's round takes every free slot, and waits
+            assert reserved["svc"].room == 2
+            slept = len(outages.clock.slept)
+            await drive(outages.clock, lambda: len(outages.clock.slept) >= slept + 3, timeout=20)
+            assert said(caplog, "stepwarden.agent", logging.INFO) == [], "an outage ended while down"
+            role.accept([], reserved, failed=True)  # the round failed: the slots are free again
+            outages.down = False
+            back = outages.answered
+            await drive(outages.clock, lambda: outages.answered >= back + 2)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 5)
+
+    asyncio.run(body())
+    assert len(said(caplog, "stepwarden.agent", logging.INFO)) == 1  # the one true "answers again"
+    assert len(said(caplog, "stepwarden.agent", logging.WARNING)) == 1
