@@ -150,7 +150,8 @@ class Outage:
     round (two, with its sweep for lost takes) wrote 39 warnings in a 5 s outage.
 
     ``who`` names the loop in the log lines ("agent NAME", "scheduler NAME"); the time down is
-    measured on ``clock``'s monotonic clock."""
+    measured on ``clock``'s monotonic clock. ``every``: the loop keeps its own pace (a heartbeat,
+    a lease's campaign) rather than back off, and the warning says so."""
 
     def __init__(
         self,
@@ -159,8 +160,10 @@ class Outage:
         clock: Clock,
         backoff: Backoff = STORE_RETRY,
         rng: random.Random | None = None,
+        every: float | None = None,
     ) -> None:
         self.log, self.who, self.clock, self.backoff = log, who, clock, backoff
+        self.every = every
         self.rng = rng or random.Random()
         self.failures = 0  # failed rounds in a row; 0 while the store answers
         self.since = 0.0  # when the first of them failed (monotonic)
@@ -170,11 +173,15 @@ class Outage:
         self.failures += 1
         if self.failures == 1:
             self.since = self.clock.monotonic()
+            pace = (
+                f"every {self.every:g}s"
+                if self.every is not None
+                else f"with back-off (up to {self.backoff.maximum:g}s)"
+            )
             self.log.warning(
-                "%s: a round on the store failed; trying again with back-off (up to %gs), logged"
-                " again when one goes through: %r",
+                "%s: a round on the store failed; trying again %s, logged again when one goes through: %r",
                 self.who,
-                self.backoff.maximum,
+                pace,
                 error,
             )
         else:

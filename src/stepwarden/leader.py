@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from .clock import STOPPED, SYSTEM_CLOCK, Clock, unless_stopped
+from .clock import STOPPED, SYSTEM_CLOCK, Clock, Outage, unless_stopped
 from .errors import InputError
 from .policies import check_seconds, show
 from .stop_writes import StopWrites
@@ -151,6 +151,9 @@ class LeaseKeeper:
     async def run(self, stop: asyncio.Event) -> None:
         """Campaign, lead, lose, campaign again, until ``stop`` is set; resign on the way out (LEAD5)."""
         s = self.settings
+        # The store down: one warning when the campaign's tries begin to fail and one line when
+        # one goes through, as the roles' loops log an outage, not two warnings a retry period.
+        outage = Outage(log, f"lease {self.name}: campaign", self.clock, every=s.retry_every)
         while not stop.is_set():
             if self._stubborn is not None and not self._stubborn.done():
                 await self._wait(s.retry_every, stop=stop)
@@ -161,14 +164,18 @@ class LeaseKeeper:
                 # shutdown (see _campaign).
                 got = await self._campaign(self.store.acquire_lease(self.name, self.holder, s.ttl), stop)
             except Exception as e:  # the store is down: keep campaigning, never crash (REL3)
-                log.warning("lease %s: acquire failed: %s", self.name, e)
+                outage.failed(e)
                 got = None
+            else:
+                outage.answered()
             if got is None and s.take_from_dead is not None and not stop.is_set():
                 try:
                     sent = self.clock.monotonic()
                     got = await self._campaign(self._take_from_dead(s.take_from_dead), stop)
                 except Exception as e:
-                    log.warning("lease %s: takeover failed: %s", self.name, e)
+                    outage.failed(e)
+                else:
+                    outage.answered()
             if got is None:
                 await self._wait(s.retry_every, stop=stop)
                 continue

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 from . import tracing
 from .agent import Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
-from .clock import STOPPED, sleep_or_wake, unless_stopped
+from .clock import STOPPED, Outage, sleep_or_wake, unless_stopped
 from .errors import InputError
 from .leader import LeaseKeeper, LeaseSettings
 from .logs import log_raised
@@ -443,14 +443,22 @@ class Worker:
             self.agent_role.wake.set()
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
+        # An outage is logged twice, as the roles' loops log it, not once a beat (a line a
+        # second through a pooler that answers at once).
+        every = self.settings.heartbeat
+        outage = Outage(log, f"worker {self.identity}: heartbeat", self.app.clock, every=every)
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=self.settings.heartbeat)
+                await asyncio.wait_for(stop.wait(), timeout=every)
             except TimeoutError:
-                if await _safe(self._beat(), "record its heartbeat"):
-                    self.stop_writes.answered()
-                else:
+                try:
+                    await self._beat()
+                except Exception as e:
+                    outage.failed(e)
                     self.stop_writes.failed()
+                else:
+                    outage.answered()
+                    self.stop_writes.answered()
 
     async def _beat(self) -> None:
         breakers: dict[str, str] = (

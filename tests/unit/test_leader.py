@@ -85,6 +85,10 @@ class Flaky:
         self.renewals += ok
         return ok
 
+    async def transact(self, fn: Any, *args: Any, **kw: Any) -> Any:  # a takeover's
+        self._check()
+        return await self.store.transact(fn, *args, **kw)
+
     async def resign_lease(self, *args: Any) -> None:
         self._check()
         if self.resign_delay:
@@ -608,3 +612,41 @@ def test_a_lease_is_taken_from_a_holder_presumed_dead_only_when_asked(
             await ks.close()
 
     run(body())
+
+
+def test_a_campaign_through_an_outage_logs_it_twice_not_each_retry(
+    tracked_store: Any, clock: FakeClock, fake_time: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """REL3: the store down, a keeper that does not lead logged a warning at every retry period
+    (two, with the takeover of a dead holder's lease): 44 of each in one outage. Now one warning
+    when its tries begin to fail and one line when one goes through, as the roles' loops log it;
+    it still tries every retry period, and leads once the store answers."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="stepwarden.leader")
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        work = Work(clock)
+        flaky = Flaky(tracked_store, clock)
+        flaky.down = True
+        settings = LeaseSettings(ttl=5.0, renew_every=1.0, retry_every=1.0, margin=1.0, take_from_dead=3.0)
+        a = LeaseKeeper(flaky, LEASE, "A", work, settings=settings, clock=clock)  # type: ignore[arg-type]
+        try:
+            ks.start(a)
+            await fake_time.run_for(20.0)  # twenty retries while the store is down
+            assert not a.is_leader
+            flaky.down = False
+            await fake_time.run_for(1.5)
+            assert a.is_leader
+        finally:
+            await ks.close()
+
+    run(body())
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "stepwarden.leader"]
+    warnings = [m for level, m in lines if level == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "lease supervisor: campaign: a round on the store failed; trying again every 1s" in warnings[0]
+    assert "database unreachable" in warnings[0]
+    back = [m for level, m in lines if level == logging.INFO and "answers again" in m]
+    assert len(back) == 1, lines

@@ -122,6 +122,49 @@ def test_a_role_or_agent_named_twice_counts_once() -> None:
         WorkerSettings(roles=("scheduler", "schedular", "scheduler"))
 
 
+def test_heartbeats_through_an_outage_log_it_twice_not_each_beat(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """REL3: a worker logged a warning at every failed heartbeat (one a second; 45 in one outage
+    behind a pooler that answers at once). Now one warning when they begin to fail and one line
+    when one goes through, as the roles' loops log an outage; it still beats at its pace."""
+    caplog.set_level(logging.INFO, logger="stepwarden.worker")
+    app = make_app(tmp_path, plain=False)
+    worker = app.worker(WorkerSettings(roles=("scheduler",), heartbeat=0.01))
+    beat = app.store.worker_beat
+    down = True
+    beats = {"failed": 0, "ok": 0}
+
+    async def flaky(*args: Any, **kw: Any) -> Any:
+        if down:
+            beats["failed"] += 1
+            raise ConnectionError("connection refused")
+        beats["ok"] += 1
+        return await beat(*args, **kw)
+
+    app.store.worker_beat = flaky  # type: ignore[method-assign]
+
+    async def body() -> None:
+        nonlocal down
+        stop = asyncio.Event()
+        beating = asyncio.create_task(worker._heartbeat(stop))
+        try:
+            await until(lambda: beats["failed"] >= 20, 10)
+            down = False
+            await until(lambda: beats["ok"] >= 2, 5)
+        finally:
+            stop.set()
+            await asyncio.wait_for(beating, 5)
+
+    asyncio.run(body())
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "stepwarden.worker"]
+    warnings = [m for level, m in lines if level >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "heartbeat: a round on the store failed; trying again every 0.01s" in warnings[0]
+    assert "connection refused" in warnings[0]
+    assert len([m for level, m in lines if "answers again" in m]) == 1, lines
+
+
 def test_the_heartbeat_tells_the_stop_writes_whether_the_store_answers(tmp_path: Path) -> None:
     """A failed heartbeat gives the stop's first write only a brief try (the store is down: a
     full wait would only add to the stop), and the next heartbeat that goes through gives the

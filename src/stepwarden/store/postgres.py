@@ -110,6 +110,12 @@ FAKE_NOW = "COALESCE(NULLIF(current_setting('stepwarden.now', true), '')::float8
 # inside a block, or more blocks at once than this) opens a connection of its own, as before.
 CALLER_POOL_MAX = 16
 CALLER_POOL_WAIT = 0.5
+# Seconds a pooled connection lost in an outage is reconnected for before the pool gives that
+# try up and counts the connection gone (the next caller who needs one starts a fresh try, at
+# once). psycopg_pool's default, 300 s, backs off 1, 2, 4 ... 128 s between tries and still
+# counts the connection as coming: after a 90-200 s outage a worker sat idle for 12-35 s with
+# the server back, its tries asleep. Within this bound the longest sleep is about 4 s.
+RECONNECT_TIMEOUT = 10.0
 
 
 class PostgresStore(Store):
@@ -157,6 +163,7 @@ class PostgresStore(Store):
             kwargs=self._connect_kwargs(row_factory=dict_row, **pg_batching.cursor_factory()),
             configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
+            reconnect_timeout=RECONNECT_TIMEOUT,
         )
         # The pool retries with a warning per try; our one-line error says it all, so its own
         # log lines are held back while it opens (a server still starting is waited for).
@@ -186,6 +193,7 @@ class PostgresStore(Store):
             configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
             num_workers=1,
+            reconnect_timeout=RECONNECT_TIMEOUT,
         )
         try:
             self.lease_pool.open()
