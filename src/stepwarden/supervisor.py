@@ -22,6 +22,14 @@ log = logging.getLogger("stepwarden.supervisor")
 LEASE = "supervisor"
 
 
+# Seconds the store must have answered this supervisor, at the least, before it presumes a worker
+# dead by the age of its heartbeat (never by a vanished process, which is exact). In an outage no
+# worker can beat; once the server is back, a live one beats again within its heartbeat and its
+# pool's next try to reconnect (at most about 4 s apart, store.postgres.RECONNECT_TIMEOUT), so a
+# supervisor that judged at once (its first sweep of a term won as the store came back, or the
+# first that went through) took every live worker for dead and had its steps run twice.
+HEARTBEATS_SETTLE = 5.0
+
 # The longest retention: 36500 days (100 years), as ``stepwarden worker --retention DAYS`` takes.
 # Above MAX_SECONDS, which bounds waits and times ahead: a retention only looks back (now - it).
 MAX_RETENTION = 36500 * 86400.0
@@ -89,6 +97,10 @@ class Supervisor:
         self.rescued = 0
         self.pruned = 0
         self._next_prune = 0.0
+        # Since when (monotonic) the store has answered this supervisor without a break; None:
+        # not since its last failure or the start of its term (see HEARTBEATS_SETTLE). A sweep
+        # called outside lead() (a test, a tool) judges heartbeats at once, as before.
+        self._answering_since: float | None = -float("inf")
 
     async def sweep(self, term: int, leadership: Leadership | None = None) -> SweepResult:
         """Sweep until fewer than a batch of expired attempts remain; each batch one transaction.
@@ -120,12 +132,24 @@ class Supervisor:
         return total
 
     async def _rescue_orphans(self, term: int, total: SweepResult, leadership: Leadership | None) -> None:
-        """Rescue the steps of workers presumed dead, before their complete-by passes."""
-        owners = [r for r in await self.store.transact(transitions.owners_in_flight) if r["id"] != self.me]
+        """Rescue the steps of workers presumed dead, before their complete-by passes; by the age
+        of a heartbeat only once the store has answered long enough for a live worker to have
+        beaten again (:data:`HEARTBEATS_SETTLE`)."""
+        asked = self.clock.monotonic()
+        found = await self.store.transact(transitions.owners_in_flight)
+        answered = self.clock.monotonic()
+        # A read that took long is an outage just ended, as far as heartbeats go.
+        if self._answering_since is None or answered - asked > self.settings.dead_after / 2:
+            self._answering_since = answered
+        settled = answered - self._answering_since >= max(self.settings.dead_after, HEARTBEATS_SETTLE)
+        owners = [r for r in found if r["id"] != self.me]
         if not owners:
             return
         now = float(owners[0]["now"])
         for verdict in liveness.presumed_dead(owners, now, self.settings.dead_after):
+            if verdict.silent_for is not None and not settled:
+                log.debug("supervisor %s: not judging %s yet (%s)", self.me, verdict.worker, verdict.reason)
+                continue
             while True:
                 r = await self.store.transact(
                     transitions.rescue_orphans,
@@ -219,6 +243,7 @@ class Supervisor:
         while its lease connection can) counts towards ``stall_after`` (``sleep(failed=True)``):
         a leader that rescued nothing kept its lease for ever, since every wait marked progress
         (LEAD6)."""
+        self._answering_since = None  # a term may begin as the store comes back from an outage
         while True:
             failed = False
             try:
@@ -236,6 +261,7 @@ class Supervisor:
                     return
                 log.warning("supervisor %s: sweep failed: %r", self.me, e)
                 failed = True
+                self._answering_since = None
             else:
                 leadership.progress()
             # After a round that worked, not a stall: an interval at or above the lease's

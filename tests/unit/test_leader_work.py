@@ -454,3 +454,44 @@ def test_a_wait_after_a_failed_round_counts_towards_a_stall(
     run(body())
     [(term, holder, _, ended)] = terms(tracked_store)[:1]
     assert (term, holder) == (1, "A") and ended is not None
+
+
+@pytest.mark.parametrize("live", [True, False], ids=["beats-again", "stays-silent"])
+def test_a_term_begun_as_the_store_comes_back_waits_before_judging_heartbeats(
+    tracked_store: Any, clock: FakeClock, fake_time: Any, dispatch_requests: Any, live: bool
+) -> None:
+    """REL3: in an outage no worker can beat. A supervisor whose term began as the store came back
+    judged at once by heartbeats a minute old, and took live workers for dead: their steps were
+    retried beside the calls still running. Heartbeats are judged once the store has answered for
+    HEARTBEATS_SETTLE (5 s): a live worker has beaten again by then; a silent one is rescued."""
+    from stepwarden.supervisor import HEARTBEATS_SETTLE
+
+    [task_id] = dispatch_requests(tracked_store, 1, budget=600.0)
+    asyncio.run(tracked_store.worker_beat("W", ["agent"], ["svc"]))
+    assert len(asyncio.run(tracked_store.claim_requests("W", ["svc"], 1))) == 1
+    clock.advance(60.0)  # the outage: nobody beat, nobody led
+    sup = Supervisor(tracked_store, "A", clock=clock, settings=SupervisorSettings(interval=1.0))
+    keeper = LeaseKeeper(tracked_store, "supervisor", "A", sup.lead, settings=S, clock=clock)
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        try:
+            ks.start(keeper)
+            for second in range(12):
+                await fake_time.run_for(1.0)
+                if second == 0:
+                    assert keeper.is_leader
+                    assert sup.rescued == 0, "judged by a heartbeat a minute old, at once"
+                if live and second >= 1:
+                    await tracked_store.worker_beat("W", ["agent"], ["svc"])  # its pool is back
+                if second < HEARTBEATS_SETTLE - 1:
+                    assert sup.rescued == 0, f"rescued {second + 1} s into the term"
+        finally:
+            await ks.close()
+
+    run(body())
+    assert sup.rescued == (0 if live else 1)
+    rescued = tracked_store.transact_sync(
+        lambda tx: tx.sql("SELECT detail FROM events WHERE task_id = ? AND kind = 'rescued'", (task_id,))
+    )
+    assert len(rescued) == (0 if live else 1)
