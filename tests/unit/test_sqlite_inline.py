@@ -432,3 +432,40 @@ def test_a_request_taken_after_a_long_wait_for_the_lock_keeps_the_time_it_had_wh
             holder.execute("ROLLBACK")
         holder.close()
         store.close()
+
+
+def test_a_long_waiter_keeps_trying_often_while_other_writers_take_turns(tmp_path: Path) -> None:
+    """Slowing the tries by time alone (past 0.1 s of waiting) made the waiter that had waited
+    longest lose the lock to newer ones, which still tried every 2 ms: with six processes of
+    1 ms transactions, waits of up to 1.6 s where they had been 0.3 s. The tries slow down only
+    while nobody commits (one long holder); while others commit they stay at most 2 ms apart."""
+    from stepwarden.store.sqlite import LOCK_POLL_SLOW, LOCK_WAIT_LONG, _LockWaits
+
+    path = tmp_path / "turns.db"
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("PRAGMA journal_mode=WAL")
+    writer.execute("CREATE TABLE t (v INTEGER)")
+    waiter = sqlite3.connect(path, isolation_level=None)
+    try:
+        waits = _LockWaits()
+        busy: list[float] = []
+        end = time.monotonic() + LOCK_WAIT_LONG + 0.3
+        while time.monotonic() < end:  # others commit between each of the waiter's tries
+            writer.execute("INSERT INTO t VALUES (1)")
+            delay = waits.next(waiter)
+            busy.append(delay)
+            time.sleep(delay)
+        assert max(busy) <= 0.002, f"slowed to {max(busy) * 1000:.0f} ms while others committed"
+        quiet: list[float] = []
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:  # one long holder: nobody commits
+            delay = waits.next(waiter)
+            quiet.append(delay)
+            time.sleep(delay)
+        assert quiet[-1] == pytest.approx(LOCK_POLL_SLOW), quiet[-5:]
+        writer.execute("INSERT INTO t VALUES (2)")  # the holder is gone; others commit again
+        waits.next(waiter)
+        assert waits.next(waiter) <= 0.002
+    finally:
+        waiter.close()
+        writer.close()

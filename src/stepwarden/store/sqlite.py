@@ -46,26 +46,52 @@ DEFAULT_BUSY_TIMEOUT = 30.0  # seconds a writer waits for the write lock (``?bus
 INLINE_SPIN = 0.002
 
 
-# A wait for the write lock longer than this is not our processes taking turns (each holds it
-# for a millisecond or so) but a long holder: a backup, a `sqlite3` shell, a migration. From
-# then on the tries grow apart to LOCK_POLL_SLOW, so that waiting costs next to no CPU: at 2 ms
-# apart, every waiting transaction of every worker tried ~500 times a second (16 % of a core
-# for one idle worker while a shell held the lock).
+# Past this much waiting for the write lock, a waiter looks whether anyone committed since its
+# last try (``PRAGMA data_version``). If not, the lock has one long holder (a backup, a `sqlite3`
+# shell, a migration), and the tries grow apart to LOCK_POLL_SLOW, so that waiting costs next
+# to no CPU: at 2 ms apart, every waiting transaction of every worker tried ~500 times a second
+# (16 % of a core for one idle worker while a shell held the lock). If so, writers are taking
+# turns, and it keeps trying every 2 ms at most: slowed by time alone, the waiter that had waited
+# longest kept losing the lock to newer ones (six processes of 1 ms transactions: waits of up
+# to 1.6 s, against 0.3 s).
 LOCK_WAIT_LONG = 0.1
 LOCK_POLL_SLOW = 0.05
 
 
-def _lock_retry_delays() -> Iterator[float]:
+class _LockWaits:
     """Seconds between tries for the write lock: 0.1 ms growing to 2 ms, and past
-    :data:`LOCK_WAIT_LONG` of waiting on to :data:`LOCK_POLL_SLOW`. SQLite's own busy handler
-    sleeps 1, 2, 5, 10, 15, 20, 25... ms, so under contention a writer idled for milliseconds
-    after the lock was freed (see :meth:`SQLiteStore.begin`)."""
-    delay = 0.0001
-    long_after = time.monotonic() + LOCK_WAIT_LONG
-    while True:
-        yield delay
-        cap = 0.002 if time.monotonic() < long_after else LOCK_POLL_SLOW
-        delay = min(delay * 1.5, cap)
+    :data:`LOCK_WAIT_LONG` of waiting on to :data:`LOCK_POLL_SLOW` while nobody commits. SQLite's
+    own busy handler sleeps 1, 2, 5, 10, 15, 20, 25... ms, so under contention a writer idled
+    for milliseconds after the lock was freed (see :meth:`SQLiteStore.begin`)."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0001
+        self.long_after = time.monotonic() + LOCK_WAIT_LONG
+        self.version: int | None = None
+
+    def next(self, conn: sqlite3.Connection) -> float:
+        """The wait before the next try on ``conn``, whose try just failed."""
+        out = self.delay
+        cap = 0.002
+        if time.monotonic() >= self.long_after:
+            version = _data_version(conn)
+            if version is not None and version == self.version:
+                cap = LOCK_POLL_SLOW  # no commit since the last try: one long holder
+            self.version = version
+        self.delay = min(self.delay * 1.5, cap)
+        return out
+
+
+def _data_version(conn: sqlite3.Connection) -> int | None:
+    """SQLite's count of commits by other connections, as this one sees it (None if unreadable:
+    taken as a commit, so the waiter keeps trying often)."""
+    try:
+        cur = conn.cursor()
+        cur.row_factory = None  # the store's connections make dicts
+        row = cur.execute("PRAGMA data_version").fetchone()
+    except sqlite3.Error:
+        return None
+    return int(row[0]) if row else None
 
 
 def _busy(e: sqlite3.OperationalError) -> bool:
@@ -333,7 +359,8 @@ class SQLiteStore(Store):
         ``COMMIT``: the loop is blocked for the transaction (a batch: about a millisecond, the
         commit's fsync included) and for at most ``INLINE_SPIN`` of waiting for the lock before
         it; a longer wait polls the lock between the loop's other work (every millisecond, and
-        past ``LOCK_WAIT_LONG`` of waiting slower, up to ``LOCK_POLL_SLOW`` apart), up to
+        past ``LOCK_WAIT_LONG`` of waiting with nobody committing, slower, up to
+        ``LOCK_POLL_SLOW`` apart), up to
         ``busy_timeout`` (or the bound a stopping worker sets) as :meth:`begin` does. Inside an
         ``app.transaction()`` block open in this thread it goes to the store's thread, which
         waits for the block's lock instead of refusing."""
@@ -341,16 +368,17 @@ class SQLiteStore(Store):
             return await super().transact(fn, *args, **kwargs)
         started = time.monotonic()
         run = timed(fn, self.clock.monotonic(), self.clock)
-        delays = _lock_retry_delays()
+        waits = _LockWaits()
         with self._explaining():
             while True:
                 with self._inline_use() as conn:  # a new one after close(), as _conn() gives
                     if self._own_write_lock(conn, started):
                         return self._run(conn, run, *args, **kwargs)
+                    delay = waits.next(conn)
                 if time.monotonic() - started < INLINE_SPIN:
-                    time.sleep(next(delays))
+                    time.sleep(delay)
                 else:
-                    await asyncio.sleep(max(0.001, next(delays)))
+                    await asyncio.sleep(max(0.001, delay))
 
     @contextmanager
     def _inline_use(self) -> Iterator[_StoreConnection]:
@@ -450,10 +478,9 @@ class SQLiteStore(Store):
     def _take_write_lock(self, conn: C, attempt: Callable[[C, float], bool]) -> None:
         """Call ``attempt`` (one try for the lock) until it takes it, sleeping in between."""
         started = time.monotonic()
-        for delay in _lock_retry_delays():
-            if attempt(conn, started):
-                return
-            time.sleep(delay)
+        waits = _LockWaits()
+        while not attempt(conn, started):
+            time.sleep(waits.next(conn))
 
     @contextmanager
     def _busy_handler_off(self, conn: sqlite3.Connection) -> Iterator[None]:
