@@ -138,8 +138,10 @@ class Supervisor:
         asked = self.clock.monotonic()
         found = await self.store.transact(transitions.owners_in_flight)
         answered = self.clock.monotonic()
-        # A read that took long is an outage just ended, as far as heartbeats go.
-        if self._answering_since is None or answered - asked > self.settings.dead_after / 2:
+        # A read that took longer than dead_after may have spanned an outage that ended just now
+        # (every heartbeat as old as the wait): as far as heartbeats go, it is one. A read slowed
+        # by load alone seldom takes that long (it is read-only: it waits for no writer).
+        if self._answering_since is None or answered - asked > self.settings.dead_after:
             self._answering_since = answered
         settled = answered - self._answering_since >= max(self.settings.dead_after, HEARTBEATS_SETTLE)
         owners = [r for r in found if r["id"] != self.me]

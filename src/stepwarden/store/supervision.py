@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import LostOwnership
 from ..liveness import SILENT_AFTER
-from .base import Row, SweepResult, Tx
+from .base import Row, SweepResult, Tx, read_only
 from .records import event
 from .transitions import fail_attempt
 
@@ -228,8 +228,10 @@ def prune_records(tx: Tx, me: str, lease: str, term: int, retention: float, limi
     return out
 
 
+@read_only
 def owners_in_flight(tx: Tx) -> list[Row]:
-    """The workers holding taken requests, each row with the database's ``now``."""
+    """The workers holding taken requests, each row with the database's ``now``. Read-only: on
+    SQLite it waits for no writer (the rescue re-checks each verdict in its own transaction)."""
     return tx.all("owners_in_flight")
 
 
