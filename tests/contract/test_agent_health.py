@@ -355,6 +355,26 @@ def test_an_unhealthy_instance_takes_a_trial_left_untaken_past_its_bound_beside_
     assert probe(store, A).trials == set(), "the trial is B's now: A's pull does not take it too"
 
 
+def test_a_request_that_has_just_come_is_the_healthy_instances_trial_however_long_the_breaker_was_due(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """With nothing queued, a healthy instance takes the due trial and gives it back at every pull
+    (nothing to try), and the time since the trial fell due kept growing: the first request to
+    come then found the bound long passed, and an unhealthy probe could take it before the
+    healthy instances (whose trial it is). The bound also asks that a request of the probe's
+    operations has waited that long."""
+    _unhealthy_b_and_an_open_breaker(store, clock)  # the trial falls due now; nothing queued
+    for _ in range(30):  # a minute of A's pulls, each taking the trial and giving it back
+        clock.advance(2.0)
+        store.transact_sync(sa.beat, A, {"svc": (4, 0)})
+        assert pull(store, A).trials == set()
+    dispatch_requests(store, 1, budget=600.0)  # a request comes
+    assert probe(store, B, unclaimed=5.0).trials == set(), "the healthy instance's trial, not B's"
+    clock.advance(5.1)  # ... and A, live and healthy, leaves it untaken for the bound
+    store.transact_sync(sa.beat, A, {"svc": (4, 4)})
+    assert probe(store, B, unclaimed=5.0).trials == {"svc"}
+
+
 def test_a_trial_a_healthy_instance_ran_and_failed_starts_the_count_again(
     store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:

@@ -162,11 +162,18 @@ def pull(
             continue
         # A healthy instance that pulls takes a trial the moment it is due; one still not run
         # trial_unclaimed after it fell due (untaken, or taken and given back for want of a
-        # request of the taker's operations) is one the healthy instances cannot run, and
-        # waiting on them would keep the breaker open for as long as that lasts. A trial that
-        # was run and failed reopened the breaker, which starts the count again.
+        # request of the taker's operations), while a request of ours has waited as long, is
+        # one the healthy instances cannot run, and waiting on them would keep the breaker open
+        # for as long as that lasts. A trial that was run and failed reopened the breaker, which
+        # starts the count again; so does a request that has just come (until then there was
+        # nothing to try, and the healthy instances gave the trial back for that reason alone).
         due_for = b.due_for if b.due_for is not None else -b.retry_in
-        unclaimed = want.trial_unclaimed > 0 and due_for >= want.trial_unclaimed
+        unclaimed = (
+            want.trial_unclaimed > 0
+            and due_for >= want.trial_unclaimed
+            and tx.one("agent_request_waiting", agent=agent, ops=want.ops, waited=want.trial_unclaimed)
+            is not None
+        )
         alone = (
             not want.trial_if_alone
             or unclaimed

@@ -40,6 +40,14 @@ FROM tasks WHERE id = :task_id FOR UPDATE;
 SELECT id, state, input, priority, correlation_id, reply_to, cancel_requested, locked_by, workflow
 FROM tasks WHERE id = :task_id FOR UPDATE SKIP LOCKED;
 
+-- name: agent_request_waiting
+-- A queued request of the agent, of the operations :ops, that has waited :waited seconds or more:
+-- an unhealthy instance's probe may take a breaker's trial left untaken (see agents.pull).
+SELECT 1 AS found FROM requests
+WHERE state = 'queued' AND agent = :agent AND complete_by > {now} AND dispatched_at <= {now} - :waited
+  AND operation IN (SELECT jsonb_array_elements_text(:ops::jsonb))
+LIMIT 1;
+
 -- name: claim_agent_requests
 -- Queued requests of one agent, in claim order, for an agent instance's pull or the take of its
 -- reservation in a reply batch or a scheduler round: only the operations it has (`:ops`, a JSON

@@ -45,6 +45,14 @@ WHERE id IN (SELECT id FROM requests INDEXED BY requests_queued
 RETURNING id, task_id, step_idx, attempt, kind, agent, operation, payload, policy, idempotency_key,
           complete_by, complete_by - {now} AS remaining;
 
+-- name: agent_request_waiting
+-- A queued request of the agent, of the operations :ops, that has waited :waited seconds or more:
+-- an unhealthy instance's probe may take a breaker's trial left untaken (see agents.pull).
+SELECT 1 AS found FROM requests INDEXED BY requests_queued
+WHERE state = 'queued' AND agent = :agent AND complete_by > {now} AND dispatched_at <= {now} - :waited
+  AND operation IN (SELECT value FROM json_each(:ops))
+LIMIT 1;
+
 -- name: new_replies_with_tasks
 -- The batch's new replies and the transaction's own (`:own`, JSON: not in the table, id NULL,
 -- `n` their order), each with its task (SQLite's single writer is the lock).
