@@ -35,6 +35,7 @@ from .cli_params import (
     echo,
     fail,
     is_loopback,
+    missing_what,
     open_for,
     store_url,
 )
@@ -220,7 +221,7 @@ def worker(
             from .metrics import start_worker_metrics
         except ImportError as e:  # the machine lacks a package, not bad input: exit 1, as `dashboard`
             raise StepwardenError(
-                f"--metrics-port needs the extra: pip install 'stepwarden[dashboard]' (missing {e.name})"
+                f"--metrics-port needs the extra: pip install 'stepwarden[dashboard]' ({missing_what(e)})"
             ) from None
         shown = bracketed(host)
         try:

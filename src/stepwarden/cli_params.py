@@ -97,3 +97,9 @@ class FiniteRange(click.FloatRange):
         if not math.isfinite(out):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return out
+
+
+def missing_what(e: ImportError) -> str:
+    """What an optional extra's import lacked, for its one error line: the module, or the error
+    itself when the module is there but failed (its name would mislead, or there is none)."""
+    return f"missing {e.name}" if e.name and isinstance(e, ModuleNotFoundError) else str(e)[:200]

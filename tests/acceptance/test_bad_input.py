@@ -582,7 +582,7 @@ def test_a_missing_extra_is_one_line_exit_1_naming_it_and_creates_no_store(
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     message = f"No module named {module!r}"
-    (shadow / f"{module}.py").write_text(f"raise ImportError({message!r}, name={module!r})\n")
+    (shadow / f"{module}.py").write_text(f"raise ModuleNotFoundError({message!r}, name={module!r})\n")
     missing = tmp_path / "never.db"
     env = clean_env(PYTHONPATH=str(shadow))
     r = sw("--db", f"sqlite:///{missing}", *args, cwd=tmp_path, env=env)

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from ..cli_params import bracketed, is_loopback
+from ..cli_params import bracketed, is_loopback, missing_what
 from ..errors import InputError, StepwardenError
 from ..store import open_existing
 from .hosts import LOOPBACK_NAMES, ip_literal
@@ -232,7 +232,7 @@ def dashboard(
         from .web import create_app
     except ImportError as e:
         raise click.ClickException(
-            f"the dashboard needs the extra: pip install 'stepwarden[dashboard]' (missing {e.name})"
+            f"the dashboard needs the extra: pip install 'stepwarden[dashboard]' ({missing_what(e)})"
         ) from None
     try:
         store = open_existing((ctx.obj or {}).get("db"))
