@@ -4,9 +4,11 @@ pooler, and connection faults (REL3) — killed backends and a server restart in
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -159,13 +161,18 @@ class DemoRun:
 
 
 @pytest.fixture
-def own_postgres(tmp_path: Path) -> Iterator[LocalPostgres]:
-    """A server of this test's own, so restarting it disturbs no other test."""
-    pg = LocalPostgres(tmp_path / "pgdata").start()
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A server of this test's own, so restarting it disturbs no other test. Not under pytest's
+    basetemp (as the session's server, tests/conftest.py): another pytest run on the machine sets
+    that tree back to 0700 when it starts, and the server's user then could not reach its own
+    data directory to restart (pg_ctl: "could not access directory ... Permission denied")."""
+    home = Path(tempfile.mkdtemp(prefix="stepwarden-test-own-pg-"))
+    pg = LocalPostgres(home / "pgdata").start()
     try:
         yield pg
     finally:
         pg.stop("immediate")
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def backends(url: str) -> int:
