@@ -138,10 +138,12 @@ class Supervisor:
         asked = self.clock.monotonic()
         found = await self.store.transact(transitions.owners_in_flight)
         answered = self.clock.monotonic()
-        # A read that took longer than dead_after may have spanned an outage that ended just now
-        # (every heartbeat as old as the wait): as far as heartbeats go, it is one. A read slowed
-        # by load alone seldom takes that long (it is read-only: it waits for no writer).
-        if self._answering_since is None or answered - asked > self.settings.dead_after:
+        # A read that took long may have waited out an outage that ended just now, every
+        # heartbeat as old as that wait and a beat more: as far as heartbeats go, it is one. A
+        # live worker looks dead after an outage longer than dead_after less its heartbeat (at
+        # most half of dead_after), so a wait of half of it is taken for one; a read slowed by
+        # load alone seldom takes that long (it is read-only: on SQLite it waits for no writer).
+        if self._answering_since is None or answered - asked > self.settings.dead_after / 2:
             self._answering_since = answered
         settled = answered - self._answering_since >= max(self.settings.dead_after, HEARTBEATS_SETTLE)
         owners = [r for r in found if r["id"] != self.me]

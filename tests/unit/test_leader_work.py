@@ -495,3 +495,45 @@ def test_a_term_begun_as_the_store_comes_back_waits_before_judging_heartbeats(
         lambda tx: tx.sql("SELECT detail FROM events WHERE task_id = ? AND kind = 'rescued'", (task_id,))
     )
     assert len(rescued) == (0 if live else 1)
+
+
+def test_a_read_of_the_owners_that_waited_out_an_outage_restarts_the_heartbeat_settle(
+    tracked_store: Any, clock: FakeClock, dispatch_requests: Any
+) -> None:
+    """A read that waited (a pool's connection, a short outage) and then went through finds every
+    heartbeat as old as its wait and a beat more. A wait of half of dead_after or more restarts
+    the settle, so the silent worker is judged only once beats have had time to come through;
+    with the bound at dead_after itself, a 2 s wait (dead_after 3 s) judged at once."""
+    from stepwarden.store import transitions
+    from stepwarden.supervisor import HEARTBEATS_SETTLE
+
+    dispatch_requests(tracked_store, 1, budget=600.0)
+    asyncio.run(tracked_store.worker_beat("W", ["agent"], ["svc"]))
+    assert len(asyncio.run(tracked_store.claim_requests("W", ["svc"], 1))) == 1
+    got = asyncio.run(tracked_store.acquire_lease("supervisor", "A", 1e6))
+    assert got is not None
+    term = int(got[0])
+    clock.advance(10.0)  # W is silent from here on
+
+    class SlowOwners:
+        """The store, except that reading the owners takes ``slow`` seconds of the clock."""
+
+        slow = 2.0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tracked_store, name)
+
+        async def transact(self, fn: Any, *args: Any, **kw: Any) -> Any:
+            if fn is transitions.owners_in_flight:
+                clock.advance(self.slow)
+            return await tracked_store.transact(fn, *args, **kw)
+
+    slow = SlowOwners()
+    sup = Supervisor(slow, "A", clock=clock, settings=SupervisorSettings(dead_after=3.0))  # type: ignore[arg-type]
+    assert asyncio.run(sup.sweep(term)).rescued == 0, "judged right after a read that waited 2 s"
+    slow.slow = 0.0
+    for _ in range(int(HEARTBEATS_SETTLE) - 1):
+        clock.advance(1.0)
+        assert asyncio.run(sup.sweep(term)).rescued == 0
+    clock.advance(1.0)
+    assert asyncio.run(sup.sweep(term)).rescued == 1  # settled, and W is still silent

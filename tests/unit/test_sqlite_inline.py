@@ -469,3 +469,34 @@ def test_a_long_waiter_keeps_trying_often_while_other_writers_take_turns(tmp_pat
     finally:
         waiter.close()
         writer.close()
+
+
+def test_out_of_wal_mode_a_long_exclusive_holder_slows_the_tries_too(tmp_path: Path) -> None:
+    """Out of WAL mode (a file system without shared memory) a holder of the EXCLUSIVE lock keeps
+    readers out, so the waiter cannot read ``data_version``; taken for a commit, that kept the
+    tries 2 ms apart for as long as a shell's BEGIN EXCLUSIVE or a VACUUM lasted. Two looks in a
+    row that cannot read are one long holder."""
+    from stepwarden.store.sqlite import LOCK_POLL_SLOW, LOCK_WAIT_LONG, _data_version, _LockWaits
+
+    path = tmp_path / "rollback.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA journal_mode=DELETE")
+    holder.execute("CREATE TABLE t (v INTEGER)")
+    waiter = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        holder.execute("INSERT INTO t VALUES (1)")
+        assert _data_version(waiter) is None, "the holder's EXCLUSIVE lock keeps the waiter's read out"
+        waits = _LockWaits()
+        delays: list[float] = []
+        end = time.monotonic() + LOCK_WAIT_LONG + 0.6
+        while time.monotonic() < end:
+            delay = waits.next(waiter)
+            delays.append(delay)
+            time.sleep(delay)
+        assert delays[-1] == pytest.approx(LOCK_POLL_SLOW), delays[-5:]
+    finally:
+        if holder.in_transaction:
+            holder.execute("ROLLBACK")
+        holder.close()
+        waiter.close()

@@ -68,6 +68,7 @@ class _LockWaits:
         self.delay = 0.0001
         self.long_after = time.monotonic() + LOCK_WAIT_LONG
         self.version: int | None = None
+        self.unread = False  # the last look could not read the version
 
     def next(self, conn: sqlite3.Connection) -> float:
         """The wait before the next try on ``conn``, whose try just failed."""
@@ -75,16 +76,25 @@ class _LockWaits:
         cap = 0.002
         if time.monotonic() >= self.long_after:
             version = _data_version(conn)
-            if version is not None and version == self.version:
-                cap = LOCK_POLL_SLOW  # no commit since the last try: one long holder
-            self.version = version
+            if version is None:
+                # Out of WAL mode an EXCLUSIVE (or PENDING) holder keeps readers out: a commit
+                # holds it for a millisecond or so, so two looks in a row that cannot read are
+                # one long holder (a shell's BEGIN EXCLUSIVE, a VACUUM, a large migration).
+                quiet = self.unread
+                self.unread = True
+            else:
+                quiet = version == self.version  # no commit since the last look: one long holder
+                self.unread = False
+                self.version = version
+            if quiet:
+                cap = LOCK_POLL_SLOW
         self.delay = min(self.delay * 1.5, cap)
         return out
 
 
 def _data_version(conn: sqlite3.Connection) -> int | None:
     """SQLite's count of commits by other connections, as this one sees it (None if unreadable:
-    taken as a commit, so the waiter keeps trying often)."""
+    out of WAL mode, while another connection holds the file's EXCLUSIVE lock)."""
     try:
         cur = conn.cursor()
         cur.row_factory = None  # the store's connections make dicts
