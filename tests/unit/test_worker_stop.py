@@ -122,6 +122,24 @@ def test_a_role_or_agent_named_twice_counts_once() -> None:
         WorkerSettings(roles=("scheduler", "schedular", "scheduler"))
 
 
+class FlakyBeats:
+    """The app's store, its heartbeat refused (connection refused) while ``down``; counts both."""
+
+    def __init__(self, app: App) -> None:
+        self.real = app.store.worker_beat
+        self.down = True
+        self.failed = 0
+        self.ok = 0
+        app.store.worker_beat = self.beat  # type: ignore[method-assign]
+
+    async def beat(self, *args: Any, **kw: Any) -> Any:
+        if self.down:
+            self.failed += 1
+            raise ConnectionError("connection refused")
+        self.ok += 1
+        return await self.real(*args, **kw)
+
+
 def test_heartbeats_through_an_outage_log_it_twice_not_each_beat(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -131,27 +149,15 @@ def test_heartbeats_through_an_outage_log_it_twice_not_each_beat(
     caplog.set_level(logging.INFO, logger="stepwarden.worker")
     app = make_app(tmp_path, plain=False)
     worker = app.worker(WorkerSettings(roles=("scheduler",), heartbeat=0.01))
-    beat = app.store.worker_beat
-    down = True
-    beats = {"failed": 0, "ok": 0}
-
-    async def flaky(*args: Any, **kw: Any) -> Any:
-        if down:
-            beats["failed"] += 1
-            raise ConnectionError("connection refused")
-        beats["ok"] += 1
-        return await beat(*args, **kw)
-
-    app.store.worker_beat = flaky  # type: ignore[method-assign]
+    beats = FlakyBeats(app)
 
     async def body() -> None:
-        nonlocal down
         stop = asyncio.Event()
         beating = asyncio.create_task(worker._heartbeat(stop))
         try:
-            await until(lambda: beats["failed"] >= 20, 10)
-            down = False
-            await until(lambda: beats["ok"] >= 2, 5)
+            await until(lambda: beats.failed >= 20, 10)
+            beats.down = False
+            await until(lambda: beats.ok >= 2, 5)
         finally:
             stop.set()
             await asyncio.wait_for(beating, 5)
@@ -171,30 +177,18 @@ def test_the_heartbeat_tells_the_stop_writes_whether_the_store_answers(tmp_path:
     writes their full wait back (the store is back: a write cut short would be lost for nothing)."""
     app = make_app(tmp_path, plain=False)
     worker = app.worker(WorkerSettings(roles=("scheduler",), heartbeat=0.02))
-    beat = app.store.worker_beat
-    down = True
-    beats = {"failed": 0, "ok": 0}
-
-    async def flaky(*args: Any, **kw: Any) -> Any:
-        if down:
-            beats["failed"] += 1
-            raise ConnectionError("connection refused")
-        beats["ok"] += 1
-        return await beat(*args, **kw)
-
-    app.store.worker_beat = flaky  # type: ignore[method-assign]
+    beats = FlakyBeats(app)
 
     async def body() -> None:
-        nonlocal down
         writes = worker.stop_writes
         stop = asyncio.Event()
         beating = asyncio.create_task(worker._heartbeat(stop))
         try:
-            await until(lambda: beats["failed"] >= 1 and not beating.done(), 5)
+            await until(lambda: beats.failed >= 1 and not beating.done(), 5)
             await until(lambda: not writes.answering, 5)
             assert writes.bound == writes.brief
-            down = False
-            await until(lambda: beats["ok"] >= 1, 5)
+            beats.down = False
+            await until(lambda: beats.ok >= 1, 5)
             await until(lambda: writes.answering, 5)
             assert writes.bound == writes.full
         finally:
