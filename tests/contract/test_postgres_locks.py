@@ -134,14 +134,10 @@ def _hold_migration_lock(pg_url: str) -> psycopg.Connection[Any]:
     return holder
 
 
-def test_a_migration_waits_for_another_sessions_migration_and_says_who_holds_it(
-    pg_url: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Two processes starting at once on a fresh database: the second waits for the first's
-    migration, names it while waiting, and goes on once it ends (no lock-timeout error lines)."""
-    store = open_store(pg_url)
+def _migration_thread(store: Any) -> tuple[threading.Thread, list[int | BaseException]]:
+    """``store.migrate()`` on a thread of its own (not started yet), and the list that gets what
+    it returned or raised."""
     assert isinstance(store, PostgresStore)
-    holder = _hold_migration_lock(pg_url)
     done: list[int | BaseException] = []
 
     def migrate() -> None:
@@ -150,7 +146,17 @@ def test_a_migration_waits_for_another_sessions_migration_and_says_who_holds_it(
         except BaseException as e:
             done.append(e)
 
-    th = threading.Thread(target=migrate)
+    return threading.Thread(target=migrate), done
+
+
+def test_a_migration_waits_for_another_sessions_migration_and_says_who_holds_it(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two processes starting at once on a fresh database: the second waits for the first's
+    migration, names it while waiting, and goes on once it ends (no lock-timeout error lines)."""
+    store, holder = open_store(pg_url), _hold_migration_lock(pg_url)
+    th, done = _migration_thread(store)
+
     try:
         with caplog.at_level(logging.WARNING, logger="stepwarden.postgres"):
             th.start()
@@ -176,16 +182,8 @@ def test_a_short_wait_for_another_sessions_migration_is_not_reported(
     """Processes starting together wait for each other's migration, well under a second; each used
     to log a WARNING at its first failed try (and, when the holder had just committed, one naming
     "a session this role cannot see"). The first report comes after a second of waiting."""
-    store = open_store(pg_url)
-    assert isinstance(store, PostgresStore)
-    holder = _hold_migration_lock(pg_url)
-    done: list[int | BaseException] = []
-
-    def migrate() -> None:
-        try:
-            done.append(store.migrate())
-        except BaseException as e:
-            done.append(e)
+    store, holder = open_store(pg_url), _hold_migration_lock(pg_url)
+    th, done = _migration_thread(store)
 
     # Each failed try for the lock looks up its holder: counted, it says the waiter has tried.
     # (pg_stat_activity names the try only for about a millisecond of each quarter second, which
@@ -198,7 +196,6 @@ def test_a_short_wait_for_another_sessions_migration_is_not_reported(
         return look_up(conn)
 
     monkeypatch.setattr(pg_migrate, "_migration_lock_holder", counted)
-    th = threading.Thread(target=migrate)
     try:
         with caplog.at_level(logging.WARNING, logger="stepwarden.postgres"):
             th.start()
