@@ -94,6 +94,16 @@ async def never_leads(ctx: Leadership) -> None:
     raise AssertionError("no lease was acquired")
 
 
+async def keeper_in_its_acquire(store: Any, hung: HungAcquire) -> tuple[asyncio.Event, asyncio.Task[None]]:
+    """A keeper that never leads, started, once its acquire hangs in the store: its stop event
+    and its running task."""
+    stop = asyncio.Event()
+    keeper = LeaseKeeper(store, "probe", "me:1:abc", never_leads, settings=LeaseSettings())
+    running = asyncio.create_task(keeper.run(stop))
+    await asyncio.wait_for(hung.entered.wait(), 5)
+    return stop, running
+
+
 def test_a_keeper_stopped_while_it_campaigns_logs_no_failure(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -104,10 +114,7 @@ def test_a_keeper_stopped_while_it_campaigns_logs_no_failure(
     hung = HungAcquire(store)
 
     async def body() -> None:
-        stop = asyncio.Event()
-        keeper = LeaseKeeper(store, "probe", "me:1:abc", never_leads, settings=LeaseSettings())
-        running = asyncio.create_task(keeper.run(stop))
-        await asyncio.wait_for(hung.entered.wait(), 5)
+        stop, running = await keeper_in_its_acquire(store, hung)
         stop.set()
         await asyncio.wait_for(running, 5)
 
@@ -167,10 +174,7 @@ def test_a_keeper_cancelled_while_its_grant_is_pending_cancels_the_grant(tmp_pat
     hung = HungAcquire(store)
 
     async def body() -> None:
-        stop = asyncio.Event()
-        keeper = LeaseKeeper(store, "probe", "me:1:abc", never_leads, settings=LeaseSettings())
-        running = asyncio.create_task(keeper.run(stop))
-        await asyncio.wait_for(hung.entered.wait(), 5)
+        stop, running = await keeper_in_its_acquire(store, hung)
         if when == "stopping":
             stop.set()  # the keeper now waits a brief bound for the grant
             await asyncio.sleep(0.1)
