@@ -275,7 +275,25 @@ class Replies:
 
     # -- acknowledgement ----------------------------------------------------------------------------
     async def ack(self, msg: ReplyMessage | None = None) -> None:
-        """Acknowledge ``msg`` (default: the last message delivered) and every message before it."""
+        """Acknowledge ``msg`` (default: the last message delivered) and every message before it.
+
+        ``msg`` must be a message this reader delivered: an acknowledgement moves the consumer's
+        durable position, so a message of another queue (or one not delivered yet) would skip
+        the messages before it for good (:class:`InputError`, nothing acknowledged)."""
+        if msg is not None:
+            if not isinstance(msg, ReplyMessage):
+                raise InputError(f"ack takes a ReplyMessage this reader delivered, not {show(msg)}")
+            if msg.queue != self.queue:
+                raise InputError(
+                    f"ack: message {msg.seq} is of reply queue {msg.queue!r}, not {self.queue!r}"
+                    " (this reader's); nothing was acknowledged"
+                )
+            if self.position is None or msg.seq > self.position:
+                raise InputError(
+                    f"ack: message {msg.seq} of {self.queue!r} has not been delivered by this reader"
+                    f" (the last it delivered: {self.position if self.position is not None else 'none'});"
+                    " nothing was acknowledged"
+                )
         target = msg if msg is not None else self._unacked
         if target is None:
             return

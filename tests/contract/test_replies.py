@@ -138,6 +138,48 @@ def test_acknowledgements_are_cumulative_and_never_move_back(store: Store, make_
     assert [m.seq for m in queue(store, "web-1", "m", None)] == [3]
 
 
+def test_ack_of_a_message_not_delivered_by_this_reader_is_refused_and_moves_nothing(
+    store: Store, make_workflow: Factory
+) -> None:
+    """An acknowledgement moves the consumer's durable position: a message of another queue
+    (its seq further on) skipped this queue's unread messages for good, and a wrong type was an
+    AttributeError. Each is an InputError now, and the position stays."""
+    wf = make_workflow("a")
+    submit(store, wf, reply_to="q1")
+    submit(store, wf, reply_to="q2", correlation_id="o-2")
+    submit(store, wf, reply_to="q2", correlation_id="o-3")
+    run_to_end(store)
+    foreign = queue(store, "q2", None, None)[-1]
+    assert foreign.seq > 3
+
+    async def misuse() -> list[int]:
+        r = Replies(store, "q1", "c", auto_ack=False, listen=False, poll_interval=0.005)
+        first = await r.__anext__()
+        with pytest.raises(InputError, match=r"of reply queue 'q2', not 'q1'"):
+            await r.ack(foreign)
+        undelivered = ReplyMessage(
+            queue="q1",
+            seq=first.seq + 1,
+            id=first.id,
+            task_id=first.task_id,
+            correlation_id=None,
+            kind="received",
+            body={},
+            created_at=0.0,
+        )
+        with pytest.raises(InputError, match=r"has not been delivered by this reader"):
+            await r.ack(undelivered)
+        with pytest.raises(InputError, match=r"ack takes a ReplyMessage"):
+            await r.ack(first.seq)  # type: ignore[arg-type]
+        await r.ack(first)
+        await r.aclose()
+        return [first.seq]
+
+    assert asyncio.run(misuse()) == [1]
+    # Only the first was acknowledged: the rest of q1 is still there for consumer "c".
+    assert [m.seq for m in queue(store, "q1", "c", None)] == [2, 3]
+
+
 def test_an_unnamed_reader_reads_from_the_beginning_and_keeps_no_cursor(
     store: Store, make_workflow: Factory
 ) -> None:
