@@ -18,7 +18,7 @@ from .alerts import AlertSink, ack_alert, as_sink
 from .app_transaction import AppTransaction
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, UnknownWorkflow
-from .leader import LeaseSettings, Work, run_while_leader
+from .leader import LeaseSettings, Work, check_leader_arguments, run_while_leader
 from .policies import check_count, check_id, check_number, show
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
 from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
@@ -267,7 +267,10 @@ class App:
         if connection is not None:
             tx = store.tx_on(connection)  # refuses a connection in autocommit mode
             block = AppTransaction(self, connection, tx)
-            yield block
+            try:
+                yield block
+            finally:
+                block._ended_block = True
             block._check_end()
             tx.flush()  # anything kept for the end of the block (each submission wrote its own)
             if hasattr(tx, "send_notifications"):
@@ -279,7 +282,10 @@ class App:
             block = AppTransaction(self, conn, tx, lent=True)
             try:
                 try:
-                    yield block
+                    try:
+                        yield block
+                    finally:
+                        block._ended_block = True
                     block._check_end()
                 except BaseException as e:
                     if store.in_transaction(conn):
@@ -381,18 +387,9 @@ class App:
         """Run ``work(leadership)`` only while this process holds lease ``name`` (LEAD7), until
         ``stop`` is set; see :func:`stepwarden.run_while_leader`. ``holder`` defaults to a fresh
         worker identity ``HOST:PID:RANDOM``. A bad argument raises InputError before campaigning."""
-        check_name("lease name", name)
-        if holder is not None:
-            check_key("lease holder", holder)
-        if not callable(work):
-            raise InputError(f"work must be an async function of the Leadership, not {show(work)}")
-        if not isinstance(stop, asyncio.Event):
-            raise InputError(f"stop must be an asyncio.Event, not {show(stop)}")
-        if settings is not None and not isinstance(settings, LeaseSettings):
-            raise InputError(f"settings must be LeaseSettings or None, not {show(settings)}")
-        await run_while_leader(
-            self.store, name, holder or make_identity(), work, stop, settings=settings, clock=self.clock
-        )
+        holder = make_identity() if holder is None else holder
+        check_leader_arguments(name, holder, work, stop, settings)  # before the store is opened
+        await run_while_leader(self.store, name, holder, work, stop, settings=settings, clock=self.clock)
 
     def worker(self, settings: WorkerSettings | None = None, **kw: Any) -> Worker:
         """A worker of this app: ``settings``, or WorkerSettings made of the keyword arguments."""

@@ -430,6 +430,23 @@ class LeaseKeeper:
                 stopper.cancel()
 
 
+def check_leader_arguments(
+    name: object, holder: object, work: object, stop: object, settings: object
+) -> None:
+    """:class:`InputError` for a bad argument of :func:`run_while_leader`, before anything is
+    opened or written (``App.run_while_leader`` checks them before it opens its store)."""
+    from .workflow import check_key, check_name
+
+    check_name("lease name", name)
+    check_key("lease holder", holder)
+    if not callable(work):
+        raise InputError(f"work must be an async function of the Leadership, not {show(work)}")
+    if not isinstance(stop, asyncio.Event):
+        raise InputError(f"stop must be an asyncio.Event, not {show(stop)}")
+    if settings is not None and not isinstance(settings, LeaseSettings):
+        raise InputError(f"settings must be LeaseSettings or None, not {show(settings)}")
+
+
 async def run_while_leader(
     store: Store,
     name: str,
@@ -440,5 +457,12 @@ async def run_while_leader(
     settings: LeaseSettings | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> None:
-    """Run ``work`` whenever this process holds lease ``name``, cancelled the moment it may not (LEAD7)."""
+    """Run ``work`` whenever this process holds lease ``name``, cancelled the moment it may not (LEAD7).
+
+    A bad argument raises :class:`InputError` before campaigning, writing nothing (a work that
+    returns no awaitable, which only calling it tells, is refused when its first term starts:
+    the term is given up and the lease resigned)."""
+    if not isinstance(store, Store):
+        raise InputError(f"store must be a stepwarden Store (App.store), not {show(store)}")
+    check_leader_arguments(name, holder, work, stop, settings)
     await LeaseKeeper(store, name, holder, work, settings=settings, clock=clock).run(stop)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+import stepwarden
 from stepwarden import App, FakeClock, InputError, WorkerSettings
 from stepwarden.agent import Agent, AgentSettings
 from stepwarden.alerts import ack_alert
@@ -398,6 +399,57 @@ def test_run_while_leader_checks_its_arguments_before_campaigning(
 
     _raises(lambda: asyncio.run(call()), message)
     assert list(tmp_path.iterdir()) == []
+
+
+NAME_RULE = "use 1-128 letters, digits, '_', '.', ':' or '-', starting with a letter or digit"
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"name": ""}, f"invalid lease name '': {NAME_RULE}"),
+        ({"name": 5}, f"invalid lease name 5: {NAME_RULE}"),
+        ({"holder": None}, "invalid lease holder None: use 1-255 printable characters"),
+        ({"holder": 12}, "invalid lease holder 12: use 1-255 printable characters"),
+        ({"work": 5}, "work must be an async function of the Leadership, not 5"),
+        ({"stop": None}, "stop must be an asyncio.Event, not None"),
+        ({"settings": {"ttl": 1}}, "settings must be LeaseSettings or None, not {'ttl': 1}"),
+        ({"store": "sqlite:///x.db"}, "store must be a stepwarden Store (App.store), not 'sqlite:///x.db'"),
+    ],
+)
+def test_the_public_run_while_leader_checks_its_arguments_before_campaigning(
+    tmp_path: Path, kw: dict[str, Any], message: str
+) -> None:
+    """``stepwarden.run_while_leader`` (in ``__all__``) checked nothing: a name of '' or 5 was
+    written as a lease, a holder of None campaigned forever logging a "store" failure (NOT
+    NULL), and work=5, stop=None or settings={} failed inside the lease loop. Now each is one
+    InputError and no lease is written."""
+    app = App(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        args: dict[str, Any] = {
+            "store": app.store,
+            "name": "jobs",
+            "holder": "me",
+            "work": _work,
+            "stop": asyncio.Event(),
+            **kw,
+        }
+
+        async def call() -> None:
+            await stepwarden.run_while_leader(
+                args.pop("store"),
+                args.pop("name"),
+                args.pop("holder"),
+                args.pop("work"),
+                args.pop("stop"),
+                **args,
+            )
+
+        _raises(lambda: asyncio.run(call()), message)
+        written = app.store.transact_sync(lambda tx: tx.sql("SELECT COUNT(*) AS n FROM lease_terms"))
+        assert written[0]["n"] == 0
+    finally:
+        app.close()
 
 
 def test_worker_refuses_settings_of_the_wrong_type_or_given_twice() -> None:
