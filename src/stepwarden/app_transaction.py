@@ -5,6 +5,7 @@ transaction itself (a COMMIT or ROLLBACK), which would otherwise commit part of 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sqlite3
 from collections.abc import Sequence
@@ -52,6 +53,9 @@ class AppTransaction:
         # failed keep the write lock). A lent SQLite connection is in autocommit mode, where an
         # end is found as the transaction being closed.
         self._mark: str | None = None
+        self._ended_block = False  # set when the with block ends: the handle is no use after it
+        if not lent:
+            self._check_same_database()
         self._mark_block()
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
@@ -61,6 +65,7 @@ class AppTransaction:
         On PostgreSQL it is never prepared on the server: a lent session outlives the block, and
         a statement psycopg had prepared on it would fail ("cached plan must not change result
         type") once your schema changed under it."""
+        self._check_in_block()
         conn = self.connection
         was_open = self._open_now()
         if self._opened and not was_open:
@@ -98,6 +103,7 @@ class AppTransaction:
         transaction that read before another connection's last write cannot take the lock:
         :class:`~stepwarden.errors.StoreError`, as for a lock that stays taken. A failed check
         rolls back the transaction the fence began, holding nothing."""
+        self._check_in_block()
         if not isinstance(lead, Leadership):
             raise InputError(f"fence takes the Leadership your leader work was given, not {show(lead)}")
         if self._opened and not self._open_now():
@@ -124,6 +130,7 @@ class AppTransaction:
         priority: int = 0,
         reply_to: str | None = None,
     ) -> int:
+        self._check_in_block()
         text, kw = self.app._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
         if self._opened and not self._open_now():
             raise self._ended_error()  # ended on the connection itself: nothing written after it
@@ -144,14 +151,76 @@ class AppTransaction:
             self._submitted.append(task_id)
         return task_id
 
+    def _check_in_block(self) -> None:
+        """Refuse a use of the handle after its ``with`` block: its connection may be lent to
+        another block by then (another request's, in a web server), whose transaction the task
+        would join, commit with or be rolled back with."""
+        if self._ended_block:
+            raise InputError(
+                "this app.transaction() block has ended: use its handle inside the with block only"
+            )
+
+    def _check_same_database(self) -> None:
+        """The caller's own connection must be to the app's store: a task written in another
+        database (another store, or one with no stepwarden schema) would never be seen by this
+        app's workers, nor by the app itself. On SQLite, the connection's main file, which
+        ``PRAGMA database_list`` names without reading the database (a read would take a snapshot
+        in the caller's transaction); on PostgreSQL the store's identity row, read as the block
+        marks its transaction (see ``_mark_block``)."""
+        store = self.app.store
+        if store.dialect == "postgres":
+            return
+        cur = self.connection.cursor()
+        cur.row_factory = None  # the caller's factory may not give tuples
+        files = [row[2] for row in cur.execute("PRAGMA database_list") if row[1] == "main"]
+        theirs = files[0] if files else ""
+        try:
+            same = bool(theirs) and os.path.samefile(theirs, getattr(store, "path", ""))
+        except OSError:
+            same = False
+        if not same:
+            where = show(theirs) if theirs else "a database in memory"
+            raise InputError(
+                f"app.transaction(connection): the connection is to {where}, not to this app's"
+                f" store {show(getattr(store, 'path', store.url))}; nothing was written"
+            )
+
     def _mark_block(self) -> None:
-        """Mark the transaction the block begins in (see ``_mark``), before its first statement."""
+        """Mark the transaction the block begins in (see ``_mark``), before its first statement;
+        on the caller's own PostgreSQL connection the same statement reads the store's identity,
+        to check that it is the app's store."""
         if self.app.store.dialect == "postgres":
             self._mark = secrets.token_hex(8)
-            self._tx.sql("SELECT set_config('stepwarden.block', ?, true)", (self._mark,))
+            if self._lent:
+                self._tx.sql("SELECT set_config('stepwarden.block', ?, true)", (self._mark,))
+            else:
+                self._mark_own_postgres()
             self._opened = True
         else:
             self._mark_sqlite()
+
+    def _mark_own_postgres(self) -> None:
+        ours = self.app.store.identity_sync()
+        try:
+            rows = self._tx.sql(
+                "SELECT set_config('stepwarden.block', ?, true) AS mark,"
+                " (SELECT id FROM store_identity) AS store",
+                (self._mark,),
+            )
+        except Exception as e:
+            if getattr(e, "sqlstate", None) != "42P01":  # undefined_table
+                raise
+            raise InputError(
+                "app.transaction(connection): the connection's database has no stepwarden store"
+                " (no table store_identity); pass a connection to this app's database (your"
+                " transaction on it is aborted: roll it back)"
+            ) from None
+        theirs = rows[0]["store"] if rows else None
+        if theirs != ours:
+            raise InputError(
+                f"app.transaction(connection): the connection is to another stepwarden store"
+                f" (store id {theirs}), not this app's ({ours}); nothing was written"
+            )
 
     def _mark_sqlite(self) -> None:
         """The caller's own sqlite3 connection: a savepoint in its transaction, once one is open

@@ -6,6 +6,7 @@ theirs committed, and that whole."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 import time
@@ -17,6 +18,7 @@ import pytest
 from test_transactions import make_app, ph  # the same one-step order app
 
 from stepwarden import App, InputError, StoreError
+from stepwarden.store import open_store
 from stepwarden.store.base import read_only
 
 TABLES = ("tasks", "steps", "events", "messages", "orders")
@@ -166,6 +168,96 @@ def test_a_connection_in_autocommit_mode_is_refused_before_anything_is_written(
         conn.close()
 
 
+# -- a connection to another database, a handle used after its block ---------------------------
+
+
+def _tasks_in(conn: Any) -> int:
+    """The tasks a database holds, read on a connection to it (committed and its own)."""
+    return int(conn.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
+
+
+def test_a_connection_to_another_database_is_refused_before_anything_is_written(
+    app: App, store_url: str, tmp_path: Any, request: pytest.FixtureRequest
+) -> None:
+    """A task written through a connection to another store would be seen by that store's
+    workers (which may not run its workflow), never by this app; one to a database with no
+    schema failed deep inside the library. Both are refused with one InputError, writing nothing
+    in either database."""
+    if store_url.startswith("sqlite:///"):
+        other_path = tmp_path / "other.db"
+        open_store(f"sqlite:///{other_path}").close()  # another store: migrated, its own identity
+        other = sqlite3.connect(other_path)
+        plain = sqlite3.connect(tmp_path / "plain.db")  # no schema at all
+        cases = [(other, "not to this app's store"), (plain, "not to this app's store")]
+        cases.append((sqlite3.connect(":memory:"), "to a database in memory"))
+    else:
+        make = request.getfixturevalue("make_pg_db")
+        other_url = make()  # a copy of the same template: given an identity of its own, as a copy must be
+        with psycopg.connect(other_url, autocommit=True) as admin:
+            admin.execute("UPDATE store_identity SET id = 'another-store'")
+        other = psycopg.connect(other_url)
+        plain = psycopg.connect(make(empty=True))
+        cases = [(other, "another stepwarden store"), (plain, "has no stepwarden store")]
+    try:
+        for conn, why in cases:
+            with pytest.raises(InputError, match=why), app.transaction(conn) as tx:
+                tx.submit("order", {"order": "o-1"})
+            if isinstance(conn, sqlite3.Connection):
+                conn.rollback()
+            else:
+                conn.rollback()  # psycopg: the refused block's statement aborted the transaction
+        assert _tasks_in(other) == 0, "the task was written in the other store"
+        assert counts(app) == NOTHING
+        # The app's own database, through a connection of the caller's, is welcome.
+        mine = own_connection(store_url, autocommit=False)
+        try:
+            with app.transaction(mine) as tx:
+                tx.submit("order", {"order": "o-2"})
+            mine.commit()
+        finally:
+            mine.close()
+        assert counts(app)["tasks"] == 1
+    finally:
+        for conn, _ in cases:
+            conn.close()
+
+
+def test_a_connection_of_another_driver_is_an_input_error(app: App, store_url: str) -> None:
+    wrong: Any = object() if store_url.startswith("sqlite:///") else sqlite3.connect(":memory:")
+    with pytest.raises(InputError, match=r"needs a (sqlite3|psycopg)"), app.transaction(wrong):
+        pass
+    assert counts(app) == NOTHING
+
+
+@pytest.mark.parametrize("lent", [True, False], ids=["lent", "own"])
+def test_the_handle_of_an_ended_block_refuses_to_be_used(app: App, store_url: str, lent: bool) -> None:
+    """A handle kept past its block wrote into whichever block was lent the same connection
+    next (another request's, in a web server): committed or rolled back with it. Now every use
+    of it is an InputError, inside a later block too, and that block is left as it was."""
+    conn = None if lent else own_connection(store_url, autocommit=False)
+    try:
+        with app.transaction(conn) as old:
+            old.submit("order", {"order": "o-1"})
+        if conn is not None:
+            conn.commit()
+        for use in (
+            lambda: old.submit("order", {"order": "late"}),
+            lambda: old.execute("SELECT 1"),
+        ):
+            with pytest.raises(InputError, match=r"block has ended"):
+                use()
+            with app.transaction(conn) as tx:  # the next block, perhaps on the same connection
+                tx.submit("order", {"order": "o-2"})
+                with pytest.raises(InputError, match=r"block has ended"):
+                    use()
+            if conn is not None:
+                conn.commit()
+        assert counts(app)["tasks"] == 3, "a late use of the old handle wrote a task"
+    finally:
+        if conn is not None:
+            conn.close()
+
+
 # -- a block inside a block ---------------------------------------------------------------------
 
 
@@ -225,6 +317,63 @@ def test_sqlite_app_submit_inside_a_block_fails_at_once_and_reads_do_not_wait(tm
         assert counts(app)["tasks"] == 1, "the block and the inner submission were both rolled back"
     finally:
         app.close()
+
+
+def test_sqlite_submit_async_inside_a_block_fails_at_once_and_another_task_waits_for_the_block(
+    tmp_path: Any,
+) -> None:
+    """In an async handler, ``await app.submit_async`` inside the handler's block went to the
+    store's thread and waited busy_timeout (30 s) for the lock its own block holds, then blamed
+    "another writer". It is refused at once; another task of the same loop that submits while
+    the block awaits (a worker's role, another request) still waits for the block and succeeds."""
+    path = tmp_path / "store.db"
+    app = make_app(f"sqlite:///{path}")
+
+    async def handler() -> None:
+        with app.transaction() as tx:
+            tx.submit("order", {"order": "o-1"})
+            await app.submit_async("order", {"order": "o-2"})
+
+    async def beside() -> tuple[int, float]:
+        block_open = asyncio.Event()
+        release = asyncio.Event()
+
+        async def in_block() -> None:
+            with app.transaction() as tx:
+                tx.submit("order", {"order": "o-3"})
+                block_open.set()
+                await release.wait()
+
+        holder = asyncio.create_task(in_block())
+        await block_open.wait()
+        other = asyncio.create_task(app.submit_async("order", {"order": "o-4"}))
+        await asyncio.sleep(0.3)
+        assert not other.done(), "the other task's submission did not wait for the block"
+        release.set()
+        await holder
+        started = time.monotonic()
+        task_id = await asyncio.wait_for(other, 10)
+        return task_id, time.monotonic() - started
+
+    try:
+        app.store.busy_timeout = 3.0  # type: ignore[attr-defined]  # the old wait, shorter
+        started = time.monotonic()
+        with pytest.raises(InputError, match=r"in the same task, would wait for the block's own write lock"):
+            asyncio.run(handler())
+        assert time.monotonic() - started < 1.0, "waited for the lock"
+        assert counts_tasks(app) == 0, "the block was not rolled back"
+        task_id, _ = asyncio.run(beside())
+        assert counts_tasks(app) == 2 and task_id > 0
+    finally:
+        app.close()
+
+
+def counts_tasks(app: App) -> int:
+    @read_only
+    def read(tx: Any) -> int:
+        return int(tx.sql("SELECT COUNT(*) AS n FROM tasks")[0]["n"])
+
+    return app.store.transact_sync(read)
 
 
 def test_sqlite_a_block_that_cannot_take_the_write_lock_is_a_store_error_naming_the_store(

@@ -148,6 +148,12 @@ class Store:
             self.known_identity = await self.transact(read_identity)
         return self.known_identity
 
+    def identity_sync(self) -> str:
+        """:meth:`identity`, from plain code."""
+        if self.known_identity is None:
+            self.known_identity = self.transact_sync(read_identity)
+        return self.known_identity
+
     def workflow_sync(self, name: str) -> Workflow:
         row = self.transact_sync(lambda tx: tx.one("get_workflow", name=name))
         if row is None:

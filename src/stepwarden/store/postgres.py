@@ -413,7 +413,10 @@ class PostgresStore(Store):
     def tx_on(self, conn: Any) -> PgTx:
         """A :class:`Tx` over the caller's psycopg connection, inside the caller's transaction (SUB2)."""
         if psycopg is None or not isinstance(conn, psycopg.Connection):
-            raise TypeError("the PostgreSQL store needs a psycopg (3) connection to the same database")
+            raise InputError(
+                "app.transaction(connection): the PostgreSQL store needs a psycopg (3) connection"
+                f" to its database, not a {type(conn).__name__}"
+            )
         if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
             raise InputError(
                 "app.transaction(connection): the psycopg connection is in autocommit mode and not"

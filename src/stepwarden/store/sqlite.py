@@ -30,7 +30,7 @@ from .base import timed
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
 from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
-from .sqlite_lent import CALLER_IDLE_MAX, caller_pragmas, open_blocks
+from .sqlite_lent import CALLER_IDLE_MAX, caller_pragmas, current_task, open_blocks
 from .sqlite_tx import SqliteTx, dict_row
 from .sqlite_watch import watch_data_version
 
@@ -115,6 +115,14 @@ class _StoreConnection(sqlite3.Connection):
 
     wal = False
     busy_off = False
+
+
+# A write from the code inside an app.transaction() block on the same file (app.submit in the
+# block's thread, app.submit_async in its task) would wait for the block's own write lock.
+WRITE_IN_BLOCK = (
+    "a write to the SQLite store inside an app.transaction() block on it, in the same {where},"
+    " would wait for the block's own write lock: use the block's tx.submit"
+)
 
 
 class SQLiteStore(Store):
@@ -211,12 +219,12 @@ class SQLiteStore(Store):
                 self._pristine = caller_pragmas(conn)
         file, blocks = self._file, open_blocks()
         if file is not None:
-            blocks.add(file)
+            blocks[file] = current_task()
         try:
             yield conn
         finally:
             if file is not None:
-                blocks.discard(file)
+                blocks.pop(file, None)
             if not self._keep(conn):
                 with contextlib.suppress(sqlite3.Error):
                     conn.close()
@@ -324,10 +332,7 @@ class SQLiteStore(Store):
             if self._in_block():
                 # app.submit (or any write) inside app.transaction() on this file, same thread:
                 # it would wait busy_timeout for the write lock its own thread's block holds.
-                raise InputError(
-                    "a write to the SQLite store inside an app.transaction() block on it, in the same"
-                    " thread, would wait for the block's own write lock: use the block's tx.submit"
-                )
+                raise InputError(WRITE_IN_BLOCK.format(where="thread"))
             if isinstance(conn, _StoreConnection):
                 self._take_write_lock(conn, self._own_write_lock)
             else:  # a plain connection handed to transact_on: as a caller's
@@ -373,8 +378,16 @@ class SQLiteStore(Store):
         ``LOCK_POLL_SLOW`` apart), up to
         ``busy_timeout`` (or the bound a stopping worker sets) as :meth:`begin` does. Inside an
         ``app.transaction()`` block open in this thread it goes to the store's thread, which
-        waits for the block's lock instead of refusing."""
-        if not (self.inline and getattr(fn, "stepwarden_hot", False)) or self._in_block():
+        waits for the block's lock instead of refusing; a write from the task that opened the
+        block (``submit_async`` inside it) is refused at once (:class:`InputError`): it would
+        wait for the lock its own task holds."""
+        if self._in_block():
+            if not getattr(fn, "stepwarden_read_only", False) and self._block_of_this_task():
+                # submit_async inside the block, from the block's own task: its store thread
+                # would wait busy_timeout for the lock this task holds, then blame "another writer".
+                raise InputError(WRITE_IN_BLOCK.format(where="task"))
+            return await super().transact(fn, *args, **kwargs)
+        if not (self.inline and getattr(fn, "stepwarden_hot", False)):
             return await super().transact(fn, *args, **kwargs)
         started = time.monotonic()
         run = timed(fn, self.clock.monotonic(), self.clock)
@@ -409,7 +422,10 @@ class SQLiteStore(Store):
     def tx_on(self, conn: Any) -> SqliteTx:
         """A :class:`Tx` over a connection whose transaction the caller manages (SUB2)."""
         if not isinstance(conn, sqlite3.Connection):
-            raise TypeError("the SQLite store needs a sqlite3.Connection to the same database file")
+            raise InputError(
+                "app.transaction(connection): the SQLite store needs a sqlite3.Connection to its"
+                f" database file, not a {type(conn).__name__}"
+            )
         if not conn.in_transaction and (
             getattr(conn, "autocommit", None) is True or conn.isolation_level is None
         ):
@@ -551,6 +567,14 @@ class SQLiteStore(Store):
     def _in_block(self) -> bool:
         """This thread has an app.transaction() block open on this store's file (the write lock)."""
         return self._file is not None and self._file in open_blocks()
+
+    def _block_of_this_task(self) -> bool:
+        """The block open on this store's file in this thread was opened by the running asyncio
+        task: a write it awaits cannot begin before the block, which this task holds, ends.
+        Another task of the loop (a worker's role beside a handler that awaits inside its
+        block) waits for the block instead."""
+        owner = open_blocks().get(self._file or "")
+        return owner is not None and owner is current_task()
 
     def limit_lock_waits(self, seconds: float) -> None:
         # Only BEGIN waits for the write lock (every statement after it holds it), and that wait

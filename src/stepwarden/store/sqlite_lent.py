@@ -5,18 +5,28 @@ settings a connection must still have when it is given back to be lent again.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 from typing import Any
 
 CALLER_IDLE_MAX = 4  # connections kept for callers' transactions between their blocks
-# Per thread, the SQLite files (real paths) on which it has an app.transaction() block open.
+# Per thread, the SQLite files (real paths) on which it has an app.transaction() block open,
+# each with the asyncio task that opened it (None outside a running loop).
 _BLOCKS = threading.local()
 
 
-def open_blocks() -> set[str]:
-    files: set[str] = _BLOCKS.__dict__.setdefault("files", set())
+def open_blocks() -> dict[str, object]:
+    files: dict[str, object] = _BLOCKS.__dict__.setdefault("files", {})
     return files
+
+
+def current_task() -> object:
+    """The running asyncio task of this thread, or None: who opened a block, or asks to write."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop in this thread
+        return None
 
 
 # The settings that live on a connection and that a caller's block could change (locking_mode
