@@ -241,7 +241,9 @@ class App:
         already inside your transaction, or one its driver starts a transaction on): tasks are
         written in your transaction, and you commit or roll back as usual. A connection in
         autocommit mode outside a transaction is refused (:class:`InputError`) before anything
-        is written: the task would be committed statement by statement.
+        is written: the task would be committed statement by statement. So is one to another
+        database (another store, or none): its workers, not this app's, would see the task.
+        The handle ``tx`` is for inside the block: used after it, :class:`InputError`.
 
         The block must not end the transaction itself (``COMMIT`` or ``ROLLBACK``, in SQL or on
         the connection): that raises :class:`StoreError` (at once through ``tx.execute``, else at
