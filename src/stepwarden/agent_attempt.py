@@ -35,7 +35,7 @@ import inspect
 import random
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ from .agent_health import AgentHealth
 from .agent_settings import MIN_TRY_LEFT, AgentSettings
 from .classify import PERMANENT, error_text, judge, shown
 from .clock import Clock
+from .daemon_pool import DaemonPool
 from .errors import InputError, Permanent, Transient
 from .store import RequestMsg
 from .tracing import AttemptSpan, NoAttempt
@@ -150,11 +151,10 @@ class Attempts:
         self.on_loop = {
             name: {op: is_async(h) for op, h in a.operations.items()} for name, a in agents.items()
         }
-        # One pool per agent, as many threads as its slots (``threads`` overrides, for tests).
+        # One pool per agent, as many threads as its slots (``threads`` overrides, for tests);
+        # daemon threads, which a call that never returns does not keep from the process's exit.
         self.pools = {
-            name: ThreadPoolExecutor(
-                max_workers=threads or a.concurrency, thread_name_prefix=f"stepwarden-agent-{name}"
-            )
+            name: DaemonPool(threads or a.concurrency, f"stepwarden-agent-{name}")
             for name, a in agents.items()
         }
 
