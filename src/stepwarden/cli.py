@@ -516,7 +516,11 @@ def demo(
     except DemoStopped as e:  # SIGTERM or SIGHUP: every process it started is stopped
         click.echo(f"error: {_one_line(str(e))}", err=True)
         ctx.exit(128 + e.signum)  # as a shell reports a process ended by that signal
-    ctx.exit(0 if ok else 1)
+    if not ok:
+        # The summary (stdout) says what failed; stderr has its one line, as for every failure.
+        click.echo("error: the demo's ledger check failed: see the summary for what", err=True)
+        ctx.exit(1)
+    ctx.exit(0)
 
 
 from .dashboard.command import dashboard as _dashboard  # noqa: E402 - click only; the extra loads lazily

@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .clock import SYSTEM_CLOCK, Clock, sleep_or_wake
-from .errors import InputError, NotFound
+from .errors import InputError, NotFound, StoreError
 from .policies import check_count, check_seconds, show
 from .store import FINAL_TASK_STATES, Store
 from .store.base import Row, Tx, read_only
@@ -141,6 +141,22 @@ def cursors(tx: Tx, queue: str) -> list[Row]:
     return tx.all("reply_cursors_of_queue", queue=queue)
 
 
+def _denied(e: BaseException) -> bool:
+    """The store refused a write for lack of rights (a read-only PostgreSQL role, a SQLite file
+    opened read-only): found by its code, as each driver gives it."""
+    link: BaseException | None = e
+    for _ in range(4):  # the store may have said it in its own words, the driver's error the cause
+        if link is None:
+            return False
+        if getattr(link, "sqlstate", None) == "42501":  # insufficient_privilege
+            return True
+        code = getattr(link, "sqlite_errorcode", None)
+        if isinstance(code, int) and code & 0xFF == 8:  # SQLITE_READONLY
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
 # -- the consumer ---------------------------------------------------------------------------------
 
 
@@ -226,6 +242,12 @@ class Replies:
             try:
                 got = await self._fetch()
             except Exception as e:  # the store is down: back off and keep trying (REL3)
+                if _denied(e):  # not an outage: waiting would change nothing
+                    raise StoreError(
+                        f"reply queue {self.queue}: the store refused the read: {e}; reading a"
+                        " reply queue gives new messages their positions (and records a named"
+                        " consumer's), which needs the right to write them, not only SELECT"
+                    ) from e
                 log.warning("reply queue %s: read failed: %r", self.queue, e)
                 got = 0
                 idle = self.idle_poll_max

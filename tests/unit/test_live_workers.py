@@ -16,11 +16,11 @@ def test_only_workers_not_stopped_with_a_fresh_heartbeat_count(store: Store, clo
     asyncio.run(beat("old:1:aaaaaa", ["scheduler"], []))
     asyncio.run(beat("gone:2:bbbbbb", ["agent"], ["svc"]))
     asyncio.run(beat("gone:2:bbbbbb", ["agent"], ["svc"], stopped=True))
-    assert store.transact_sync(views.live_workers, 3.0) == 1, "a stopped worker is not live"
+    assert store.transact_sync(views.live_workers, 3.0) == ["old:1:aaaaaa"], "a stopped worker is not live"
     clock.advance(5.0)  # the database clock: the first one's heartbeat is now 5 s old
     asyncio.run(beat("new:3:cccccc", ["agent"], ["svc"]))
-    assert store.transact_sync(views.live_workers, 3.0) == 1, "only the fresh heartbeat counts"
-    assert store.transact_sync(views.live_workers, 10.0) == 2
+    assert store.transact_sync(views.live_workers, 3.0) == ["new:3:cccccc"], "only the fresh heartbeat counts"
+    assert store.transact_sync(views.live_workers, 10.0) == ["new:3:cccccc", "old:1:aaaaaa"]
 
 
 def test_a_worker_killed_without_a_word_leaves_the_metrics_but_stays_listed_as_silent(

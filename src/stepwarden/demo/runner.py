@@ -19,9 +19,11 @@ from typing import IO, Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ..logs import safe_text
 from ..store import FINAL_TASK_STATES, Store, open_store, views
 from ..store.base import redact_url
 from ..store.core import _register
@@ -235,10 +237,13 @@ def _run(
     first_event = store.transact_sync(views.max_event_id)
     others = store.transact_sync(views.live_workers, SupervisorSettings().dead_after)
     if others:
-        out.print(
-            f"[yellow]warning[/]: {others} worker(s) not started by the demo are live on this store; "
-            "they may take the demo's steps, and its ledger check would then fail",
+        named = ", ".join(escape(safe_text(w)) for w in others[:5]) + (", ..." if len(others) > 5 else "")
+        Console(stderr=True).print(  # on stderr, as any warning: --json's stdout stays one object
+            f"[yellow]warning[/]: {len(others)} worker(s) not started by the demo are live on this"
+            f" store ({named}); they may take the demo's steps, and its ledger check would then fail",
             soft_wrap=True,
+            markup=True,
+            highlight=False,
         )
     if not o.as_json:
         out.print(

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sqlite3
@@ -114,7 +115,27 @@ def _sqlite_version(path: str, where: str) -> int | None:
     Only a file that is no database, or one whose tables are not ours (``SQLITE_NOTADB``, a
     plain SQL error such as a missing column), is "not a stepwarden store": a store that this user
     may not read as it stands (its permissions, its folder's, a lock) is one, and the line says
-    why it cannot be read instead."""
+    why it cannot be read instead.
+
+    A read-only connection to a file in WAL mode creates its ``-wal`` and ``-shm`` files and
+    cannot remove them as it closes: when it made them, a plain connection reads the schema and
+    closes, the last one on the file, which removes them as it would have (nothing is written:
+    the log is empty). A store that is refused (another schema version) is left as it was found."""
+    sides = [Path(path + suffix) for suffix in ("-wal", "-shm")]
+    had = [side.exists() for side in sides]
+    try:
+        return _read_sqlite_version(path, where)
+    finally:
+        if any(side.exists() and not existed for side, existed in zip(sides, had, strict=True)):
+            with contextlib.suppress(sqlite3.Error):
+                tidy = sqlite3.connect(path)
+                try:
+                    tidy.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+                finally:
+                    tidy.close()
+
+
+def _read_sqlite_version(path: str, where: str) -> int | None:
     try:
         conn = sqlite3.connect(Path(path).absolute().as_uri() + "?mode=ro", uri=True)
     except sqlite3.Error as e:

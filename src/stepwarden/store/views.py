@@ -236,11 +236,11 @@ def list_leases(tx: Tx) -> list[dict[str, Any]]:
 
 
 @read_only
-def live_workers(tx: Tx, within: float) -> int:
-    """Workers not stopped whose heartbeat is under ``within`` seconds old, by the database's
-    clock (a supervisor presumes the others dead: see ``liveness``)."""
-    sql = "SELECT COUNT(*) AS n FROM workers WHERE stopped_at IS NULL AND heartbeat_at > ?"
-    return int(tx.sql(sql, (_db_now(tx) - within,))[0]["n"])
+def live_workers(tx: Tx, within: float) -> list[str]:
+    """The ids of the workers not stopped whose heartbeat is under ``within`` seconds old, by
+    the database's clock (a supervisor presumes the others dead: see ``liveness``)."""
+    sql = "SELECT id FROM workers WHERE stopped_at IS NULL AND heartbeat_at > ? ORDER BY id"
+    return [str(r["id"]) for r in tx.sql(sql, (_db_now(tx) - within,))]
 
 
 def _db_now(tx: Tx) -> float:
