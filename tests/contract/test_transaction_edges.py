@@ -183,6 +183,9 @@ def test_a_connection_to_another_database_is_refused_before_anything_is_written(
     workers (which may not run its workflow), never by this app; one to a database with no
     schema failed deep inside the library. Both are refused with one InputError, writing nothing
     in either database."""
+    other: Any
+    plain: Any
+    cases: list[tuple[Any, str]]
     if store_url.startswith("sqlite:///"):
         other_path = tmp_path / "other.db"
         open_store(f"sqlite:///{other_path}").close()  # another store: migrated, its own identity
@@ -202,10 +205,7 @@ def test_a_connection_to_another_database_is_refused_before_anything_is_written(
         for conn, why in cases:
             with pytest.raises(InputError, match=why), app.transaction(conn) as tx:
                 tx.submit("order", {"order": "o-1"})
-            if isinstance(conn, sqlite3.Connection):
-                conn.rollback()
-            else:
-                conn.rollback()  # psycopg: the refused block's statement aborted the transaction
+            conn.rollback()  # on PostgreSQL the refused block's statement aborted the transaction
         assert _tasks_in(other) == 0, "the task was written in the other store"
         assert counts(app) == NOTHING
         # The app's own database, through a connection of the caller's, is welcome.
