@@ -32,11 +32,11 @@ import logging
 import random
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .clock import SYSTEM_CLOCK, Clock
+from .daemon_pool import DaemonPool
 from .errors import InputError, LostOwnership, NotFound
 from .leader import Leadership
 from .policies import Backoff, check_count, check_seconds, show
@@ -246,11 +246,13 @@ class CallableSink(_Sink):
         default = f"callable:{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
         super().__init__(name or _sink_name(default), timeout, backoff, max_attempts)
         self.fn = fn
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
 
-    def _threads(self) -> ThreadPoolExecutor:
+    def _threads(self) -> DaemonPool:
+        # Daemon threads, as the agents' (daemon_pool.py): a sink stuck for good does not hold
+        # an application's exit.
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=SINK_THREAD_PREFIX)
+            self._pool = DaemonPool(2, SINK_THREAD_PREFIX)
         return self._pool
 
     def close(self) -> None:

@@ -172,8 +172,9 @@ class AppTransaction:
             return
         cur = self.connection.cursor()
         cur.row_factory = None  # the caller's factory may not give tuples
-        files = [row[2] for row in cur.execute("PRAGMA database_list") if row[1] == "main"]
-        theirs = files[0] if files else ""
+        # The main database is seq 0 (its name may come as bytes: the caller's text_factory).
+        files = [row[2] for row in cur.execute("PRAGMA database_list") if row[0] == 0]
+        theirs = os.fsdecode(files[0]) if files and files[0] else ""
         try:
             same = bool(theirs) and os.path.samefile(theirs, getattr(store, "path", ""))
         except OSError:
@@ -187,8 +188,7 @@ class AppTransaction:
 
     def _mark_block(self) -> None:
         """Mark the transaction the block begins in (see ``_mark``), before its first statement;
-        on the caller's own PostgreSQL connection the same statement reads the store's identity,
-        to check that it is the app's store."""
+        on the caller's own PostgreSQL connection, then check that it is the app's store."""
         if self.app.store.dialect == "postgres":
             self._mark = secrets.token_hex(8)
             if self._lent:
@@ -200,22 +200,28 @@ class AppTransaction:
             self._mark_sqlite()
 
     def _mark_own_postgres(self) -> None:
-        ours = self.app.store.identity_sync()
-        try:
-            rows = self._tx.sql(
-                "SELECT set_config('stepwarden.block', ?, true) AS mark,"
-                " (SELECT id FROM store_identity) AS store",
-                (self._mark,),
-            )
-        except Exception as e:
-            if getattr(e, "sqlstate", None) != "42P01":  # undefined_table
-                raise
+        """The mark, and whether the database holds a stepwarden store the caller may read the
+        identity of, in one statement that fails on no database (no table is named in it: a
+        missing one would abort the caller's transaction); then the identity, compared with
+        the app's. A role that may write the tables but not read ``store_identity`` is not
+        checked: the submission itself never reads that table."""
+        rows = self._tx.sql(
+            "SELECT set_config('stepwarden.block', ?, true) AS mark,"
+            " to_regclass('store_identity') IS NOT NULL AS present,"
+            " COALESCE(has_table_privilege(to_regclass('store_identity'), 'SELECT'), false) AS readable",
+            (self._mark,),
+        )
+        if not rows[0]["present"]:
             raise InputError(
                 "app.transaction(connection): the connection's database has no stepwarden store"
-                " (no table store_identity); pass a connection to this app's database (your"
-                " transaction on it is aborted: roll it back)"
-            ) from None
-        theirs = rows[0]["store"] if rows else None
+                " (no table store_identity); pass a connection to this app's database; nothing"
+                " was written"
+            )
+        if not rows[0]["readable"]:
+            return
+        ours = self.app.store.identity_sync()
+        found = self._tx.sql("SELECT id FROM store_identity")
+        theirs = found[0]["id"] if found else None
         if theirs != ours:
             raise InputError(
                 f"app.transaction(connection): the connection is to another stepwarden store"

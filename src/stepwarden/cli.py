@@ -377,10 +377,15 @@ def _metrics_host(value: str | None) -> str:
 def _exit_despite_stuck_threads() -> None:
     """A plain-function operation cannot be interrupted; once the worker has released its
     attempts and resigned, do not let such a thread keep the process alive past SIGTERM."""
+    # The agents' and the sinks' threads are daemon threads (daemon_pool.py), named for them;
+    # any other thread that is not is counted too, as it would hold the exit.
+    ours = ("stepwarden-agent", SINK_THREAD_PREFIX)
     stuck = [
-        t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and (not t.daemon or t.name.startswith(ours))
     ]
-    if any(t.name.startswith(("stepwarden-agent", SINK_THREAD_PREFIX)) for t in stuck):
+    if any(t.name.startswith(ours) for t in stuck):
         log.warning(
             "exiting with %d operation or alert-sink thread(s) still running; their results are discarded",
             len(stuck),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -24,7 +24,7 @@ T = TypeVar("T")
 _Call = tuple["Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-class DaemonPool:
+class DaemonPool(Executor):
     """``submit`` and ``shutdown`` as ``ThreadPoolExecutor`` has them, on daemon threads (up to
     ``max_workers``, started as calls come and no thread is idle), named ``PREFIX_N`` as its are."""
 

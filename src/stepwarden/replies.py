@@ -131,6 +131,13 @@ def anything_to_read(tx: Tx, queue: str, after: int) -> bool:
     )
 
 
+@read_only
+def cursor_position(tx: Tx, queue: str, consumer: str) -> int | None:
+    """The consumer's durable position, or None if it has none yet."""
+    row = tx.one("reply_cursor", queue=queue, consumer=consumer)
+    return int(row["position"]) if row else None
+
+
 def ack(tx: Tx, queue: str, consumer: str, position: int) -> None:
     """Move the consumer's cursor forward to ``position`` (never back)."""
     tx.run("reply_cursor_create", queue=queue, consumer=consumer)
@@ -310,7 +317,7 @@ class Replies:
                     f"ack: message {msg.seq} is of reply queue {msg.queue!r}, not {self.queue!r}"
                     " (this reader's); nothing was acknowledged"
                 )
-            if self.position is None or msg.seq > self.position:
+            if (self.position is None or msg.seq > self.position) and not await self._acked_already(msg):
                 raise InputError(
                     f"ack: message {msg.seq} of {self.queue!r} has not been delivered by this reader"
                     f" (the last it delivered: {self.position if self.position is not None else 'none'});"
@@ -324,6 +331,14 @@ class Replies:
         self.acked = max(self.acked or 0, target.seq)
         if self._unacked is not None and self._unacked.seq <= target.seq:
             self._unacked = None
+
+    async def _acked_already(self, msg: ReplyMessage) -> bool:
+        """A message a named consumer acknowledged before (a reader made again after an error,
+        acknowledging what it was handling): acknowledging it again moves nothing."""
+        if self.consumer is None:
+            return False
+        acked = await self.store.transact(cursor_position, self.queue, self.consumer)
+        return acked is not None and msg.seq <= acked
 
     async def _auto_ack(self, msg: ReplyMessage) -> None:
         """Acknowledge the message the loop body finished, waiting out a store that is down (with

@@ -179,6 +179,17 @@ def test_ack_of_a_message_not_delivered_by_this_reader_is_refused_and_moves_noth
     # Only the first was acknowledged: the rest of q1 is still there for consumer "c".
     assert [m.seq for m in queue(store, "q1", "c", None)] == [2, 3]
 
+    async def again() -> None:  # a reader made again acknowledges what the last one had: no error
+        r = Replies(store, "q1", "c", auto_ack=False, listen=False, poll_interval=0.005)
+        await r.ack(first_of_q1)
+        with pytest.raises(InputError, match=r"has not been delivered by this reader"):
+            await r.ack(queue(store, "q1", None, None)[-1])  # seq 3: further than "c" acknowledged
+        await r.aclose()
+
+    first_of_q1 = queue(store, "q1", None, None)[0]
+    asyncio.run(again())
+    assert [m.seq for m in queue(store, "q1", "c", None)] == [2, 3]
+
 
 def test_an_unnamed_reader_reads_from_the_beginning_and_keeps_no_cursor(
     store: Store, make_workflow: Factory

@@ -208,8 +208,11 @@ def test_a_connection_to_another_database_is_refused_before_anything_is_written(
             conn.rollback()  # on PostgreSQL the refused block's statement aborted the transaction
         assert _tasks_in(other) == 0, "the task was written in the other store"
         assert counts(app) == NOTHING
-        # The app's own database, through a connection of the caller's, is welcome.
+        # The app's own database, through a connection of the caller's, is welcome; on SQLite
+        # also with a text_factory that gives bytes (PRAGMA database_list's names among them).
         mine = own_connection(store_url, autocommit=False)
+        if isinstance(mine, sqlite3.Connection):
+            mine.text_factory = bytes
         try:
             with app.transaction(mine) as tx:
                 tx.submit("order", {"order": "o-2"})
@@ -220,6 +223,36 @@ def test_a_connection_to_another_database_is_refused_before_anything_is_written(
     finally:
         for conn, _ in cases:
             conn.close()
+
+
+def test_postgres_a_role_that_cannot_read_the_store_identity_still_submits_in_its_transaction(
+    pg_app: App, pg_url: str
+) -> None:
+    """The check of the caller's connection reads ``store_identity``; a role with the rights a
+    submission needs, and not that one, was refused with a raw InsufficientPrivilege and its
+    transaction aborted. It is not checked, and its tasks are written as before."""
+    import uuid
+
+    role = f"sw_dml_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        admin.execute(f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        admin.execute(f"REVOKE SELECT ON store_identity FROM {role}")
+    try:
+        parts = pg_url.split("://", 1)[1].split("@", 1)[1]
+        conn = psycopg.connect(f"postgresql://{role}@{parts}")
+        try:
+            with pg_app.transaction(conn) as tx:
+                tx.submit("order", {"order": "o-1"})
+            conn.commit()
+        finally:
+            conn.close()
+        assert counts(pg_app)["tasks"] == 1
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")
 
 
 def test_a_connection_of_another_driver_is_an_input_error(app: App, store_url: str) -> None:
@@ -362,6 +395,19 @@ def test_sqlite_submit_async_inside_a_block_fails_at_once_and_another_task_waits
             asyncio.run(handler())
         assert time.monotonic() - started < 1.0, "waited for the lock"
         assert counts_tasks(app) == 0, "the block was not rolled back"
+
+        async def through_gather() -> None:  # another task: it cannot be told from an unrelated one
+            with app.transaction() as tx:
+                tx.submit("order", {"order": "o-5"})
+                await asyncio.gather(app.submit_async("order", {"order": "o-6"}))
+
+        app.store.busy_timeout = 1.0  # type: ignore[attr-defined]
+        with pytest.raises(
+            StoreError, match=r"block open on this store in this thread \(the event loop's\) held"
+        ):
+            asyncio.run(through_gather())
+        assert counts_tasks(app) == 0
+        app.store.busy_timeout = 3.0  # type: ignore[attr-defined]
         task_id, _ = asyncio.run(beside())
         assert counts_tasks(app) == 2 and task_id > 0
     finally:

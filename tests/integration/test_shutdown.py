@@ -28,7 +28,7 @@ def sigterm_and_wait_for_exit(leaving: WorkerProc, what: str, sig: signal.Signal
     assert code == 0, f"the {what} did not exit within {took:.1f}s of {sig.name}:\n{leaving.log_text()}"
 
 
-def stop_agent_mid_step(cluster: Cluster, workflow: str) -> None:
+def stop_agent_mid_step(cluster: Cluster, workflow: str) -> WorkerProc:
     cluster.start("boss", "scheduler,supervisor")
     leaving = cluster.start("agent1", "agent")
     # Attempt 1 would run for a minute, inside a 30 s complete-by; attempt 2 is quick.
@@ -62,6 +62,7 @@ def stop_agent_mid_step(cluster: Cluster, workflow: str) -> None:
     assert cluster.one("SELECT stopped_at FROM workers WHERE id = ?", leaving.identity)["stopped_at"]
     log = leaving.log_text()  # every stop write made: the plain last line, no warning of one given up
     assert f"worker {leaving.identity} stopped\n" in log and "the store not answering" not in log, log[-3000:]
+    return leaving
 
 
 def test_sigterm_agent_mid_async_step_releases_the_attempt(cluster: Cluster) -> None:
@@ -71,7 +72,11 @@ def test_sigterm_agent_mid_async_step_releases_the_attempt(cluster: Cluster) -> 
 
 
 def test_sigterm_agent_mid_plain_function_step_still_exits(cluster: Cluster) -> None:
-    stop_agent_mid_step(cluster, "long-sync")
+    leaving = stop_agent_mid_step(cluster, "long-sync")
+    # The call's thread runs on (a daemon thread of the agent's pool): the exit says so.
+    log = leaving.log_text()
+    stuck = r"exiting with [1-9]\d* operation or alert-sink thread\(s\) still running"
+    assert re.search(stuck, log), log[-3000:]
 
 
 def test_sigterm_while_another_process_holds_the_sqlite_write_lock_still_exits(tmp_path: Path) -> None:

@@ -133,3 +133,31 @@ def test_an_application_running_a_worker_exits_though_a_plain_operation_never_re
     )
     assert done.returncode == 0 and done.stdout.strip() == "returned", done
     assert time.monotonic() - started < 60
+
+
+def test_an_application_exits_though_a_plain_alert_sink_never_returns(tmp_path: Path) -> None:
+    """A plain CallableSink runs in a thread of the sink's own, which a stuck delivery (a dead
+    host, no timeout of its own) kept from the interpreter's exit, as the agents' did."""
+    script = tmp_path / "sink.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, time
+            from stepwarden.alerts import Alert, CallableSink
+
+            sink = CallableSink(lambda alert: time.sleep(3600))
+            alert = Alert(1, "task_error", 1, "s1", "boom", time.time())
+
+            async def main():
+                try:
+                    await asyncio.wait_for(sink.send(alert), 0.5)
+                except asyncio.TimeoutError:
+                    print("timed out", flush=True)
+
+            asyncio.run(main())
+            sink.close()
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "timed out", done

@@ -380,13 +380,31 @@ class SQLiteStore(Store):
         ``app.transaction()`` block open in this thread it goes to the store's thread, which
         waits for the block's lock instead of refusing; a write from the task that opened the
         block (``submit_async`` inside it) is refused at once (:class:`InputError`): it would
-        wait for the lock its own task holds."""
+        wait for the lock its own task holds. One awaited from inside the block through another
+        task (``asyncio.gather``, ``wait_for``), which cannot be told from an unrelated task,
+        waits until ``busy_timeout``, and its :class:`StoreError` says that the block held the lock."""
         if self._in_block():
             if not getattr(fn, "stepwarden_read_only", False) and self._block_of_this_task():
                 # submit_async inside the block, from the block's own task: its store thread
                 # would wait busy_timeout for the lock this task holds, then blame "another writer".
                 raise InputError(WRITE_IN_BLOCK.format(where="task"))
-            return await super().transact(fn, *args, **kwargs)
+            try:
+                return await super().transact(fn, *args, **kwargs)
+            except StoreError as e:
+                cause = e.__cause__
+                if not isinstance(cause, sqlite3.OperationalError):
+                    raise
+                if primary_code(cause) != sqlite3.SQLITE_BUSY:
+                    raise
+                # Not "another writer": a block of this thread held the lock all along. Awaited
+                # from inside that block through a task of its own (asyncio.gather, wait_for),
+                # this write could never begin before the block ended.
+                raise StoreError(
+                    f"{e}; an app.transaction() block open on this store in this thread (the event"
+                    " loop's) held the lock: a write awaited from inside that block (also through"
+                    " asyncio.gather, wait_for or a task it started) waits for the block's own lock;"
+                    " submit through the block's tx"
+                ) from cause
         if not (self.inline and getattr(fn, "stepwarden_hot", False)):
             return await super().transact(fn, *args, **kwargs)
         started = time.monotonic()
