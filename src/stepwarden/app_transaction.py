@@ -170,10 +170,17 @@ class AppTransaction:
         store = self.app.store
         if store.dialect == "postgres":
             return
-        cur = self.connection.cursor()
+        conn = self.connection
+        cur = conn.cursor()
         cur.row_factory = None  # the caller's factory may not give tuples
-        # The main database is seq 0 (its name may come as bytes: the caller's text_factory).
-        files = [row[2] for row in cur.execute("PRAGMA database_list") if row[0] == 0]
+        # The file name as bytes, whatever the caller's text_factory makes of text (a SELECT of
+        # pragma_database_list, which could cast it, would take the snapshot). The main
+        # database is seq 0.
+        factory, conn.text_factory = conn.text_factory, bytes
+        try:
+            files = [row[2] for row in cur.execute("PRAGMA database_list") if row[0] == 0]
+        finally:
+            conn.text_factory = factory
         theirs = os.fsdecode(files[0]) if files and files[0] else ""
         try:
             same = bool(theirs) and os.path.samefile(theirs, getattr(store, "path", ""))
@@ -205,17 +212,21 @@ class AppTransaction:
         missing one would abort the caller's transaction); then the identity, compared with
         the app's. A role that may write the tables but not read ``store_identity`` is not
         checked: the submission itself never reads that table."""
+        # ``readable`` is NULL when no relation store_identity with a column id is visible (no
+        # store, or a table of someone else's by that name: naming the column would abort the
+        # caller's transaction), else whether this role may read that column.
         rows = self._tx.sql(
             "SELECT set_config('stepwarden.block', ?, true) AS mark,"
-            " to_regclass('store_identity') IS NOT NULL AS present,"
-            " COALESCE(has_table_privilege(to_regclass('store_identity'), 'SELECT'), false) AS readable",
+            " (SELECT has_column_privilege(a.attrelid, a.attnum, 'SELECT') FROM pg_attribute a"
+            "  WHERE a.attrelid = to_regclass('store_identity') AND a.attname = 'id'"
+            "  AND NOT a.attisdropped) AS readable",
             (self._mark,),
         )
-        if not rows[0]["present"]:
+        if rows[0]["readable"] is None:
             raise InputError(
                 "app.transaction(connection): the connection's database has no stepwarden store"
-                " (no table store_identity); pass a connection to this app's database; nothing"
-                " was written"
+                " (no table store_identity with a column id); pass a connection to this app's"
+                " database; nothing was written"
             )
         if not rows[0]["readable"]:
             return

@@ -377,20 +377,24 @@ def _metrics_host(value: str | None) -> str:
 def _exit_despite_stuck_threads() -> None:
     """A plain-function operation cannot be interrupted; once the worker has released its
     attempts and resigned, do not let such a thread keep the process alive past SIGTERM."""
-    # The agents' and the sinks' threads are daemon threads (daemon_pool.py), named for them;
-    # any other thread that is not is counted too, as it would hold the exit.
-    ours = ("stepwarden-agent", SINK_THREAD_PREFIX)
+    # Ours only, daemon (the agents' and plain sinks' pools, daemon_pool.py) or not (the loop's
+    # default executor, UnjoinedExecutor). Exiting at once, not as the interpreter does: a daemon
+    # thread still writing (to stderr, a log) as the interpreter finalizes can abort it, and the
+    # exit code would no longer be 0 (DEP4).
     stuck = [
         t
         for t in threading.enumerate()
-        if t is not threading.main_thread() and t.is_alive() and (not t.daemon or t.name.startswith(ours))
+        if t is not threading.main_thread()
+        and t.is_alive()
+        and t.name.startswith(("stepwarden-agent", SINK_THREAD_PREFIX))
     ]
-    if any(t.name.startswith(ours) for t in stuck):
-        log.warning(
-            "exiting with %d operation or alert-sink thread(s) still running; their results are discarded",
-            len(stuck),
-        )
-        _exit_now(0)
+    if not stuck:
+        return
+    log.warning(
+        "exiting with %d operation or alert-sink thread(s) still running; their results are discarded",
+        len(stuck),
+    )
+    _exit_now(0)
 
 
 # How much larger than the input limit the text as written may be: the limit applies to the input's

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
@@ -46,11 +47,18 @@ class DaemonPool(Executor):
                 raise RuntimeError("cannot schedule new calls after shutdown")
             self._calls.put((future, fn, args, kwargs))
             if not self._idle.acquire(blocking=False) and len(self._threads) < self.max_workers:
+                # The thread holds the queue and the semaphore, not the pool: a pool dropped
+                # without shutdown is collected, and its finalizer ends the idle threads.
                 thread = threading.Thread(
-                    target=self._work, name=f"{self.prefix}_{len(self._threads)}", daemon=True
+                    target=_work,
+                    args=(self._calls, self._idle),
+                    name=f"{self.prefix}_{len(self._threads)}",
+                    daemon=True,
                 )
                 thread.start()
                 self._threads.append(thread)
+                if len(self._threads) == 1:
+                    weakref.finalize(self, self._calls.put, None)
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -72,19 +80,21 @@ class DaemonPool(Executor):
             for thread in threads:
                 thread.join()
 
-    def _work(self) -> None:
-        while True:
-            call = self._calls.get()
-            if call is None:
-                self._calls.put(None)
-                return
-            future, fn, args, kwargs = call
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as e:  # as ThreadPoolExecutor: the caller sees it, the thread goes on
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
-            del call, future, fn, args, kwargs
-            self._idle.release()
+
+def _work(calls: queue.SimpleQueue[_Call | None], idle: threading.Semaphore) -> None:
+    """A pool thread: run the calls in order until the end (None, passed on to the next thread)."""
+    while True:
+        call = calls.get()
+        if call is None:
+            calls.put(None)
+            return
+        future, fn, args, kwargs = call
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # as ThreadPoolExecutor: the caller sees it, the thread goes on
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+        del call, future, fn, args, kwargs
+        idle.release()

@@ -200,26 +200,38 @@ def test_a_connection_to_another_database_is_refused_before_anything_is_written(
             admin.execute("UPDATE store_identity SET id = 'another-store'")
         other = psycopg.connect(other_url)
         plain = psycopg.connect(make(empty=True))
-        cases = [(other, "another stepwarden store"), (plain, "has no stepwarden store")]
+        foreign_url = make(empty=True)  # a table of someone else's by the name: no column id
+        with psycopg.connect(foreign_url, autocommit=True) as admin:
+            admin.execute("CREATE TABLE store_identity (name text)")
+        cases = [
+            (other, "another stepwarden store"),
+            (plain, "has no stepwarden store"),
+            (psycopg.connect(foreign_url), "has no stepwarden store"),
+        ]
     try:
         for conn, why in cases:
             with pytest.raises(InputError, match=why), app.transaction(conn) as tx:
                 tx.submit("order", {"order": "o-1"})
-            conn.rollback()  # on PostgreSQL the refused block's statement aborted the transaction
+            assert conn.execute("SELECT 1").fetchone()[0] == 1, "the caller's transaction was aborted"
+            conn.rollback()
         assert _tasks_in(other) == 0, "the task was written in the other store"
         assert counts(app) == NOTHING
         # The app's own database, through a connection of the caller's, is welcome; on SQLite
-        # also with a text_factory that gives bytes (PRAGMA database_list's names among them).
-        mine = own_connection(store_url, autocommit=False)
-        if isinstance(mine, sqlite3.Connection):
-            mine.text_factory = bytes
-        try:
-            with app.transaction(mine) as tx:
-                tx.submit("order", {"order": "o-2"})
-            mine.commit()
-        finally:
-            mine.close()
-        assert counts(app)["tasks"] == 1
+        # whatever its text_factory makes of PRAGMA database_list's file name.
+        factories: list[Any] = [str]
+        if store_url.startswith("sqlite:///"):
+            factories += [bytes, bytearray, lambda b: b.decode().upper()]
+        for n, factory in enumerate(factories):
+            mine = own_connection(store_url, autocommit=False)
+            if isinstance(mine, sqlite3.Connection):
+                mine.text_factory = factory
+            try:
+                with app.transaction(mine) as tx:
+                    tx.submit("order", {"order": f"o-{n + 2}"})
+                mine.commit()
+            finally:
+                mine.close()
+        assert counts(app)["tasks"] == len(factories)
     finally:
         for conn, _ in cases:
             conn.close()

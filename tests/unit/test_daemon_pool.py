@@ -4,6 +4,7 @@ not hold the process at its exit."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -59,6 +60,19 @@ def test_shutdown_cancels_the_queued_calls_and_refuses_new_ones() -> None:
     assert running.result(5) is True  # the running call runs on
     pool.shutdown(wait=True)
     assert not any(t.is_alive() for t in pool._threads)
+
+
+def test_the_idle_threads_of_a_pool_dropped_without_shutdown_end() -> None:
+    """As ThreadPoolExecutor's: a sink dropped without close() left its idle threads for good."""
+    for _ in range(5):
+        pool = DaemonPool(1, "stepwarden-test-dropped")
+        assert pool.submit(lambda: 1).result(5) == 1
+        del pool
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("stepwarden-test-dropped") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the dropped pools' threads did not end"
+        time.sleep(0.02)
 
 
 def test_a_call_that_never_returns_does_not_hold_the_process_at_its_exit(tmp_path: Path) -> None:

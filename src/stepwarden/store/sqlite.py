@@ -384,17 +384,21 @@ class SQLiteStore(Store):
         task (``asyncio.gather``, ``wait_for``), which cannot be told from an unrelated task,
         waits until ``busy_timeout``, and its :class:`StoreError` says that the block held the lock."""
         if self._in_block():
-            if not getattr(fn, "stepwarden_read_only", False) and self._block_of_this_task():
+            writes = not getattr(fn, "stepwarden_read_only", False)
+            if writes and self._block_of_this_task():
                 # submit_async inside the block, from the block's own task: its store thread
                 # would wait busy_timeout for the lock this task holds, then blame "another writer".
                 raise InputError(WRITE_IN_BLOCK.format(where="task"))
+            owner = open_blocks().get(self._file or "")
             try:
                 return await super().transact(fn, *args, **kwargs)
             except StoreError as e:
                 cause = e.__cause__
-                if not isinstance(cause, sqlite3.OperationalError):
+                if not (writes and isinstance(cause, sqlite3.OperationalError)):
                     raise
-                if primary_code(cause) != sqlite3.SQLITE_BUSY:
+                if primary_code(cause) != sqlite3.SQLITE_BUSY or not self._in_block():
+                    raise  # the block ended before the wait did: another writer held the lock
+                if open_blocks().get(self._file or "") is not owner:
                     raise
                 # Not "another writer": a block of this thread held the lock all along. Awaited
                 # from inside that block through a task of its own (asyncio.gather, wait_for),
