@@ -411,7 +411,10 @@ def test_an_alert_dispatcher_whose_rounds_all_fail_gives_its_lease_to_one_that_c
             await fake_time.run_for(3.0)
             assert a.is_leader and got == []
             await fake_time.run_for(7.0)
-            assert not a.is_leader and b.is_leader and a.terms_held == 1
+            # A gives the lease up once stalled. Its next campaign and B's may fall on the same
+            # fake instant: if A's wins, that term's work fails at once (its pool is down) and is
+            # given up too. Either way B leads and delivers, and A delivered nothing.
+            assert not a.is_leader and b.is_leader and a.terms_held in (1, 2)
             assert got == [("B", made["id"])]
         finally:
             await ks.close()
