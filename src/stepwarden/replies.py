@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ from .errors import InputError, NotFound, StoreError
 from .policies import check_count, check_seconds, show
 from .store import FINAL_TASK_STATES, Store
 from .store.base import Row, Tx, read_only
+from .store.sqlite_files import primary_code
 from .workflow import check_name
 
 if TYPE_CHECKING:
@@ -157,8 +159,7 @@ def _denied(e: BaseException) -> bool:
             return False
         if getattr(link, "sqlstate", None) == "42501":  # insufficient_privilege
             return True
-        code = getattr(link, "sqlite_errorcode", None)
-        if isinstance(code, int) and code & 0xFF == 8:  # SQLITE_READONLY
+        if isinstance(link, sqlite3.Error) and primary_code(link) == sqlite3.SQLITE_READONLY:
             return True
         link = link.__cause__ or link.__context__
     return False

@@ -385,20 +385,23 @@ class SQLiteStore(Store):
         waits until ``busy_timeout``, and its :class:`StoreError` says that the block held the lock."""
         if self._in_block():
             writes = not getattr(fn, "stepwarden_read_only", False)
-            if writes and self._block_of_this_task():
+            owner = open_blocks().get(self._file or "")  # the task that opened the block, or None
+            if writes and owner is not None and owner is current_task():
                 # submit_async inside the block, from the block's own task: its store thread
                 # would wait busy_timeout for the lock this task holds, then blame "another writer".
                 raise InputError(WRITE_IN_BLOCK.format(where="task"))
-            owner = open_blocks().get(self._file or "")
             try:
                 return await super().transact(fn, *args, **kwargs)
             except StoreError as e:
                 cause = e.__cause__
-                if not (writes and isinstance(cause, sqlite3.OperationalError)):
-                    raise
-                if primary_code(cause) != sqlite3.SQLITE_BUSY or not self._in_block():
-                    raise  # the block ended before the wait did: another writer held the lock
-                if open_blocks().get(self._file or "") is not owner:
+                held_by_block = (
+                    writes
+                    and isinstance(cause, sqlite3.OperationalError)
+                    and primary_code(cause) == sqlite3.SQLITE_BUSY
+                    and self._in_block()  # still open: not ended before the wait did
+                    and open_blocks().get(self._file or "") is owner
+                )
+                if not held_by_block:
                     raise
                 # Not "another writer": a block of this thread held the lock all along. Awaited
                 # from inside that block through a task of its own (asyncio.gather, wait_for),
@@ -589,14 +592,6 @@ class SQLiteStore(Store):
     def _in_block(self) -> bool:
         """This thread has an app.transaction() block open on this store's file (the write lock)."""
         return self._file is not None and self._file in open_blocks()
-
-    def _block_of_this_task(self) -> bool:
-        """The block open on this store's file in this thread was opened by the running asyncio
-        task: a write it awaits cannot begin before the block, which this task holds, ends.
-        Another task of the loop (a worker's role beside a handler that awaits inside its
-        block) waits for the block instead."""
-        owner = open_blocks().get(self._file or "")
-        return owner is not None and owner is current_task()
 
     def limit_lock_waits(self, seconds: float) -> None:
         # Only BEGIN waits for the write lock (every statement after it holds it), and that wait
