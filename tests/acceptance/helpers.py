@@ -20,6 +20,8 @@ from typing import IO, Any, TypeVar
 
 import pytest
 
+from .cli_runner import run_console_script
+
 SW = Path(sys.executable).parent / "stepwarden"
 WORKFLOW = "process-order"
 DEMO_APP = "stepwarden.demo.app:app"
@@ -102,25 +104,21 @@ def sw(
     stdin: str | bytes | None = None,
     timeout: float = 60,
 ) -> Result:
-    """Run the console script once; stdin is empty unless given."""
+    """Run the console script once, as a process of its own (forked from a server that has done its
+    imports, where that is the same as an exec: ``cli_runner``); stdin is empty unless given."""
     cmd: list[Any] = [str(SW), *args]
     if any(isinstance(a, bytes) for a in cmd):
         cmd = [os.fsencode(a) for a in cmd]
     data = stdin.encode() if isinstance(stdin, str) else stdin
     t0 = time.monotonic()
-    p = subprocess.run(
-        cmd,
-        cwd=cwd,
-        env=env if env is not None else clean_env(),
-        input=data if data is not None else b"",
-        capture_output=True,
-        timeout=timeout,
+    code, out, err = run_console_script(
+        cmd, cwd, env if env is not None else clean_env(), data if data is not None else b"", timeout
     )
     return Result(
         args=list(args),
-        returncode=p.returncode,
-        stdout=p.stdout.decode("utf-8", "replace"),
-        stderr=p.stderr.decode("utf-8", "replace"),
+        returncode=code,
+        stdout=out.decode("utf-8", "replace"),
+        stderr=err.decode("utf-8", "replace"),
         elapsed=time.monotonic() - t0,
     )
 
