@@ -10,10 +10,10 @@ The user-facing summary is in docs/concepts.md, "How failures are classified".
 from __future__ import annotations
 
 import errno
-import http.client
 import socket
-import urllib.error
+import sys
 from collections.abc import Callable
+from types import ModuleType
 
 from .errors import Permanent, Transient
 
@@ -177,10 +177,12 @@ def _verdict(exc: BaseException, links: int, seen: set[int]) -> str | None:
         return TRANSIENT
     if isinstance(exc, BaseExceptionGroup):
         return _group(exc, links, seen)
-    if isinstance(exc, urllib.error.HTTPError):  # before URLError and OSError: it is both
-        return _status(exc.code) if isinstance(exc.code, int) else None
-    if isinstance(exc, urllib.error.URLError):
-        reason = exc.reason  # an exception (socket.timeout is TimeoutError) or a message
+    urllib_error = sys.modules.get("urllib.error")
+    if isinstance(exc, _class(urllib_error, "HTTPError")):  # before URLError and OSError: it is both
+        code = getattr(exc, "code", None)
+        return _status(code) if isinstance(code, int) else None
+    if isinstance(exc, _class(urllib_error, "URLError")):
+        reason = getattr(exc, "reason", None)  # an exception (socket.timeout is TimeoutError) or a message
         # The reason counts as one link, as a cause does, so nested URLErrors stay bounded too.
         if (
             isinstance(reason, BaseException)
@@ -189,29 +191,29 @@ def _verdict(exc: BaseException, links: int, seen: set[int]) -> str | None:
         ):
             return TRANSIENT
         return None
-    if isinstance(
-        exc,
-        TimeoutError
-        | ConnectionError
-        | socket.gaierror
-        | http.client.RemoteDisconnected
-        | http.client.IncompleteRead,
-    ):
+    if isinstance(exc, TimeoutError | ConnectionError | socket.gaierror):
+        return TRANSIENT
+    http_client = sys.modules.get("http.client")
+    if isinstance(exc, _class(http_client, "RemoteDisconnected") + _class(http_client, "IncompleteRead")):
         return TRANSIENT
     if isinstance(exc, OSError) and exc.errno in _HEALING_ERRNOS:
         return TRANSIENT
-    try:
-        import httpx
-    except ImportError:  # pragma: no cover - httpx is a dependency
-        pass
-    else:
-        if isinstance(exc, httpx.HTTPStatusError):
-            return _status(exc.response.status_code)
-        if isinstance(exc, httpx.TransportError):
-            return TRANSIENT
+    httpx = sys.modules.get("httpx")
+    if isinstance(exc, _class(httpx, "HTTPStatusError")):
+        return _status(exc.response.status_code)  # type: ignore[attr-defined]  # httpx's, by _class
+    if isinstance(exc, _class(httpx, "TransportError")):
+        return TRANSIENT
     if any(c.__module__ != "builtins" and c.__name__ in TRANSIENT_CLASS_NAMES for c in type(exc).__mro__):
         return TRANSIENT
     return None
+
+
+def _class(module: ModuleType | None, name: str) -> tuple[type, ...]:
+    """``(module.name,)``, or ``()`` if the module was never imported: then no exception of that
+    class can exist, and the rule needs no import (http.client alone pulls in the email package,
+    a fifth of a CLI command's start)."""
+    cls = getattr(module, name, None)
+    return (cls,) if isinstance(cls, type) else ()
 
 
 def _status(code: int) -> str:

@@ -383,3 +383,19 @@ def test_judge_turns_a_classify_that_raises_or_answers_nonsense_into_a_permanent
         "classify returned 'retry-later', not 'transient' or 'permanent'",
     )
     assert judge(lambda e: None, ValueError())[0] == "permanent"
+
+
+def test_the_rules_import_no_http_library_so_a_cli_command_starts_without_one() -> None:
+    """The standard library's and httpx's exceptions are judged through ``sys.modules``: one of their
+    classes exists only once its module is imported. So ``stepwarden`` itself imports neither
+    (``http.client`` pulls in the email package, a fifth of a CLI command's start), and an
+    exception of each is still judged as above (the imports of this module)."""
+    import subprocess
+    import sys
+
+    names = "('http.client', 'httpx', 'email')"
+    code = f"import sys, stepwarden.cli; print(sorted(m for m in {names} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out
+    assert default_classify(http.client.RemoteDisconnected("gone")) == "transient"
+    assert default_classify(urllib.error.URLError(ConnectionRefusedError())) == "transient"
