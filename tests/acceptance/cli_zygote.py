@@ -1,24 +1,31 @@
 """A fork server for the console script: the CLI tests' ``stepwarden`` runs without paying its imports.
 
-Each ``stepwarden`` a test runs used to be a fresh interpreter that imported click, asyncio, rich,
-psycopg and stepwarden itself: ~0.3 s of CPU per run on a 2-core machine, a third of the suite's
-time over ~1,000 runs. This process imports them once and forks a child per run. The child is a
-real process of its own, with the test's stdin, stdout, stderr, environment, working directory and
-``argv``, whose exit status (a code, or the signal that ended it) the test receives as from
-``subprocess``. The child leaves this module's loop and runs ``sys.exit(main())`` at top level,
-like the console script, so the interpreter exits as a real run does (atexit handlers, the join of
-non-daemon threads, the flush of stdio).
+Each ``stepwarden`` a test runs used to be a fresh interpreter that imported click, asyncio, rich
+and stepwarden itself: ~0.3 s of CPU per run on a 2-core machine, a third of the suite's time
+over ~1,000 runs. This process imports what every run of the console script imports before it
+reads its arguments (``stepwarden.cli``; with ``--pg``, also the PostgreSQL store, which a run
+given a PostgreSQL URL imports), then forks a child per run. The child is a real process of its
+own, with the test's stdin, stdout, stderr, environment, working directory and ``argv``, whose
+exit status (a code, or the signal that ended it) the test receives as from ``subprocess``. The
+child leaves this module's loop and runs ``sys.exit(main())`` at top level, like the console
+script, so the interpreter exits as a real run does (atexit handlers, the join of non-daemon
+threads, the flush of stdio).
 
-What a fork cannot reproduce, the client (``helpers.sw``) leaves to a real ``exec``: an
-environment whose interpreter settings (``PYTHON*``, ``LANG``, ``LC_*``) differ from this
-server's, and arguments too large for ``execve``. ``STEPWARDEN_TEST_SPAWN_CLI=1`` sends every run
-through ``exec``.
+What a fork does not reproduce, and the client (``cli_runner``) therefore leaves to a real
+``exec``: interpreter settings in the environment other than the server's (``PYTHON*``, the
+locale, ``TZ``, variables psycopg and OpenTelemetry read at import), a umask or resource limits
+other than the server's, a working directory that is not one, an argument or variable too large
+for ``execve`` or holding a NUL. Not reproduced at all: every run forked from one server has that
+server's hash seed (the CLI orders what it prints, never by hash), and ``/proc/PID/cmdline``
+names this script.
 
 Protocol, per run, over a Unix socket: the client sends a 4-byte length with three file
 descriptors (the child's stdin, stdout, stderr), then that many bytes of JSON (``argv``, ``env``,
-``cwd``). The server answers one JSON line with the child's pid, and later one with its wait
-status. The server exits when its stdin (a pipe its parent never writes) reaches EOF: when the
-test process ends, however it ends.
+``cwd``). The server answers one JSON line with the child's pid (or an ``error``), and one with
+its wait status when it ends. A line ``kill`` from the client, or the client's connection closing
+before the run ends (its test was interrupted, or its process died), kills the run through its
+pidfd, as ``subprocess.run`` kills its child on any exception, and never a reused pid. The server
+exits when its stdin (a pipe its parent never writes) reaches EOF, removing its folder.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
+import signal
 import socket
 import struct
 import sys
@@ -34,15 +43,11 @@ import tempfile
 import threading
 
 
-def _preload() -> None:
-    """What a CLI run imports before it does anything, for either store."""
-    import psycopg  # noqa: F401
-    import psycopg_pool  # noqa: F401
-    import rich.console
-    import rich.table  # noqa: F401
-
+def _preload(pg: bool) -> None:
     import stepwarden.cli
-    import stepwarden.store.postgres  # noqa: F401
+
+    if pg:
+        import stepwarden.store.postgres  # noqa: F401
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes:
@@ -56,9 +61,24 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def serve(path: str) -> None:
+def _send(conn: socket.socket, message: dict[str, object]) -> None:
+    with contextlib.suppress(OSError):  # a client that has gone hears nothing; its run is killed
+        conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+class _Run:
+    def __init__(self, pid: int, pidfd: int, conn: socket.socket) -> None:
+        self.pid, self.pidfd, self.conn = pid, pidfd, conn
+        self.listening = True  # for `kill` or the client's EOF
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it ended already; its status comes next
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+
+def serve(path: str, pg: bool) -> None:
     """Answer runs until stdin closes; returns only in a forked child, ready to run the CLI."""
-    _preload()
+    _preload(pg)
     if threading.active_count() != 1:  # a fork of a threaded process could inherit a held lock
         sys.stderr.write("cli_zygote: the imports started a thread; refusing to fork\n")
         sys.exit(3)
@@ -68,50 +88,74 @@ def serve(path: str) -> None:
     sel = selectors.DefaultSelector()
     sel.register(0, selectors.EVENT_READ, "lifeline")
     sel.register(listener, selectors.EVENT_READ, "listener")
-    running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the client's connection)
+    runs: dict[int, _Run] = {}  # by pidfd
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while True:
         for key, _ in sel.select():
-            if key.data == "lifeline":
-                if not os.read(0, 4096):
-                    os._exit(0)  # the test process is gone: its runs go on, as exec'd ones would
-            elif key.data == "listener":
-                conn, _ = listener.accept()
-                try:
-                    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
-                    if len(head) < 4:
-                        head += _read_exactly(conn, 4 - len(head))
-                    (size,) = struct.unpack("!I", head)
-                    request = json.loads(_read_exactly(conn, size))
-                except (OSError, EOFError, ValueError):
-                    conn.close()
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    for fd, (_, other) in running.items():
-                        os.close(fd)
-                        other.close()
-                    sel.close()
-                    listener.close()
-                    conn.close()
-                    _become(request, fds)
-                    return
-                for fd in fds:
-                    os.close(fd)
-                pidfd = os.pidfd_open(pid)
-                running[pidfd] = (pid, conn)
-                sel.register(pidfd, selectors.EVENT_READ, "child")
-                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            else:
-                pidfd = key.fd
-                pid, conn = running.pop(pidfd)
-                sel.unregister(pidfd)
-                os.close(pidfd)
-                _, status = os.waitpid(pid, 0)
-                with contextlib.suppress(OSError):  # a client past its timeout has gone
-                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
-                conn.close()
+            data = key.data
+            if data == "lifeline":
+                if not os.read(0, 4096):  # the test process is gone: so is its interest in its runs
+                    for run in runs.values():
+                        run.kill()
+                    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                    os._exit(0)
+            elif data == "listener":
+                if _accept(listener, sel, runs):
+                    return  # in the child
+            elif isinstance(data, _Run):  # the client said `kill`, or went away
+                run = data
+                sel.unregister(run.conn)
+                run.listening = False
+                run.kill()
+            else:  # a pidfd: that run ended
+                run = runs.pop(key.fd)
+                sel.unregister(run.pidfd)
+                if run.listening:
+                    sel.unregister(run.conn)
+                os.close(run.pidfd)
+                _, status = os.waitpid(run.pid, 0)
+                _send(run.conn, {"status": status})
+                run.conn.close()
+
+
+def _accept(listener: socket.socket, sel: selectors.BaseSelector, runs: dict[int, _Run]) -> bool:
+    """Start the run a client asks for; True in the forked child."""
+    conn, _ = listener.accept()
+    fds: list[int] = []
+    try:
+        head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+        if len(head) < 4:
+            head += _read_exactly(conn, 4 - len(head))
+        (size,) = struct.unpack("!I", head)
+        request = json.loads(_read_exactly(conn, size))
+        if len(fds) != 3:
+            raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+        pid = os.fork()
+    except (OSError, EOFError, ValueError) as e:
+        _send(conn, {"error": f"{type(e).__name__}: {e}"})
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        return False
+    if pid == 0:
+        for run in runs.values():
+            os.close(run.pidfd)
+            run.conn.close()
+        sel.close()
+        listener.close()
+        conn.close()
+        _become(request, fds)
+        return True
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    run = _Run(pid, pidfd, conn)
+    runs[pidfd] = run
+    sel.register(pidfd, selectors.EVENT_READ, "ended")
+    sel.register(conn, selectors.EVENT_READ, run)
+    _send(conn, {"pid": pid})
+    return False
 
 
 def _become(request: dict[str, object], fds: list[int]) -> None:
@@ -132,7 +176,7 @@ def _become(request: dict[str, object], fds: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], "--pg" in sys.argv[2:])
     # Only a forked child gets here: the console script's own last line.
     from stepwarden.cli import main
 

@@ -20,6 +20,7 @@ from typing import IO, Any, TypeVar
 
 import pytest
 
+from .cli_runner import clean_env as clean_env  # re-exported: the tests take it from here
 from .cli_runner import run_console_script
 
 SW = Path(sys.executable).parent / "stepwarden"
@@ -63,14 +64,6 @@ T = TypeVar("T")
 def order(order_id: str = "o-1", **over: Any) -> dict[str, Any]:
     """An input of the demo's workflow (SPEC section 4)."""
     return {"order_id": order_id, "sku": "SKU-1", "quantity": 1, "amount_cents": 100, **over}
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without any STEPWARDEN_* variable, wide enough for rich tables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWARDEN_")}
-    env.update(COLUMNS="200", NO_COLOR="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
 
 
 @dataclass

@@ -2,18 +2,33 @@
 
 Most CLI tests run ``stepwarden`` forked from a server that has done its imports. These tests hold it
 to what a real ``exec`` of the console script gives: the same exit code, stdout and stderr, the
-test's environment, working directory and stdin, and a timeout that ends the run.
+test's environment, working directory and stdin, and a timeout or an interruption that ends the
+run; and they check that each run they compare was forked at all.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
 from . import cli_runner
-from .helpers import SW, Db, clean_env, sw, wait_until
+from .helpers import SW, Db, Result, clean_env, make_db, sw, wait_until
+
+CASES = {
+    "version": (("--version",), b""),
+    "help": (("--help",), b""),
+    "tasks-json": (("tasks", "--json"), b""),
+    "tasks-table": (("tasks",), b""),
+    "bad-id": (("task", "show", "-1"), b""),
+    "unknown-task": (("task", "show", "99"), b""),
+    "bad-stdin": (("submit", "process-order", "--input", "-"), b"{not json"),
+    "unknown-command": (("no-such-command",), b""),
+}
 
 
 def _exec(*args: str, cwd: Path, env: dict[str, str], stdin: bytes = b"") -> tuple[int, str, str]:
@@ -21,62 +36,96 @@ def _exec(*args: str, cwd: Path, env: dict[str, str], stdin: bytes = b"") -> tup
     return p.returncode, p.stdout.decode(), p.stderr.decode()
 
 
-@pytest.mark.parametrize(
-    ("args", "stdin"),
-    [
-        (("--version",), b""),
-        (("--help",), b""),
-        (("tasks", "--json"), b""),
-        (("tasks",), b""),
-        (("task", "show", "-1"), b""),
-        (("task", "show", "99"), b""),
-        (("submit", "process-order", "--input", "-"), b"{not json"),
-        (("no-such-command",), b""),
-    ],
-    ids=["version", "help", "tasks-json", "tasks-table", "bad-id", "unknown-task", "bad-stdin", "unknown"],
-)
-def test_a_forked_run_gives_what_an_exec_gives(db: Db, args: tuple[str, ...], stdin: bytes) -> None:
-    db.submit()
-    env = clean_env(STEPWARDEN_DB=db.url)  # and no --db: the run must see the test's environment
-    forked = sw(*args, cwd=db.cwd, env=env, stdin=stdin)
-    execd = _exec(*args, cwd=db.cwd, env=env, stdin=stdin)
+def _forked(pg: bool, *args: str, cwd: Path, env: dict[str, str], stdin: bytes = b"") -> Result:
+    server = cli_runner.fork_server(pg)
+    before = len(server.pids)
+    r = sw(*args, cwd=cwd, env=env, stdin=stdin)
+    assert len(server.pids) == before + 1, "the run was not forked: this test compares nothing"
+    return r
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
+    pg = request.getfixturevalue("pg_url") if request.param == "postgres" else None
+    return make_db(tmp_path, pg=pg)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_forked_run_gives_what_an_exec_gives(any_db: Db, case: str) -> None:
+    args, stdin = CASES[case]
+    any_db.submit()
+    env = clean_env(STEPWARDEN_DB=any_db.url)  # and no --db: the run must see the test's environment
+    forked = _forked(any_db.pg is not None, *args, cwd=any_db.cwd, env=env, stdin=stdin)
+    execd = _exec(*args, cwd=any_db.cwd, env=env, stdin=stdin)
     assert (forked.returncode, forked.stdout, forked.stderr) == execd, str(forked)
     assert forked.stdout or forked.stderr, "a run that printed nothing compares nothing"
 
 
 def test_a_forked_run_starts_in_the_tests_working_directory(tmp_path: Path) -> None:
-    r = sw("init", cwd=tmp_path)  # the default store, sqlite:///stepwarden.db, is relative
+    r = _forked(False, "init", cwd=tmp_path, env=clean_env())  # sqlite:///stepwarden.db is relative
     assert r.returncode == 0, str(r)
     assert (tmp_path / "stepwarden.db").exists(), str(r)
 
 
-def test_a_run_past_its_timeout_is_ended(db: Db) -> None:
-    task_id = db.submit()  # no worker: `watch` waits for it without end
-    with pytest.raises(subprocess.TimeoutExpired):
-        sw("--db", db.url, "watch", str(task_id), cwd=db.cwd, timeout=2)
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is still a live process (a zombie, ended but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
-    def gone() -> bool:
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                text = cmdline.read_bytes()
-            except OSError:
-                continue
-            if db.url.encode() in text and b"watch" in text:
-                return False
-        return True
 
-    wait_until(gone, 10, "the timed-out `watch` to be ended")
+def test_a_run_past_its_timeout_is_ended_and_keeps_its_output(db: Db) -> None:
+    task_id = db.submit()  # no worker: `watch` follows it without end
+    server = cli_runner.fork_server(False)
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        sw("--db", db.url, "watch", str(task_id), cwd=db.cwd, timeout=3)
+    pid = server.pids[-1]
+    assert raised.value.output, "the events `watch` printed before its timeout are lost"
+    wait_until(lambda: not _running(pid), 10, f"the timed-out run (pid {pid}) to be ended")
+
+
+def test_a_run_whose_test_is_interrupted_is_ended(db: Db) -> None:
+    """As ``subprocess.run`` kills its child on any exception (pytest-timeout's, Ctrl-C)."""
+    task_id = db.submit()
+    server = cli_runner.fork_server(False)
+    before = len(server.pids)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGALRM))
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            sw("--db", db.url, "watch", str(task_id), cwd=db.cwd, timeout=60)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGALRM, previous)
+    assert len(server.pids) == before + 1
+    pid = server.pids[-1]
+    wait_until(lambda: not _running(pid), 10, f"the interrupted run (pid {pid}) to be ended")
 
 
 def test_a_test_with_its_own_interpreter_settings_gets_an_exec(tmp_path: Path) -> None:
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     (shadow / "sitecustomize.py").write_text("import sys\nsys.stderr.write('shadowed\\n')\n")
+    server = cli_runner.fork_server(False)
+    before = len(server.pids)
     r = sw("--version", cwd=tmp_path, env=clean_env(PYTHONPATH=str(shadow)))
     assert r.returncode == 0 and "shadowed" in r.stderr, str(r)  # only a fresh interpreter reads it
+    assert len(server.pids) == before
 
 
-def test_an_argument_too_big_for_exec_is_refused_as_exec_refuses_it(tmp_path: Path) -> None:
-    big = "x" * (cli_runner.FORK_MAX_ARG * 2)  # past Linux's 128 KiB for one argument
+def test_a_run_exec_would_refuse_is_refused_as_exec_refuses_it(tmp_path: Path) -> None:
+    big = "x" * (cli_runner.FORK_MAX_STRING * 2)  # past Linux's 128 KiB for one string
     with pytest.raises(OSError, match="Argument list too long"):
         sw("submit", "process-order", "--input", big, cwd=tmp_path)
+    with pytest.raises(OSError, match="Argument list too long"):
+        sw("--version", cwd=tmp_path, env=clean_env(BIG=big))
+    with pytest.raises(ValueError, match="null byte"):
+        sw("--version", "x\0y", cwd=tmp_path)
+    with pytest.raises(FileNotFoundError):
+        sw("--version", cwd=tmp_path / "missing")
