@@ -4,6 +4,7 @@ the process an exec would, else by ``subprocess`` (see that module for why and w
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import resource
@@ -29,6 +30,8 @@ STARTUP_VARS = ("PYTHON", "LANG", "LC_", "TZ", "PSYCOPG_", "OTEL_")
 FORK_MAX_STRING = 100_000
 FORK_MAX_TOTAL = 1_000_000
 READY_TIMEOUT = 60.0
+KILL_WAIT = 5.0  # for a run killed on a timeout or an interrupt to end, as subprocess.run waits
+PG_SCHEMES = ("postgresql://", "postgres://")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -42,14 +45,23 @@ def clean_env(**extra: str) -> dict[str, str]:
 def _process_state(env: dict[str, str]) -> tuple[object, ...]:
     """What a child inherits at start from its parent besides fds: the interpreter's settings in
     the environment, the umask, the resource limits."""
-    mask = os.umask(0o22)
-    os.umask(mask)
     limits = tuple(
         resource.getrlimit(getattr(resource, name))
         for name in sorted(dir(resource))
         if name.startswith("RLIMIT_")
     )
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_VARS))), mask, limits
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_VARS))), _umask(), limits
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (another thread may be creating a file)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 class _Zygote:
@@ -90,8 +102,13 @@ class _Zygote:
             ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT)
             if not ready or self.proc.stdout.readline() != b"ready\n":
                 raise RuntimeError(f"no `ready` within {READY_TIMEOUT:g}s (see {folder}/log)")
-        except Exception as e:
+            if os.path.getsize(os.path.join(folder, "log")):
+                # an exec'd run would print it on its own stderr, where the tests look
+                raise RuntimeError("its imports printed something")
+        except BaseException as e:
             self._give_up(f"the CLI fork server did not start ({e}); running the CLI by exec")
+            if not isinstance(e, Exception):
+                raise
             return
         self.state = _process_state(env)
         atexit.register(self.stop)
@@ -138,20 +155,32 @@ class _Zygote:
                 for fd in theirs:
                     os.close(fd)
             conn.settimeout(max(0.01, deadline - time.monotonic()))
-            started = json.loads(reader.readline() or b'{"error": "the server closed the connection"}')
-            if "pid" not in started:
+            try:
+                started = json.loads(reader.readline() or b'{"error": "the server closed the connection"}')
+            except TimeoutError:  # closing conn kills the run, if the server started one
+                raise subprocess.TimeoutExpired(argv, timeout) from None
+            if "pid" not in started:  # the run never started (see cli_zygote): exec it
                 self._give_up(f"the CLI fork server could not start a run: {started['error']}")
                 return None
             self.pids.append(started["pid"])
             fds, ours = ours, []
-            out, err, timed_out = _communicate(fds, data, deadline)
+            line: bytes | None = None
+            try:
+                out, err, timed_out = _communicate(fds, data, deadline)
+                if not timed_out:
+                    conn.settimeout(max(0.01, deadline - time.monotonic()))
+                    try:
+                        line = reader.readline()
+                    except TimeoutError:  # its output closed, yet it runs on
+                        timed_out = True
+            finally:
+                if line is None:  # a timeout or an interrupt: kill the run and wait for its end
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_WR)
+                        conn.settimeout(KILL_WAIT)
+                        reader.readline()
             if timed_out:
                 raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err)
-            try:
-                conn.settimeout(max(0.01, deadline - time.monotonic()))
-                line = reader.readline()
-            except TimeoutError:  # its output closed, yet it runs on
-                raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
             if not line:
                 raise RuntimeError(f"the CLI fork server ended during a run (pid {started['pid']})")
             return os.waitstatus_to_exitcode(json.loads(line)["status"]), out, err
@@ -214,11 +243,23 @@ def _forkable(argv: list[str], cwd: Path, env: dict[str, str]) -> bool:
     """Whether exec would start this run at all, with nothing a fork would do otherwise."""
     strings = [os.fsencode(a) for a in argv] + [os.fsencode(f"{k}={v}") for k, v in env.items()]
     return (
-        cwd.is_absolute()
+        all(k and "=" not in k for k in env)  # exec refuses such a name; os.environ too
+        and cwd.is_absolute()
         and cwd.is_dir()
         and all(b"\0" not in s and len(s) <= FORK_MAX_STRING for s in strings)
         and sum(len(s) for s in strings) <= FORK_MAX_TOTAL
     )
+
+
+def _given_postgres(argv: list[str], env: dict[str, str]) -> bool:
+    """A run given a PostgreSQL URL imports that store; one not given it must not find it imported."""
+    urls = [env.get("STEPWARDEN_DB", "")]
+    for i, a in enumerate(argv):
+        if a == "--db" and i + 1 < len(argv):
+            urls.append(argv[i + 1])
+        elif a.startswith("--db="):
+            urls.append(a.removeprefix("--db="))
+    return any(u.startswith(PG_SCHEMES) for u in urls)
 
 
 def fork_server(pg: bool) -> _Zygote:
@@ -232,9 +273,7 @@ def run_console_script(
     """Run ``cmd`` (the console script and its arguments) as a process of its own."""
     argv = [os.fsdecode(a) for a in cmd]
     if _forkable(argv, cwd, env):
-        # A run given a PostgreSQL URL imports that store; one not given it must not find it imported.
-        pg = any("postgres" in a for a in [*argv, env.get("STEPWARDEN_DB", "")])
-        zygote = fork_server(pg)
+        zygote = fork_server(_given_postgres(argv, env))
         if zygote.usable_for(env):
             result = zygote.run(argv, str(cwd), env, data, timeout)
             if result is not None:

@@ -22,10 +22,13 @@ names this script.
 Protocol, per run, over a Unix socket: the client sends a 4-byte length with three file
 descriptors (the child's stdin, stdout, stderr), then that many bytes of JSON (``argv``, ``env``,
 ``cwd``). The server answers one JSON line with the child's pid (or an ``error``), and one with
-its wait status when it ends. A line ``kill`` from the client, or the client's connection closing
-before the run ends (its test was interrupted, or its process died), kills the run through its
-pidfd, as ``subprocess.run`` kills its child on any exception, and never a reused pid. The server
-exits when its stdin (a pipe its parent never writes) reaches EOF, removing its folder.
+its wait status when it ends. The child waits for a byte from the server before it does anything,
+sent once the run is recorded (its pidfd opened and watched): if that fails, the child is killed
+having done nothing, and the client runs the command by exec, never twice. Anything the client
+sends, or its end of the connection closing before the run ends (a timeout, an interrupted test,
+a dead process), kills the run through its pidfd, never a reused pid; the client waits for the
+run's end before it raises, as ``subprocess.run`` does. The server exits when its stdin (a pipe
+its parent never writes) reaches EOF, killing the runs it still has and removing its folder.
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ def serve(path: str, pg: bool) -> None:
     if threading.active_count() != 1:  # a fork of a threaded process could inherit a held lock
         sys.stderr.write("cli_zygote: the imports started a thread; refusing to fork\n")
         sys.exit(3)
+    probe = os.pidfd_open(os.getpid())  # a kernel or sandbox without pidfds fails here, not per run
+    signal.pidfd_send_signal(probe, 0)
+    os.close(probe)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -105,11 +111,16 @@ def serve(path: str, pg: bool) -> None:
                     return  # in the child
             elif isinstance(data, _Run):  # the client said `kill`, or went away
                 run = data
+                if runs.get(run.pidfd) is not run or not run.listening:
+                    continue  # it ended earlier in this round: its key is stale
                 sel.unregister(run.conn)
                 run.listening = False
                 run.kill()
             else:  # a pidfd: that run ended
-                run = runs.pop(key.fd)
+                run = data[1]
+                if runs.get(run.pidfd) is not run:
+                    continue
+                del runs[run.pidfd]
                 sel.unregister(run.pidfd)
                 if run.listening:
                     sel.unregister(run.conn)
@@ -131,6 +142,7 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, runs: dict[int
         request = json.loads(_read_exactly(conn, size))
         if len(fds) != 3:
             raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+        go_r, go_w = os.pipe()
         pid = os.fork()
     except (OSError, EOFError, ValueError) as e:
         _send(conn, {"error": f"{type(e).__name__}: {e}"})
@@ -145,16 +157,39 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, runs: dict[int
         sel.close()
         listener.close()
         conn.close()
+        os.close(go_w)
+        go = os.read(go_r, 1)  # nothing runs before the server has recorded this run
+        os.close(go_r)
+        if not go:
+            os._exit(70)  # the server could not record it: the client runs it by exec instead
         _become(request, fds)
         return True
+    os.close(go_r)
     for fd in fds:
         os.close(fd)
-    pidfd = os.pidfd_open(pid)
-    run = _Run(pid, pidfd, conn)
-    runs[pidfd] = run
-    sel.register(pidfd, selectors.EVENT_READ, "ended")
-    sel.register(conn, selectors.EVENT_READ, run)
+    pidfd = -1
+    try:
+        pidfd = os.pidfd_open(pid)
+        run = _Run(pid, pidfd, conn)
+        sel.register(pidfd, selectors.EVENT_READ, ("ended", run))
+        try:
+            sel.register(conn, selectors.EVENT_READ, run)
+        except BaseException:
+            sel.unregister(pidfd)
+            raise
+        runs[pidfd] = run
+    except (OSError, ValueError) as e:  # the child has done nothing yet: end it, let the client exec
+        if pidfd >= 0:
+            os.close(pidfd)
+        os.close(go_w)
+        os.kill(pid, signal.SIGKILL)  # not reaped yet, so this pid is still that child's
+        os.waitpid(pid, 0)
+        _send(conn, {"error": f"{type(e).__name__}: {e}"})
+        conn.close()
+        return False
     _send(conn, {"pid": pid})
+    os.write(go_w, b"g")
+    os.close(go_w)
     return False
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from . import cli_runner
-from .helpers import SW, Db, Result, clean_env, make_db, sw, wait_until
+from .helpers import SW, Db, Result, clean_env, make_db, sw
 
 CASES = {
     "version": (("--version",), b""),
@@ -82,7 +82,7 @@ def test_a_run_past_its_timeout_is_ended_and_keeps_its_output(db: Db) -> None:
         sw("--db", db.url, "watch", str(task_id), cwd=db.cwd, timeout=3)
     pid = server.pids[-1]
     assert raised.value.output, "the events `watch` printed before its timeout are lost"
-    wait_until(lambda: not _running(pid), 10, f"the timed-out run (pid {pid}) to be ended")
+    assert not _running(pid), "subprocess.run ends its child before it raises TimeoutExpired"
 
 
 def test_a_run_whose_test_is_interrupted_is_ended(db: Db) -> None:
@@ -105,7 +105,7 @@ def test_a_run_whose_test_is_interrupted_is_ended(db: Db) -> None:
         signal.signal(signal.SIGALRM, previous)
     assert len(server.pids) == before + 1
     pid = server.pids[-1]
-    wait_until(lambda: not _running(pid), 10, f"the interrupted run (pid {pid}) to be ended")
+    assert not _running(pid), "subprocess.run ends its child before the exception goes on"
 
 
 def test_a_test_with_its_own_interpreter_settings_gets_an_exec(tmp_path: Path) -> None:
@@ -129,3 +129,13 @@ def test_a_run_exec_would_refuse_is_refused_as_exec_refuses_it(tmp_path: Path) -
         sw("--version", "x\0y", cwd=tmp_path)
     with pytest.raises(FileNotFoundError):
         sw("--version", cwd=tmp_path / "missing")
+
+
+def test_only_a_postgresql_url_sends_a_run_to_the_server_that_preloads_postgresql(tmp_path: Path) -> None:
+    folder = tmp_path / "postgres-like-name"  # a path that merely mentions postgres is no URL
+    folder.mkdir()
+    plain, pg = cli_runner.fork_server(False), cli_runner.fork_server(True)
+    counts = len(plain.pids), len(pg.pids)
+    r = sw("--db", f"sqlite:///{folder}/s.db", "--version", cwd=folder)
+    assert r.returncode == 0, str(r)
+    assert (len(plain.pids), len(pg.pids)) == (counts[0] + 1, counts[1])
