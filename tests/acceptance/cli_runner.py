@@ -53,22 +53,18 @@ def _process_state(env: dict[str, str]) -> tuple[object, ...]:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_VARS))), _umask(), limits
 
 
-def _umask() -> int:
-    """The process's umask, read without setting it (another thread may be creating a file)."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
+def _umask() -> str:
+    """The process's umask, read without setting it (another thread may be creating a file); the
+    fork server runs only on Linux (pidfds), whose /proc has it."""
+    status = Path("/proc/self/status").read_text()
+    return status[status.index("Umask:") :].split("\n", 1)[0]
 
 
 class _Zygote:
     """One fork server of this test process, started at its first use and ended by its pid."""
 
-    def __init__(self, pg: bool) -> None:
-        self.pg = pg
+    def __init__(self, pg: bool, script: Path = ZYGOTE) -> None:
+        self.pg, self.script = pg, script
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.failed = os.environ.get("STEPWARDEN_TEST_SPAWN_CLI") == "1" or not hasattr(os, "pidfd_open")
@@ -91,7 +87,7 @@ class _Zygote:
         try:
             with open(os.path.join(folder, "log"), "wb") as log:
                 self.proc = subprocess.Popen(
-                    [sys.executable, str(ZYGOTE), self.path, *(["--pg"] if self.pg else [])],
+                    [sys.executable, str(self.script), self.path, *(["--pg"] if self.pg else [])],
                     env=env,
                     stdin=subprocess.PIPE,  # never written: its EOF tells the server this process is gone
                     stdout=subprocess.PIPE,

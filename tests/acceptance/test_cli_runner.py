@@ -8,6 +8,7 @@ run; and they check that each run they compare was forked at all.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from stepwarden.liveness import proc_start
+
 from . import cli_runner
-from .helpers import SW, Db, Result, clean_env, make_db, sw
+from .helpers import SW, Db, Result, clean_env, make_db, order, sw
 
 CASES = {
     "version": (("--version",), b""),
@@ -69,10 +72,7 @@ def test_a_forked_run_starts_in_the_tests_working_directory(tmp_path: Path) -> N
 
 def _running(pid: int) -> bool:
     """Whether ``pid`` is still a live process (a zombie, ended but not yet reaped, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return proc_start(pid) is not None
 
 
 def test_a_run_past_its_timeout_is_ended_and_keeps_its_output(db: Db) -> None:
@@ -139,3 +139,40 @@ def test_only_a_postgresql_url_sends_a_run_to_the_server_that_preloads_postgresq
     r = sw("--db", f"sqlite:///{folder}/s.db", "--version", cwd=folder)
     assert r.returncode == 0, str(r)
     assert (len(plain.pids), len(pg.pids)) == (counts[0] + 1, counts[1])
+
+
+# The real server with one change: recording the run it has just forked fails once (pidfd_open).
+FAILING_SERVER = """
+import os, sys
+sys.path.insert(0, {folder!r})
+import cli_zygote
+
+real, calls = os.pidfd_open, []
+
+def pidfd_open(pid, *args):
+    calls.append(pid)
+    if len(calls) == 2:  # the first is the server's probe of itself
+        raise OSError(38, "injected: no pidfd for this run")
+    return real(pid, *args)
+
+os.pidfd_open = pidfd_open
+cli_zygote.serve(sys.argv[1], False)
+from stepwarden.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_run_the_server_cannot_record_never_starts_so_exec_runs_it_once(db: Db, tmp_path: Path) -> None:
+    script = tmp_path / "failing_server.py"
+    script.write_text(FAILING_SERVER.format(folder=str(Path(cli_runner.__file__).parent)))
+    server = cli_runner._Zygote(pg=False, script=script)
+    env = clean_env()
+    argv = [str(SW), "--db", db.url, "submit", "process-order", "--input", json.dumps(order())]
+    try:
+        assert server.usable_for(env)
+        assert server.run(argv, str(db.cwd), env, b"", 60) is None  # refused: the caller execs
+        assert server.failed and len(server.pids) == 0
+        # The forked child waited for the server's go, which never came: it wrote nothing.
+        assert db.json("tasks", "--json") == []
+    finally:
+        server.stop()
