@@ -142,6 +142,7 @@ def test_a_submission_reads_the_first_waiting_tasks_through_the_claimable_index(
     params = {
         "workflow": "w", "version": 1, "input": "{}", "correlation_id": None, "idempotency_key": None,
         "reply_to": None, "priority": 0, "steps": "[]", "detail": "{}", "may_skip": True,
+        "received_tail": None,
     }  # fmt: skip
 
     def explain(tx: Any) -> str:

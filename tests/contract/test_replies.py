@@ -8,6 +8,7 @@ transitions are driven by hand (claim, take, reply, apply) as in ``test_store.py
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -84,6 +85,28 @@ def consume(store: Store, name: str, consumer: str | None, n: int, **kw: Any) ->
 
 
 # -- positions and cursors --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("correlation_id", ["plain", 'ö "quoted"\n€', None])
+def test_every_message_body_is_written_in_one_text_format_on_every_store(
+    store: Store, make_workflow: Factory, correlation_id: str | None
+) -> None:
+    """A consumer that reads the rows (or compares bodies as text) sees one format: PostgreSQL
+    wrote the `received` message with json_build_object (`{"task_id" : 1, ...}`, non-ASCII as
+    is) while every other message, and SQLite's, came from Python's encoder."""
+    wf = make_workflow("a")
+    tid = store.transact_sync(
+        t.submit, wf, encode_input({}), correlation_id=correlation_id, idempotency_key=None, priority=0,
+        reply_to="fmt",
+    )[0]  # fmt: skip
+    run_to_end(store)
+    msgs = queue(store, "fmt")
+    assert [m.kind for m in msgs] == ["received", "step_completed", "processed"]
+    received = msgs[0]
+    assert received.raw == json.dumps({"task_id": tid, "correlation_id": correlation_id, "kind": "received"})
+    assert received.body == {"task_id": tid, "correlation_id": correlation_id, "kind": "received"}
+    for m in msgs:  # the others already were: the same encoder, the same key order
+        assert m.raw == json.dumps(m.body), m.raw
 
 
 def test_messages_get_positions_in_order_and_a_named_cursor_resumes(

@@ -19,7 +19,7 @@ from ..workflow import Step, Workflow, encode_result
 from .base import FINAL_TASK_STATES, ApplyResult, Row, Tx, hot
 
 # The records a change writes beside it; other modules reach them here too (``transitions.event``).
-from .records import _now, alert, event, message
+from .records import _now, _to_json, alert, event, message
 from .undo import not_undone, reached_steps
 
 
@@ -57,7 +57,10 @@ def submit(
         if tx.dialect == "postgres":
             detail = json.dumps({"workflow": wf.name, "correlation_id": correlation_id})
             skip = not tx.caller_managed
-            row = tx.one("submit_task", **task, steps=steps_json, detail=detail, may_skip=skip)
+            tail = _received_tail(correlation_id) if reply_to is not None else None
+            row = tx.one(
+                "submit_task", **task, steps=steps_json, detail=detail, may_skip=skip, received_tail=tail
+            )
         else:
             row = tx.one("insert_task", **task)
         if row is not None:
@@ -93,6 +96,13 @@ def submit(
 submit.stepwarden_pipeline = False  # type: ignore[attr-defined]  # one statement on PostgreSQL
 # ... which is its own transaction there: no BEGIN and COMMIT round trips (PostgresStore._autocommit).
 submit.stepwarden_autocommit = True  # type: ignore[attr-defined]
+
+
+def _received_tail(correlation_id: str | None) -> str:
+    """The ``received`` message's body after its task id, as :func:`records.message` encodes the
+    whole body on SQLite: ``submit_task`` writes ``'{"task_id": ' || id || tail`` on PostgreSQL,
+    where the id is known only inside the statement, so both stores write the same text."""
+    return ", " + _to_json({"correlation_id": correlation_id, "kind": "received"})[1:]
 
 
 @functools.lru_cache(maxsize=256)

@@ -251,7 +251,9 @@ FROM steps WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elem
 -- name: submit_task
 -- A whole submission in one statement (SUB1): the task, its steps, its `received` event and
 -- status message, and the wake-up hint. A repeated idempotency key inserts nothing and returns
--- no row (SUB3); the caller then reads the existing task.
+-- no row (SUB3); the caller then reads the existing task. The message's body is the text every
+-- other message gets (Python's JSON encoder, as on SQLite) around the task's new id: the caller
+-- encodes the rest (:received_tail), so a consumer reading the rows sees one format.
 -- The hint is skipped when another submission, due at once, made in the last second and not
 -- touched since (claimed, released, retried), is still waiting among the first 8 in claim order
 -- (one short index read): its hint woke the schedulers (or, skipped, the one before it did),
@@ -281,9 +283,7 @@ e AS (
 m AS (
     INSERT INTO messages (queue, task_id, correlation_id, kind, body, created_at)
     SELECT :reply_to::text, t.id, :correlation_id::text, 'received',
-           json_build_object('task_id', t.id, 'correlation_id', :correlation_id::text,
-                             'kind', 'received')::text,
-           {now}
+           '{"task_id": ' || t.id || :received_tail::text, {now}
     FROM t WHERE :reply_to::text IS NOT NULL)
 -- `hint` is evaluated for the NOTIFY it may send; its value means nothing.
 SELECT id, (SELECT pg_notify('stepwarden_tasks', '') WHERE NOT (:may_skip::boolean AND EXISTS (
