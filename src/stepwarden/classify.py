@@ -9,6 +9,7 @@ The user-facing summary is in docs/concepts.md, "How failures are classified".
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
 import sys
@@ -70,6 +71,23 @@ TRANSIENT_CLASS_NAMES = frozenset(
     }
 )
 
+# Third-party clients' "the server answered with an HTTP status" errors, recognised the same way
+# (a class so named in the MRO, outside ``builtins``), then judged by the status they carry, read
+# by duck typing: requests' ``HTTPError`` (``exc.response.status_code``), aiohttp's
+# ``ClientResponseError`` (``exc.status``), the OpenAI-style SDKs' ``APIStatusError``
+# (``exc.status_code``). Without a status (urllib3's ``HTTPError`` is the base of all its errors,
+# a requests ``HTTPError`` may carry no response) the rule says nothing and the others decide.
+STATUS_CLASS_NAMES = frozenset({"HTTPError", "HTTPStatusError", "ClientResponseError", "APIStatusError"})
+
+# PostgreSQL's error codes (SQLSTATE) that a retry can outlive, for a driver's error that carries
+# one (psycopg 3 ``exc.sqlstate``, psycopg2 ``exc.pgcode``): class 08 (the connection failed or was
+# lost), 57P01-57P03 (the server is shutting down or starting), 53300 (too many connections),
+# 40001 and 40P01 (a serialization failure, a deadlock: the transaction may simply be run again),
+# 57014 and 55P03 (a statement_timeout or lock_timeout ran out: timeouts, as everywhere here).
+# A psycopg ``OperationalError`` with no code is the client's own failure to connect or to keep
+# the connection (refused, reset, timed out), and is transient too.
+_HEALING_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300", "40001", "40P01", "57014", "55P03"})
+
 # How many ``raise ... from`` links are followed below the exception raised.
 MAX_CAUSES = 5
 
@@ -83,7 +101,8 @@ def default_classify(exc: BaseException) -> str:
     "How failures are classified". Give an agent ``classify=`` to judge its failures otherwise.
 
     Timeouts, connection and network errors (builtin, standard library, httpx, and by class name
-    other clients'), HTTP 5xx, 408, 425 and 429, and :class:`Transient` are worth retrying;
+    other clients'; PostgreSQL drivers' by SQLSTATE), HTTP 5xx, 408, 425 and 429 (urllib's,
+    httpx's, and other clients' status errors), and :class:`Transient` are worth retrying;
     :class:`Permanent`, other HTTP statuses, and anything else (a bug does not heal by retrying)
     are not. An exception raised ``from`` a transient one is transient. An exception group (a
     ``TaskGroup`` fan-out) is permanent if any of its exceptions is judged permanent by a rule
@@ -112,10 +131,16 @@ def shown(value: object) -> str:
 
 
 def judge(classify: Callable[[BaseException], object], exc: BaseException) -> tuple[str, str | None]:
-    """``(kind, trouble)``: what an agent's ``classify`` says of ``exc``. A classify that raises,
+    """``(kind, trouble)``: what an agent's ``classify`` says of ``exc`` (of a :class:`Permanent` or
+    :class:`Transient`, what the operation said, unasked). A classify that raises,
     or returns anything but ``"transient"`` or ``"permanent"``, is a bug of the agent's: the
     failure is then permanent, at once (an error reply, not silence until complete-by, nor a
     retry the author never asked for), and ``trouble`` says why, for the error text."""
+    if isinstance(exc, Permanent | Transient):
+        # The operation's own word, whatever the agent's classify would say: the docs promise
+        # "raise Permanent in the operation" works with any classify (a classify written for
+        # library errors, returning "transient" for the rest, retried a declined card).
+        return (PERMANENT if isinstance(exc, Permanent) else TRANSIENT), None
     try:
         kind = classify(exc)
     except Exception as e:  # a BaseException (a stop) is not classify's to swallow
@@ -203,8 +228,38 @@ def _verdict(exc: BaseException, links: int, seen: set[int]) -> str | None:
         return _status(exc.response.status_code)  # type: ignore[attr-defined]  # httpx's, by _class
     if isinstance(exc, _class(httpx, "TransportError")):
         return TRANSIENT
-    if any(c.__module__ != "builtins" and c.__name__ in TRANSIENT_CLASS_NAMES for c in type(exc).__mro__):
+    foreign = [c for c in type(exc).__mro__ if c.__module__ != "builtins"]
+    if any(c.__name__ in TRANSIENT_CLASS_NAMES for c in foreign):
         return TRANSIENT
+    if isinstance(exc, asyncio.IncompleteReadError):  # the peer closed mid-read (StreamReader)
+        return TRANSIENT
+    if any(c.__name__ in STATUS_CLASS_NAMES for c in foreign):
+        code = _status_of(exc)
+        if code is not None:
+            return _status(code)
+    return _database_verdict(exc, foreign)
+
+
+def _status_of(exc: BaseException) -> int | None:
+    """The HTTP status a client's error carries, if it carries one (see STATUS_CLASS_NAMES)."""
+    response = getattr(exc, "response", None)
+    for holder in (exc, response):
+        for name in ("status_code", "status"):
+            code = getattr(holder, name, None) if holder is not None else None
+            if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599:
+                return code
+    return None
+
+
+def _database_verdict(exc: BaseException, foreign: list[type]) -> str | None:
+    """PostgreSQL drivers' errors that a retry can outlive (see _HEALING_SQLSTATES); None otherwise:
+    a constraint violation or a syntax error does not heal by retrying."""
+    code = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+    if isinstance(code, str):
+        return TRANSIENT if code.startswith("08") or code in _HEALING_SQLSTATES else None
+    from_psycopg = any(c.__module__.split(".")[0] in ("psycopg", "psycopg2") for c in foreign)
+    if from_psycopg and any(c.__name__ == "OperationalError" for c in foreign):
+        return TRANSIENT  # no code: the client could not connect, or lost the connection
     return None
 
 

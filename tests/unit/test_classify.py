@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
+import psycopg
 import pytest
 
 from stepwarden.agent import Agent, AgentRole, Request, default_classify
@@ -90,6 +91,18 @@ class Requests:
 
     class InvalidURL(RequestException, ValueError): ...
 
+    class HTTPError(RequestException):
+        """``response.raise_for_status()``'s error: the response rides on it."""
+
+        def __init__(self, status: int | None) -> None:
+            super().__init__(f"{status} Server Error")
+            self.response = None if status is None else Response(status)
+
+
+class Response:
+    def __init__(self, status_code: int) -> None:
+        self.status_code = status_code
+
 
 class Urllib3:
     class HTTPError(Exception): ...
@@ -110,12 +123,46 @@ class Aiohttp:
 
     class ServerDisconnectedError(ClientConnectionError): ...
 
-    class ClientResponseError(ClientError): ...
+    class ClientResponseError(ClientError):
+        def __init__(self, status: int | None = None) -> None:
+            super().__init__(f"{status}, message='Service Unavailable'")
+            if status is not None:
+                self.status = status
+
+
+class APIStatusError(Exception):
+    """An OpenAI-style SDK's error for an HTTP status."""
+
+    def __init__(self, status_code: int) -> None:
+        super().__init__(f"Error code: {status_code}")
+        self.status_code = status_code
 
 
 class Redis:
     class ConnectionError(Exception):
         """A client library's own ConnectionError, not derived from the builtin nor from OSError."""
+
+
+class Psycopg2:
+    class Error(Exception):
+        def __init__(self, text: str, pgcode: str | None = None) -> None:
+            super().__init__(text)
+            self.pgcode = pgcode
+
+    class OperationalError(Error): ...
+
+    class IntegrityError(Error): ...
+
+
+for _cls in (Psycopg2.Error, Psycopg2.OperationalError, Psycopg2.IntegrityError):
+    _cls.__module__ = "psycopg2.extensions"
+
+
+class Sqlite3OperationalError(Exception):
+    """Another driver's OperationalError ("no such table" is one): no rule of its own."""
+
+
+Sqlite3OperationalError.__name__ = "OperationalError"
 
 
 class FakeBuiltinTimeout(Exception):
@@ -212,6 +259,31 @@ FakeBuiltinTimeout.__name__ = "Timeout"
         pytest.param(Aiohttp.ServerDisconnectedError(), "transient", id="aiohttp-disconnected"),
         pytest.param(Aiohttp.ClientConnectionError(), "transient", id="aiohttp-connection"),
         pytest.param(Aiohttp.ClientResponseError(), "permanent", id="aiohttp-response"),
+        # other clients' HTTP status errors, by the status they carry (read by duck typing)
+        pytest.param(Requests.HTTPError(503), "transient", id="requests-http-503"),
+        pytest.param(Requests.HTTPError(429), "transient", id="requests-http-429"),
+        pytest.param(Requests.HTTPError(404), "permanent", id="requests-http-404"),
+        pytest.param(Requests.HTTPError(None), "permanent", id="requests-http-no-response"),
+        pytest.param(Aiohttp.ClientResponseError(503), "transient", id="aiohttp-response-503"),
+        pytest.param(Aiohttp.ClientResponseError(402), "permanent", id="aiohttp-response-402"),
+        pytest.param(APIStatusError(502), "transient", id="sdk-status-502"),
+        pytest.param(APIStatusError(401), "permanent", id="sdk-status-401"),
+        pytest.param(Urllib3.HTTPError("base of all its errors"), "permanent", id="urllib3-base-no-status"),
+        # asyncio streams: the peer closed mid-read
+        pytest.param(asyncio.IncompleteReadError(b"par", 10), "transient", id="asyncio-incomplete-read"),
+        # PostgreSQL drivers' errors, by SQLSTATE
+        pytest.param(psycopg.errors.AdminShutdown(), "transient", id="pg-admin-shutdown"),
+        pytest.param(psycopg.errors.SerializationFailure(), "transient", id="pg-serialization"),
+        pytest.param(psycopg.errors.DeadlockDetected(), "transient", id="pg-deadlock"),
+        pytest.param(psycopg.errors.QueryCanceled(), "transient", id="pg-statement-timeout"),
+        pytest.param(psycopg.errors.ConnectionFailure(), "transient", id="pg-08006"),
+        pytest.param(psycopg.errors.UniqueViolation(), "permanent", id="pg-unique-violation"),
+        pytest.param(psycopg.errors.UndefinedTable(), "permanent", id="pg-undefined-table"),
+        pytest.param(psycopg.OperationalError("connection lost"), "transient", id="pg-no-code"),
+        pytest.param(Psycopg2.OperationalError("reset"), "transient", id="psycopg2-operational"),
+        pytest.param(Psycopg2.IntegrityError("dup", "23505"), "permanent", id="psycopg2-integrity"),
+        pytest.param(Psycopg2.IntegrityError("dead", "40P01"), "transient", id="psycopg2-by-pgcode"),
+        pytest.param(Sqlite3OperationalError(), "permanent", id="other-operational-error"),
         pytest.param(Redis.ConnectionError("down"), "transient", id="plain-class-named-connection-error"),
         pytest.param(FakeBuiltinTimeout(), "permanent", id="name-rule-skips-builtins"),
         # raise ... from: the cause decides what the exception itself does not
@@ -383,6 +455,26 @@ def test_judge_turns_a_classify_that_raises_or_answers_nonsense_into_a_permanent
         "classify returned 'retry-later', not 'transient' or 'permanent'",
     )
     assert judge(lambda e: None, ValueError())[0] == "permanent"
+
+
+def test_a_real_refused_connection_through_psycopg_is_transient() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        with pytest.raises(psycopg.OperationalError) as caught:
+            psycopg.connect(f"postgresql://127.0.0.1:{port}/x", connect_timeout=2)
+    assert default_classify(caught.value) == "transient"
+
+
+def test_the_operations_own_permanent_or_transient_wins_over_the_agents_classify() -> None:
+    """SPEC §5's sketch raises Permanent("card declined") for an error reply at once; an agent
+    whose classify retried everything else retried the declined card too."""
+    from stepwarden.classify import judge
+    from stepwarden.errors import Transient
+
+    assert judge(lambda e: "transient", Permanent("card declined")) == ("permanent", None)
+    assert judge(lambda e: "permanent", Transient("busy")) == ("transient", None)
+    assert judge(lambda e: "transient", ValueError("other")) == ("transient", None)
 
 
 def test_the_rules_import_no_http_library_so_a_cli_command_starts_without_one() -> None:
