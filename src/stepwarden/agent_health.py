@@ -513,6 +513,13 @@ class AgentHealth:
                     a.breaker_cool_off,
                     error,
                 )
+        elif not was and error is not None:
+            log.info(
+                "agent %s: no live instance succeeds where this one fails any more: healthy again,"
+                " its failures count toward the breaker (%s)",
+                agent,
+                error,
+            )
         elif not was:
             log.info("agent %s: probe succeeded, this instance is healthy again", agent)
 

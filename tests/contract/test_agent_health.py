@@ -224,6 +224,32 @@ def test_an_instance_failing_while_another_succeeds_goes_unhealthy_not_the_break
     assert [k for k in kinds(store) if k.startswith("instance")] == ["instance_unhealthy", "instance_healthy"]
 
 
+def test_an_unhealthy_instance_whose_witness_is_gone_is_healthy_again_and_its_failure_counts(
+    store: Store, clock: FakeClock
+) -> None:
+    """Unhealthy means: others succeed where this instance fails. Once no other live instance
+    does (B stopped), an unhealthy instance's failure is the service's: it used to stay
+    unhealthy and own nothing, so its attempts were handed back uncounted forever and a task
+    whose service stayed down never escalated (REL1)."""
+    register(store, A, B)
+    report(store, A, False)
+    clock.advance(0.1)
+    report(store, B, True)
+    for _ in range(RULES.unhealthy_after - 1):
+        v = report(store, A, False)
+    assert v.own_fault and not v.healthy
+    store.transact_sync(sa.stop, B)
+    v = report(store, A, False)  # the probe fails, and no one succeeds where A fails
+    assert not v.own_fault and v.healthy
+    assert breaker(store)["failures"] == 1  # counted toward the breaker like anyone's failure
+    [inst] = [i for i in store.transact_sync(sa.list_agents)["instances"] if i["worker"] == A]
+    assert inst["healthy"] and inst["probe_in"] is None
+    assert [k for k in kinds(store) if k.startswith("instance")] == ["instance_unhealthy", "instance_healthy"]
+    # alone and failing, it opens the breaker at the threshold, as a lone instance does
+    opened = [report(store, A, False).opened for _ in range(THRESHOLD - 1)]
+    assert opened == [False] * (THRESHOLD - 2) + [True]
+
+
 def test_a_stopped_or_silent_instance_is_no_evidence_that_the_service_is_up(
     store: Store, clock: FakeClock
 ) -> None:

@@ -456,6 +456,51 @@ def test_after_the_cool_off_only_one_trial_request_is_taken(
     assert request_states(store).count("queued") == 2
 
 
+def test_an_unhealthy_instance_left_alone_with_the_service_down_counts_its_failures_and_escalates(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """This instance fails while another succeeds (unhealthy); then the other leaves and the
+    service is down. Each probe used to be handed back uncounted ("unhealthy"), re-dispatched
+    with a fresh complete-by, probed again: 22 attempts in 6 s, FailureCount 1, the task stuck in
+    processing for as long as the service stayed down. Now the probe's failure is the service's:
+    replied as a retry, counted, and the task escalates at max_failures."""
+    other = "agent-2:2:def"
+    agent = Agent("svc", breaker_threshold=100, breaker_cool_off=1.0)
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(req.attempt)
+        raise ConnectionError("no route to the service")
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock, settings=AgentSettings(unhealthy_after=1))
+        store.transact_sync(sa.register, other, [sa.InstanceSpec("svc", 4, 100, 1.0)])
+        dispatch_requests(store, tries=1, budget=600.0)
+        clock.advance(0.1)
+        rules = sa.HealthRules(unhealthy_after=1, probe_after=1.0)
+        store.transact_sync(sa.report, other, sa.Report("svc", True), 100, 1.0, rules)  # the other succeeds
+        assert await role.pull() == 1
+        await finish(role)
+        assert not role.health.healthy("svc")
+        assert [r["outcome"] for r in replies(store)] == ["released"]  # handed back: its own fault
+        store.transact_sync(sa.stop, other)  # the other leaves; the service is down for all
+        rng = random.Random(0)
+        for _ in range(3):
+            store.transact_sync(t.apply_replies, "sched", 10, rng)
+            clock.advance(60.0)  # past the step's back-off and the probe's cool-off
+            store.transact_sync(t.claim_and_dispatch, "sched", 10)
+            assert await role.pull() == 1
+            await finish(role)
+        store.transact_sync(t.apply_replies, "sched", 10, rng)
+
+    run(body())
+    assert [r["outcome"] for r in replies(store)] == ["released", "retry", "retry", "retry"]
+    assert "instance_healthy" in kinds(store)
+    [step] = store.transact_sync(lambda tx: tx.sql("SELECT failure_count, state FROM steps"))
+    assert step["failure_count"] == 3 and step["state"] == "failed", step
+
+
 def test_an_unhealthy_instance_left_alone_probes_with_the_trial_and_closes_the_breaker(
     store: Store, clock: FakeClock, dispatch_requests: Dispatch
 ) -> None:

@@ -16,7 +16,9 @@ Two failures, two answers, both decided from rows every instance can see:
   failed since) is not the service's fault: it does not count toward the breaker. After
   ``unhealthy_after`` failures in a row the instance marks itself unhealthy
   (``agent_instances.healthy = 0``) and stops pulling that agent's requests, so the work goes to
-  healthy instances; it probes again after ``probe_at``.
+  healthy instances; it probes again after ``probe_at``. A failure of an unhealthy instance with
+  no such witness left (the others stopped, went silent or fail too) is the service's like any
+  other: the instance is healthy again, and the failure counts.
 
 The functions here run inside one transaction each (``store.transact(fn, ...)``); the agent role
 (``agent_role.py``, ``agent_health.py``) keeps a local mirror of what they return.
@@ -253,6 +255,15 @@ def report(tx: Tx, me: str, r: Report, threshold: int, cool_off: float, rules: H
                 event(tx, "instance_unhealthy", None, me, agent=r.agent, failures=failures, reason=r.error)
         return Verdict(_breaker(tx, r.agent), probe_in is None, probe_in, own_fault=True)
     reason = (r.error or "")[:300]
+    if not healthy and tx.run("agent_instance_recovered", me=me, agent=r.agent):
+        # "Unhealthy" meant: others succeed where this instance fails. No live, healthy instance
+        # has succeeded since its failures began any more (they stopped, went silent or fail
+        # too), so nothing tells this instance from the service: its failure counts toward the
+        # breaker like anyone's, and its attempt is retried, counted. Left unhealthy, it handed
+        # every probe back uncounted, and a task whose service stayed down never escalated.
+        why = "no live instance succeeds where it fails"
+        event(tx, "instance_healthy", None, me, agent=r.agent, reason=why)
+        healthy = True
     opened = False
     if r.trial:
         if tx.run("agent_breaker_reopen", agent=r.agent, me=me, cool_off=cool_off, reason=reason):
