@@ -115,11 +115,33 @@ def test_a_success_resets_the_consecutive_count(store: Store) -> None:
     assert breaker(store)["state"] == "closed"
 
 
-def test_one_instance_alone_cannot_open_the_breaker_while_others_are_live(store: Store) -> None:
+def test_one_instance_alone_cannot_open_the_breaker_while_others_are_live(
+    store: Store, clock: FakeClock
+) -> None:
     register(store, A, B)
+    report(store, B, True)  # B calls the service too (before A's failures: no witness against A)
+    clock.advance(1)
     verdicts = [report(store, A, False) for _ in range(THRESHOLD + 2)]
-    assert not any(v.opened for v in verdicts) and breaker(store)["state"] == "closed"
+    assert not any(v.opened or v.own_fault for v in verdicts) and breaker(store)["state"] == "closed"
     assert report(store, B, False).opened  # a second instance failing too: the service is down
+
+
+@pytest.mark.parametrize("peer", ["never called", "called long ago"])
+def test_a_live_instance_that_makes_no_calls_cannot_keep_the_breaker_closed(
+    store: Store, clock: FakeClock, peer: str
+) -> None:
+    """B is live (it beats) but calls nothing: idle, or a version without the operation. It was
+    counted as an instance that could speak for the service, so A's failures never opened the
+    breaker and the down service was called forever (12 calls, failures 12, opens 0, with a
+    threshold of 3). An instance speaks only if it called within ``stale_after``."""
+    register(store, A, B)
+    if peer == "called long ago":
+        report(store, B, True)
+        clock.advance(RULES.stale_after + 1)
+    store.transact_sync(sa.beat, B, {"svc": (4, 0)})  # live
+    verdicts = [report(store, A, False) for _ in range(THRESHOLD)]
+    assert [v.opened for v in verdicts] == [False] * (THRESHOLD - 1) + [True]
+    assert breaker(store)["state"] == "open"
 
 
 def test_racing_reporters_open_the_breaker_exactly_once(store: Store) -> None:

@@ -10,7 +10,10 @@ Two failures, two answers, both decided from rows every instance can see:
   database clock) one instance wins the conditional claim of the half-open trial; its success
   closes the breaker for all (``breaker_closed``), its failure opens it for another cool-off.
   The failure that reaches the threshold opens it only if at least two live instances are failing
-  (or the agent has one instance): one instance alone cannot open the breaker for all.
+  (or the agent has one instance): one instance alone cannot open the breaker for all. Only
+  instances that called the service within ``stale_after`` count: an idle one (or one whose
+  version lacks the operation) says nothing about the service, and counted, it kept the breaker
+  closed for good while the others' calls failed.
 - **Only this instance's calls fail** (its own network path, say). A failure made while another
   live, healthy instance of the same agent has succeeded since this one began failing (and has not
   failed since) is not the service's fault: it does not count toward the breaker. After

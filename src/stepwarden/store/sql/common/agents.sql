@@ -104,11 +104,15 @@ WHERE agent = :agent AND worker <> :me AND stopped_at IS NULL AND healthy = 1 AN
 
 -- name: agent_failing_spread
 -- How many live instances the agent has, and how many of them are failing now: one instance alone
--- cannot open the breaker for all while others could speak for the service.
+-- cannot open the breaker for all while others could speak for the service. An instance speaks
+-- only if it has called the service lately (within :stale): one that makes no calls (idle, or
+-- a version without the operation) would otherwise keep the breaker closed for good while this
+-- one's calls fail.
 SELECT COUNT(*) AS live, COALESCE(SUM(CASE WHEN failures > 0 THEN 1 ELSE 0 END), 0) AS failing
 FROM agent_instances
 WHERE agent = :agent AND stopped_at IS NULL AND heartbeat_at >= {now} - :stale
-  AND (healthy = 1 OR worker = :me);
+  AND (worker = :me OR (healthy = 1 AND (last_success_at >= {now} - :stale
+                                         OR last_failure_at >= {now} - :stale)));
 
 -- name: agent_instance_unhealthy
 UPDATE agent_instances SET healthy = 0, unhealthy_since = COALESCE(unhealthy_since, {now}),
