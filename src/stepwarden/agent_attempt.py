@@ -126,7 +126,8 @@ class Attempts:
     """Runs attempts for the agents of one role: their thread pools and the rules above.
 
     ``busy(agent)`` / ``free(agent)``: a plain call abandoned at complete-by (or on a stop) keeps
-    its thread; the role counts it in flight from ``busy`` until ``free`` (called on the loop)."""
+    its thread; the role counts it in flight from ``busy`` until ``free`` (called on the loop).
+    ``full(agent)``: every slot of the agent is taken (see :meth:`run`, on an open breaker)."""
 
     def __init__(
         self,
@@ -139,13 +140,14 @@ class Attempts:
         threads: int | None = None,
         busy: Callable[[str], None],
         free: Callable[[str], None],
+        full: Callable[[str], bool] = lambda agent: False,
     ) -> None:
         self.me = me
         self.health = health
         self.clock = clock
         self.store_id = ""  # the store's identity, set by the role before its first pull
         self.settings = settings
-        self.busy, self.free = busy, free
+        self.busy, self.free, self.full = busy, free, full
         self.rng = random.Random()
         # Whether each operation runs on the loop, decided once (the operations are fixed by now).
         self.on_loop = {
@@ -207,7 +209,16 @@ class Attempts:
                 break
             first_of_trial = trial and n == 1
             held = None if first_of_trial else health.may_call(name)
+            if held is not None and self.full(name):
+                # Every slot is held: the instance pulls nothing, so it could never take the
+                # half-open trial, and attempts like this one, each try refused, kept the
+                # breaker open until they ran out of tries or time (19 s of a 1 s cool-off).
+                # This one ends now, as a retry, and gives its slot to the trial.
+                last = held if n == 1 else f"{held} (the last call: {last})"
+                break
             if held is not None:
+                # The try fails fast (AGT3); the attempt goes on with its tries, and calls again
+                # once the breaker closes (a slot is free for the trial).
                 last = held
             else:
                 began = self.clock.monotonic()
@@ -264,6 +275,10 @@ class Attempts:
             delay = backoff.delay(n, self.rng)
             if n == tries or self.clock.monotonic() + delay + need > deadline:
                 break  # no time for another try that could answer: say so now
+            held = health.may_call(name)
+            if held is not None and self.full(name):  # as above, before sleeping for nothing
+                last = f"{held} (the last call: {last})"
+                break
             await self.clock.sleep(delay)
         # Transient failures used up this attempt's tries (or its time): say so before
         # complete-by, so the step is retried now rather than after its deadline (past it, the

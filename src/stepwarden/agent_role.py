@@ -142,7 +142,15 @@ class AgentRole:
         # Plain calls run in a pool per agent, ``threads`` (default: the agent's concurrency)
         # threads each; a thread still busy after complete-by keeps its slot counted.
         self.attempts = Attempts(
-            me, agents, self.health, clock, self.settings, threads=threads, busy=self._busy, free=self._free
+            me,
+            agents,
+            self.health,
+            clock,
+            self.settings,
+            threads=threads,
+            busy=self._busy,
+            free=self._free,
+            full=lambda name: self.inflight[name] >= self.agents[name].concurrency,
         )
         self.tasks: dict[asyncio.Task[None], RequestMsg] = {}
         # The complete-by of each request whose call's task runs (local monotonic): a stop hands

@@ -21,6 +21,7 @@ from stepwarden.agent import Agent, AgentRole, AgentSettings, Request, default_c
 from stepwarden.agent_health import AgentHealth
 from stepwarden.clock import SYSTEM_CLOCK, FakeClock
 from stepwarden.errors import Permanent, Transient
+from stepwarden.policies import Backoff
 from stepwarden.stop_writes import StopWrites
 from stepwarden.store import Store
 from stepwarden.store import agents as sa
@@ -383,6 +384,44 @@ def test_the_breaker_opens_after_repeated_failures_and_the_role_stops_pulling(
 
     run(body())
     assert [r["outcome"] for r in replies(rt_store)] == ["retry"]
+
+
+def test_attempts_refused_by_an_open_breaker_end_at_once_so_the_instance_can_take_the_trial(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """An attempt whose tries the open breaker refuses, on an instance with every slot taken,
+    ends now, as a retry. It used to go on with its tries (100 here, 10 s apart on the fake
+    clock), each refused, holding its slot: with every slot so held the instance never pulled,
+    never took the half-open trial, and the breaker stayed open until the attempts ran out of
+    time (19 s of a 1 s cool-off, measured). With a slot free, the attempt goes on (see
+    test_breaker_trial_outcome: it calls again once the trial closes the breaker)."""
+    backoff = Backoff(initial=10.0, maximum=10.0, jitter=0)
+    dispatch_requests(store, n=2, tries=100, budget=600.0, backoff=backoff)
+    agent = Agent("svc", concurrency=1, breaker_threshold=1, breaker_cool_off=1.0)
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(req.task_id)
+        if len(calls) == 1:
+            raise ConnectionError("refused")
+        return "up"
+
+    async def body() -> None:
+        role = make_role(store, agent, clock=clock)
+        assert await role.pull() == 1  # the one slot; its call fails and opens the breaker
+        await finish(role)  # no 10 s sleep on the fake clock before a refused try: it replied
+        assert role.breakers["svc"].state == "open"
+        [rep] = replies(store)
+        assert rep["outcome"] == "retry" and "circuit breaker" in rep["error"], rep
+        assert "ConnectionError: refused" in rep["error"], rep
+        clock.advance(1.0)
+        assert await role.pull() == 1  # the slots are free: the trial is taken after the cool-off
+        await finish(role)
+        assert role.breakers["svc"].state == "closed"
+
+    run(body())
+    assert len(calls) == 2
 
 
 def down_once(slow: asyncio.Event | None = None, cool_off: float = 10.0) -> tuple[Agent, list[int]]:
