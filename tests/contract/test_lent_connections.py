@@ -158,7 +158,19 @@ def test_postgres_replaces_a_lent_session_the_server_ended(pg_app: App, pg_url: 
     with psycopg.connect(pg_url, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (first,))
         wait_gone(admin, first)  # ended while idle, as a server restart or an idle timeout ends it
+    started = time.monotonic()
     submits_on_another_session(pg_app, first)  # the dead session is not lent: no error, a new one
+    took = time.monotonic() - started
+    # ... and is gone from the pool: it was put back (its goodbye unread), met again at every lend
+    # until the lend's 0.5 s wait ran out, then a private connection opened, block after block.
+    pids, times = [], [took]
+    for _ in range(4):
+        started = time.monotonic()
+        with pg_app.transaction() as tx:
+            pids.append(one(tx, "SELECT pg_backend_pid()"))
+        times.append(time.monotonic() - started)
+    assert len(set(pids)) <= 2, f"a new session per block: {pids}"  # the pool's, lent again
+    assert max(times) < 0.4, f"blocks after the server ended a session took {times}"
     assert states(pg_app) == ["pending"]
 
 

@@ -584,6 +584,11 @@ class _Quiet(logging.Filter):
 
 
 def _check_live(conn: Any) -> None:
-    """The caller pool's check when it lends a connection: a dead one is replaced, not lent."""
+    """The caller pool's check when it lends a connection: a dead one is replaced, not lent.
+    Closed here, not only refused: psycopg_pool puts a connection that failed its check back in
+    the pool unless it looks broken, and the server's goodbye unread leaves it looking fine, so
+    every later lend met the same dead connection until its 0.5 s wait ran out (and then opened a
+    private one): each app.transaction() after one server restart took half a second, for good."""
     if _stale(conn):
+        conn.close()
         raise psycopg.OperationalError("the pooled connection was closed by the server")
