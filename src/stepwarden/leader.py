@@ -295,7 +295,10 @@ class LeaseKeeper:
         try:
             while not stop.is_set():
                 now = self.clock.monotonic()
-                wake = min(now + s.renew_every, trust_until)
+                # Renew every renew_every, or at once when less trust than that is left (an
+                # acquire or renewal answered late): waiting to the window's end renewed nothing,
+                # and the term was given up with the store answering at once.
+                wake = now + s.renew_every if now + s.renew_every < trust_until else now
                 await self._wait(wake - now, work=work, stop=stop)
                 if work.done():
                     exc = None if work.cancelled() else work.exception()
@@ -311,7 +314,9 @@ class LeaseKeeper:
                     reason = f"leader work made no progress for {now - ctx.last_progress:.1f}s"
                     break
                 sent = now
-                ok = await self._renew(term, trust_until - now)
+                ok = await self._renew(term, trust_until - now, stop)
+                if ok is None and stop.is_set():
+                    break  # stopped while the renewal was in flight: the work ends now (DEP4)
                 if ok is None:
                     # An error, not a refusal: the lease may well still be ours. The work stops
                     # (LEAD3) and the lease is resigned, so that once the store answers again a
@@ -375,16 +380,24 @@ class LeaseKeeper:
             exc_info=exc,
         )
 
-    async def _renew(self, term: int, budget: float) -> bool | None:
-        """Renew, giving up when the trust window ends (measured on our Clock, not the loop's):
-        True renewed, False refused (the lease is someone else's), None failed (an error, or no
-        answer within the window) with the lease perhaps still ours."""
+    async def _renew(self, term: int, budget: float, stop: asyncio.Event) -> bool | None:
+        """Renew, giving up when the trust window ends (measured on our Clock, not the loop's)
+        or ``stop`` is set: True renewed, False refused (the lease is someone else's), None failed
+        (an error, no answer within the window, or a stop) with the lease perhaps still ours.
+        A stop is not kept waiting for the renewal: a store that hung kept the leader's work
+        running up to the end of its trust window after SIGTERM."""
         renewal = asyncio.create_task(self.store.renew_lease(self.name, self.holder, term, self.settings.ttl))
         timer = asyncio.create_task(self.clock.sleep(max(0.0, budget)))
+        stopping = asyncio.create_task(stop.wait())
         try:
-            await asyncio.wait({renewal, timer}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({renewal, timer, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             timer.cancel()
+            stopping.cancel()
+        if not renewal.done() and stop.is_set():
+            renewal.cancel()
+            log.info("lease %s: stopping with a renewal in flight; it is abandoned", self.name)
+            return None
         if not renewal.done():
             renewal.cancel()
             log.warning("lease %s: renewal still pending when the trust window ended", self.name)

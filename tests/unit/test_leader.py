@@ -650,3 +650,103 @@ def test_a_campaign_through_an_outage_logs_it_twice_not_each_retry(
     assert "database unreachable" in warnings[0]
     back = [m for level, m in lines if level == logging.INFO and "answers again" in m]
     assert len(back) == 1, lines
+
+
+class _SlowOrHung:
+    """The store, with acquires answered ``acquire_delay`` fake seconds after they commit, and
+    renewals that hang while ``hang`` is set; it records when each renewal was sent."""
+
+    def __init__(self, store: Any, clock: FakeClock) -> None:
+        self.store, self.clock = store, clock
+        self.acquire_delay = 0.0
+        self.hang = False
+        self.renewals_sent: list[float] = []
+
+    async def acquire_lease(self, *a: Any) -> Any:
+        got = await self.store.acquire_lease(*a)
+        if self.acquire_delay:
+            await self.clock.sleep(self.acquire_delay)  # committed at once, answered late
+        return got
+
+    async def renew_lease(self, *a: Any) -> bool:
+        self.renewals_sent.append(self.clock.monotonic())
+        if self.hang:
+            await asyncio.Event().wait()
+        return bool(await self.store.renew_lease(*a))
+
+    async def resign_lease(self, *a: Any) -> None:
+        await self.store.resign_lease(*a)
+
+    async def transact(self, *a: Any, **k: Any) -> Any:
+        return await self.store.transact(*a, **k)
+
+
+def _logged_work(clock: FakeClock, log: list[tuple[str, float]]) -> Any:
+    async def work(lead: Leadership) -> None:
+        log.append(("start", clock.monotonic()))
+        try:
+            while True:
+                lead.progress()
+                await clock.sleep(0.25)
+        except asyncio.CancelledError:
+            log.append(("cancelled", clock.monotonic()))
+            raise
+
+    return work
+
+
+def test_a_term_that_starts_with_less_trust_than_renew_every_is_renewed_at_once(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    """An acquire answered 3.5 s late (ttl 5, margin 1: 0.5 s of trust left, renew_every 1 s).
+    The keeper slept to the end of its trust window, renewed nothing, and gave the term up with
+    the store answering at once (with real processes: a term started and ended 60 ms later,
+    after a SQLite lock held for 8 s, and the lease changed hands for nothing)."""
+    log: list[tuple[str, float]] = []
+    slow = _SlowOrHung(tracked_store, clock)
+    slow.acquire_delay = 3.5
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        keeper = LeaseKeeper(slow, "L", "A", _logged_work(clock, log), settings=S, clock=clock)  # type: ignore[arg-type]
+        task = asyncio.create_task(keeper.run(stop))
+        await fake_time.run_for(3.5)
+        slow.acquire_delay = 0.0
+        await fake_time.run_for(3.0)
+        assert keeper.term == 1, log
+        stop.set()
+        await fake_time.run_for(1.0)
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(body())
+    started = log[0][1]
+    assert slow.renewals_sent and slow.renewals_sent[0] == started, (slow.renewals_sent, log)
+    assert [k for k, _ in log] == ["start", "cancelled"]  # one term, ended by the stop
+    assert log[1][1] >= started + 3.0
+
+
+def test_a_stop_during_a_hung_renewal_cancels_the_work_at_once(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    """The renewal sent at +2 hangs; the stop comes at +2.25. The stop was not seen until the
+    renewal's trust window ran out (the work ran on to +5, 2.75 s after SIGTERM)."""
+    log: list[tuple[str, float]] = []
+    hung = _SlowOrHung(tracked_store, clock)
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        keeper = LeaseKeeper(hung, "L", "A", _logged_work(clock, log), settings=S, clock=clock)  # type: ignore[arg-type]
+        task = asyncio.create_task(keeper.run(stop))
+        await fake_time.run_for(1.5)  # renewed at +1: trusted to +5
+        hung.hang = True  # the renewal sent at +2 hangs
+        await fake_time.run_for(0.75)
+        assert len(hung.renewals_sent) == 2
+        stop.set()
+        log.append(("stop", clock.monotonic()))
+        await fake_time.run_for(0.25)
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(body())
+    stopped = dict(log)["stop"]
+    assert dict(log)["cancelled"] - stopped < 0.25, log
+    assert "lease_resigned" in event_kinds(tracked_store)  # and the lease given up (DEP4)
