@@ -128,3 +128,30 @@ def test_a_request_taken_while_the_hand_back_waits_for_it_is_left_to_its_agent(
         assert not q(store, "SELECT id FROM replies WHERE task_id = ?", task_id)
     finally:
         store.close()
+
+
+def test_a_step_handed_back_untaken_counts_as_never_having_reached_its_service(
+    store: Store, make_workflow: Callable[..., Workflow]
+) -> None:
+    """Found by review (CMP4, OPS3): the hand-back takes the requests in the stopping worker's
+    name to reply for them, and they kept it as their taker, so a cancel afterwards named the
+    step in ``not_undone`` ("its effect may still stand") though no agent ever took it."""
+    wf = make_workflow("a", "b", steps={"b": {"compensate": None}})
+    task_id = submit(store, wf, reply_to="web-1")
+    assert store.transact_sync(t.claim_and_dispatch, ME, 10) == 1
+    (msg,) = asyncio.run(store.claim_requests(AGENT, ["svc"], 1))
+    asyncio.run(store.send_reply(AGENT, msg.id, "ok", {"done": "a"}, None))
+    store.transact_sync(t.apply_replies, ME, 10, random.Random(0))  # a done, b dispatched by ME
+    assert request_of(store, task_id)["step_idx"] == 1
+    assert hand_back(store).handed == 1
+    row = request_of(store, task_id)
+    assert (row["state"], row["outcome"]) == ("replied", "released")
+    assert (row["taken_by"], row["taken_at"]) == (None, None)  # no agent took it
+    assert store.transact_sync(t.cancel_task, task_id, "operator") == "compensating"
+    assert store.transact_sync(t.claim_and_dispatch, OTHER, 10) == 1  # a's undo
+    (undo,) = asyncio.run(store.claim_requests(AGENT, ["svc"], 1))
+    assert undo.kind == "undo" and undo.step_idx == 0
+    asyncio.run(store.send_reply(AGENT, undo.id, "ok", None, None))
+    store.transact_sync(t.apply_replies, OTHER, 10, random.Random(0))
+    last = q(store, "SELECT kind, body FROM messages ORDER BY id DESC LIMIT 1")[0]
+    assert last["kind"] == "cancelled" and "not_undone" not in last["body"], last

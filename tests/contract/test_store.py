@@ -77,6 +77,10 @@ def take(store: Store, limit: int = 10, agent: str = "svc") -> list[RequestMsg]:
 def send(
     store: Store, request_id: int, outcome: str = "ok", result: Any = None, error: str | None = None
 ) -> None:
+    """The agent's reply to a request it took first (taken here if still queued), as a real one
+    does: a step a request of which an agent took may have reached its service (undo.reached_steps)."""
+    take_it = "UPDATE requests SET state = 'taken', taken_by = ? WHERE id = ? AND state = 'queued'"
+    q(store, take_it, AGENT, request_id)
     run(store.send_reply(AGENT, request_id, outcome, result, error))
 
 
@@ -608,6 +612,7 @@ def test_reaching_max_failures_can_compensate_in_reverse_order(
     claim(store)
     complete(store, task_id, "a", {"reserved": "r-1"})
     complete(store, task_id, "b", {"charged": "c-1"})
+    assert 2 in [m.step_idx for m in take(store)]  # an agent takes c's request: it may reach the service
     clock.advance(10.5)  # c's only attempt expires
     r = sweep(store, term)
     assert (r.rescued, r.escalated) == (1, 1)
@@ -632,6 +637,37 @@ def test_reaching_max_failures_can_compensate_in_reverse_order(
         "step_compensated",
         "compensated",
     ]
+    assert alerts(store) == []
+
+
+def test_a_step_no_agent_took_is_not_undone_and_its_dead_agent_does_not_block_the_undo_of_the_rest(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """Found by review (CMP2, CMP3): c's request was never taken (its agent, which also runs its
+    undo, is down), its attempt expired, and the escalation compensated. c's undo went to the same
+    dead agent, failed for good, and the task ended ``error`` with a and b un-undone, the alert
+    saying c's effect "is NOT undone" though c never reached its service."""
+    term = lease(store)
+    escalate = Retry(max_failures=1, escalation="compensate")
+    wf = make_workflow("a", "b", "c", steps={"c": {"retry": escalate}})
+    task_id = submit(store, wf, reply_to="web-1")
+    claim(store)
+    complete(store, task_id, "a")
+    complete(store, task_id, "b")
+    clock.advance(10.5)  # c's request expires queued: no agent took it
+    r = sweep(store, term)
+    assert (r.rescued, r.escalated) == (1, 1)
+    undone = []
+    for _ in range(2):
+        req = requests(store, task_id)[-1]
+        assert req["kind"] == "undo"
+        undone.append(steps(store, task_id)[req["step_idx"]]["name"])
+        complete(store, task_id, undone[-1])
+    assert undone == ["b", "a"]
+    assert states(store, task_id) == ("compensated", ["compensated", "compensated", "failed"])
+    assert [r["step_idx"] for r in requests(store, task_id) if r["kind"] == "undo"] == [1, 0]
+    final = q(store, "SELECT body FROM messages WHERE kind = 'compensated'")
+    assert [json.loads(m["body"]).get("not_undone") for m in final] == [None]  # nothing left standing
     assert alerts(store) == []
 
 
@@ -742,9 +778,9 @@ def test_a_compensation_that_keeps_failing_ends_in_error_naming_the_step(
     assert states(store, task_id) == ("error", ["failed", "failed", "skipped"])
     [al] = alerts(store)
     assert (al["kind"], al["task_id"], al["step"]) == ("compensation_failed", task_id, "a")
-    # b declared no undo and no agent took its request (this test answers it directly): it
-    # reached no service, so nothing of it stands (see not_undone)
-    assert "NOT undone" in al["message"] and "still standing" not in al["message"]
+    # b declared no undo, and the agent that took its request answered: its call may have
+    # applied its effect all the same, so it is named as standing (see not_undone)
+    assert "NOT undone" in al["message"] and "still standing: 'b'" in al["message"], al["message"]
     assert r.alerts[0]["kind"] == "compensation_failed"
 
 
@@ -841,10 +877,14 @@ def test_cancel_of_a_pending_task_compensates_its_started_steps_then_ends_cancel
     assert store.transact_sync(t.cancel_task, task_id, "operator") == "compensating"
     assert states(store, task_id) == ("compensating", ["completed", "pending", "skipped"])
     assert claim(store) == 1  # at once, not after the back-off
-    for name in ("b", "a"):  # b started (its attempt expired), so it is undone too, first
-        assert last_request(store, task_id, name)["kind"] == "undo"
-        complete(store, task_id, name)
-    assert states(store, task_id) == ("cancelled", ["compensated", "compensated", "skipped"])
+    # b started, but its request expired queued: no agent took it, it never reached its service,
+    # so only a is undone (b's undo would undo nothing: CMP2 undoes what may have taken effect)
+    assert last_request(store, task_id, "b")["kind"] == "do"
+    assert last_request(store, task_id, "a")["kind"] == "undo"
+    complete(store, task_id, "a")
+    assert states(store, task_id) == ("cancelled", ["compensated", "failed", "skipped"])
+    body = json.loads(q(store, "SELECT body FROM messages ORDER BY id DESC LIMIT 1")[0]["body"])
+    assert "not_undone" not in body, body
     kinds = event_kinds(store, task_id)
     assert kinds.index("cancel_requested") < kinds.index("cancelled") == len(kinds) - 1
     assert q(store, "SELECT kind FROM messages ORDER BY id DESC LIMIT 1") == [{"kind": "cancelled"}]
@@ -1093,6 +1133,26 @@ def test_retry_task_resumes_from_the_failed_step_with_a_fresh_failure_count(
     complete(store, task_id, "c")
     assert states(store, task_id) == ("processed", ["completed"] * 3)
     assert "retried" in event_kinds(store, task_id)
+
+
+def test_the_alert_of_a_step_that_fails_again_after_a_retry_counts_what_its_policy_counted(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """Found by review: after an operator's retry the step escalated after 2 more failures, as
+    its policy counts, but the alert said "failed after 4 failure(s)"."""
+    term = lease(store)
+    wf = make_workflow(retry=Retry(max_failures=2, backoff=Backoff(initial=10, jitter=0)))
+    task_id = _errored_at_b(store, clock, wf, term)
+    store.transact_sync(t.retry_task, task_id, None, "operator")
+    for _ in range(2):
+        clock.advance(10.0)
+        assert claim(store) == 1
+        clock.advance(10.5)
+        sweep(store, term)
+    assert states(store, task_id) == ("error", ["completed", "failed", "pending"])
+    last = max(alerts(store), key=lambda a: a["id"])
+    said = "'b' failed after 2 failure(s) since its last retry by an operator (4 in all)"
+    assert said in last["message"], last
 
 
 def test_retry_task_refuses_bad_states_and_steps(

@@ -411,7 +411,7 @@ def test_attempts_refused_by_an_open_breaker_end_at_once_so_the_instance_can_tak
         role = make_role(store, agent, clock=clock)
         assert await role.pull() == 1  # the one slot; its call fails and opens the breaker
         await finish(role)  # no 10 s sleep on the fake clock before a refused try: it replied
-        assert role.breakers["svc"].state == "open"
+        assert str(role.breakers["svc"].state) == "open"
         [rep] = replies(store)
         assert rep["outcome"] == "retry" and "circuit breaker" in rep["error"], rep
         assert "ConnectionError: refused" in rep["error"], rep

@@ -371,6 +371,10 @@ def hand_back_dispatched(tx: Tx, me: str, why: str, limit: int, rng: random.Rand
     out.handed = len(handed)
     if handed:
         out.applied = _record_replies(tx, me, [(i, "released", None, why) for i in handed], True, rng)
+        # Taken above only to go through the reply path: no agent took them, so no call reached
+        # the service, and a compensation must not count them as reached (undo.reached_steps).
+        back = ", ".join("?" for _ in handed)
+        tx.sql(f"UPDATE requests SET taken_by = NULL, taken_at = NULL WHERE id IN ({back})", tuple(handed))
     return out
 
 

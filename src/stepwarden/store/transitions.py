@@ -175,9 +175,18 @@ def advance(tx: Tx, task: Row, me: str, steps: list[Row] | None = None, now: flo
         message(tx, task, "processed", results=_results(steps))
         task["state"] = "processed"
         return
-    # compensating: undo, in reverse order, every started step that has an undo and is not undone
+    # compensating: undo, in reverse order, every started step that has an undo, is not undone
+    # and may have had an effect: completed, or reached (an agent took one of its requests: a
+    # failed call may have applied it). A step no agent ever took a request of never reached its
+    # service: its undo would undo nothing, and sent to the same agent (the usual case, CMP1) that
+    # is down, it failed for good and left the completed steps before it un-undone.
+    reached: set[int] | None = None
     for s in reversed(steps):
         if s["started_at"] is not None and s["compensate"] and s["state"] != "compensated":
+            if s["state"] != "completed":
+                reached = reached_steps(tx, task["id"]) if reached is None else reached
+                if s["idx"] not in reached:
+                    continue
             dispatch(tx, task, s, steps, me, "undo", now)
             return
     final = "cancelled" if task["cancel_requested"] else "compensated"
@@ -187,7 +196,7 @@ def advance(tx: Tx, task: Row, me: str, steps: list[Row] | None = None, now: flo
     # Steps that declare no undo keep their effect (completed ones, and failed ones whose call
     # may have applied it): the outcome names them, so that "compensated" is not read as "every
     # effect undone" (CMP1 makes the undo optional).
-    kept = not_undone(steps, reached_steps(tx, task["id"]))
+    kept = not_undone(steps, reached_steps(tx, task["id"]) if reached is None else reached)
     extra: dict[str, Any] = {"not_undone": kept} if kept else {}
     tx.put("finish_task", task_id=task["id"], state=final, error=None)
     event(tx, final, task["id"], me, **extra)
@@ -528,6 +537,10 @@ def fail_attempt(
     if changed is None:
         raise LostOwnership(f"step {task['id']}/{step['name']} attempt {step['attempt']} moved under us")
     failures = changed["comp_failures"] if undo else changed["failure_count"]
+    # What the policy counted: the forward failures since an operator's last retry of the step
+    # (failure_offset), which the texts below name; events keep the total.
+    counted = failures if undo else failures - int(step["failure_offset"] or 0)
+    since = "" if counted == failures else f" since its last retry by an operator ({failures} in all)"
     if retry:
         back_to = "compensating" if undo else "pending"
         tx.put(
@@ -558,7 +571,7 @@ def fail_attempt(
                     "step_escalated",
                     task["id"],
                     step["name"],
-                    f"step {step['name']!r} failed {failures} times; "
+                    f"step {step['name']!r} failed {counted} times{since}; "
                     f"waiting {decision.delay:g}s before retrying",
                 )
             )
@@ -596,7 +609,7 @@ def fail_attempt(
         kind = "compensation_failed"
         extra = {"not_undone": left}
     else:
-        text = f"step {step['name']!r} failed after {failures} failure(s): {error[:300]}"
+        text = f"step {step['name']!r} failed after {counted} failure(s){since}: {error[:300]}"
         kind = "task_error"
     tx.put("finish_task", task_id=task["id"], state="error", error=error)
     out_alerts.append(alert(tx, kind, task["id"], step["name"], text))
