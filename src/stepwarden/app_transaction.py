@@ -95,14 +95,18 @@ class AppTransaction:
         The check holds until the block's transaction ends: no successor can be granted the
         lease in between (and neither can this process's own renewal: keep a fenced block well
         under the lease's ``ttl - margin``). On PostgreSQL the lease row stays share-locked, and
-        a successor's acquire waits for it. On SQLite the block's transaction holds the write
-        lock from the check on, and an acquire is a write: on your own ``sqlite3`` connection
-        the fence takes it (``BEGIN IMMEDIATE`` when no transaction is open, as in ``sqlite3``'s
-        default mode before the first write; else a statement that writes nothing), so the
-        block's later writes cannot land in a transaction begun after a successor took over. A
-        transaction that read before another connection's last write cannot take the lock:
-        :class:`~stepwarden.errors.StoreError`, as for a lock that stays taken. A failed check
-        rolls back the transaction the fence began, holding nothing."""
+        a successor's acquire waits for it; so the block's session may sit idle in its
+        transaction for ``ttl - margin`` at most (``idle_in_transaction_session_timeout``, set
+        for the transaction, never raised), after which the server ends it and the block
+        commits nothing: a leader paused inside the block (SIGSTOP, a partition) kept its
+        successors out for the 60 s a block's session otherwise has. On SQLite the block's
+        transaction holds the write lock from the check on, and an acquire is a write: on your
+        own ``sqlite3`` connection the fence takes it (``BEGIN IMMEDIATE`` when no transaction
+        is open, as in ``sqlite3``'s default mode before the first write; else a statement that
+        writes nothing), so the block's later writes cannot land in a transaction begun after a
+        successor took over. A transaction that read before another connection's last write
+        cannot take the lock: :class:`~stepwarden.errors.StoreError`, as for a lock that stays
+        taken. A failed check rolls back the transaction the fence began, holding nothing."""
         self._check_in_block()
         if not isinstance(lead, Leadership):
             raise InputError(f"fence takes the Leadership your leader work was given, not {show(lead)}")
@@ -113,6 +117,10 @@ class AppTransaction:
         began = isinstance(store, SQLiteStore) and not self._lent and store.hold_write_lock(self.connection)
         try:
             fence(self._tx, lead.holder, lead.name, lead.term)
+            if self._tx.dialect == "postgres" and lead.trust is not None:
+                # The lease row stays share-locked until the block ends: a leader paused inside
+                # it must not keep its successors out for longer than its lease is trusted.
+                self._tx.run("fence_idle_limit", ms=max(1, int(lead.trust * 1000)))
         except BaseException:
             if began:  # only the check was in it: nothing of the caller's is undone
                 store.rollback(self.connection)

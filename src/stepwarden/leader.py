@@ -75,10 +75,15 @@ class LeaseSettings:
 class Leadership:
     """What the leader's work sees: its term, and a way to say it is still making progress."""
 
-    def __init__(self, name: str, holder: str, term: int, clock: Clock) -> None:
+    def __init__(
+        self, name: str, holder: str, term: int, clock: Clock, *, trust: float | None = None
+    ) -> None:
         self.name = name
         self.holder = holder
         self.term = term
+        # Seconds a term is trusted after its acquire or renewal (ttl - margin): a fenced block's
+        # session may not sit idle longer than this on PostgreSQL (see AppTransaction.fence).
+        self.trust = trust
         self._clock = clock
         self.last_progress = clock.monotonic()
 
@@ -271,7 +276,7 @@ class LeaseKeeper:
             return
         self.term = term
         self.terms_held += 1
-        ctx = Leadership(self.name, self.holder, term, self.clock)
+        ctx = Leadership(self.name, self.holder, term, self.clock, trust=s.ttl - s.margin)
         log.info("lease %s: %s leads with term %d", self.name, self.holder, term)
         self.on_change("acquired", term)
         try:

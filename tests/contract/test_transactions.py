@@ -87,6 +87,60 @@ def test_a_fenced_block_commits_only_under_the_current_term(app: App) -> None:
         tx.fence(1)  # type: ignore[arg-type]
 
 
+def test_a_leader_paused_inside_a_fenced_block_keeps_its_successor_out_only_while_trusted(
+    pg_url: str,
+) -> None:
+    """Found by review (LEAD5, LEAD7): on PostgreSQL the fence share-locks the lease row until the
+    block ends, and a block's session may idle in its transaction for 60 s; a leader paused
+    inside a fenced block (SIGSTOP) kept its successor out for 60 s instead of the lease's TTL.
+    The fence now limits the idle time to the term's trust (ttl - margin): the server ends the
+    paused session, the block commits nothing, and the successor takes the lease."""
+    import threading
+    import time
+
+    from stepwarden.errors import StoreError
+
+    app = make_app(pg_url)  # the lease row lock of a fenced block is PostgreSQL's
+    with app.transaction() as tx:
+        tx.execute("CREATE TABLE orders (id TEXT PRIMARY KEY, total INTEGER)")
+    got = run_sync(app.store.acquire_lease("nightly", "A", 2.0))
+    assert got is not None
+    lead = Leadership("nightly", "A", int(got[0]), SYSTEM_CLOCK, trust=1.0)
+    fenced, outcome = threading.Event(), []
+
+    def paused_leader() -> None:
+        try:
+            with app.transaction() as tx:
+                tx.fence(lead)
+                tx.execute(f"INSERT INTO orders VALUES ({ph(app)}, {ph(app)})", ("paused", 1))
+                fenced.set()
+                time.sleep(6.0)  # paused, idle in its transaction, holding the lease row
+        except StoreError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=paused_leader)
+    t.start()
+    try:
+        assert fenced.wait(10)
+        started = time.monotonic()
+        successor = None
+        while successor is None and time.monotonic() - started < 20:
+            try:
+                successor = run_sync(app.store.acquire_lease("nightly", "B", 2.0))
+            except Exception:  # the row lock's wait cut by lock_timeout: try again
+                successor = None
+            if successor is None:
+                time.sleep(0.1)
+        took = time.monotonic() - started
+    finally:
+        t.join(10)
+    assert successor is not None and int(successor[0]) == lead.term + 1
+    assert took < 4.5, f"the successor waited {took:.1f} s for the paused leader's block"
+    assert outcome and "ended the app.transaction() block's session" in str(outcome[0]), outcome
+    assert rows(app, "SELECT COUNT(*) AS n FROM orders") == [{"n": 0}]  # nothing of it committed
+    app.close()
+
+
 def app_lease(app: App, holder: str) -> int:
     got = run_sync(app.store.acquire_lease("nightly", holder, 60.0))
     assert got is not None

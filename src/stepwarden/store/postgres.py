@@ -447,8 +447,9 @@ class PostgresStore(Store):
             return StoreError(
                 "PostgreSQL ended the app.transaction() block's session: it sat idle inside its"
                 " transaction past idle_in_transaction_session_timeout (a block's session has"
-                f" {CALLER_IDLE_LIMIT} s), so nothing of the block was committed; make slow calls"
-                " (a remote service) before or after the block, not inside it"
+                f" {CALLER_IDLE_LIMIT} s; after tx.fence, the lease's ttl - margin), so nothing of"
+                " the block was committed; make slow calls (a remote service) before or after the"
+                " block, not inside it"
             )
         return None
 

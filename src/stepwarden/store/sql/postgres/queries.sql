@@ -311,3 +311,14 @@ DELETE FROM agent_instances WHERE (worker, agent) IN (
     WHERE heartbeat_at < {now} - :retention AND worker NOT IN (SELECT id FROM workers)
     LIMIT :limit
     FOR UPDATE SKIP LOCKED);
+
+-- name: fence_idle_limit
+-- For the rest of an application's fenced block (tx.fence): its session may sit idle in the
+-- transaction only as long as the lease is trusted (:ms), or less if it was set lower. The
+-- fence share-locks the lease row until the block ends, and a successor's acquire waits for it:
+-- a leader paused inside the block (SIGSTOP, a partition) kept every successor out for the
+-- callers' 60 s limit, not the lease's TTL.
+SELECT set_config('idle_in_transaction_session_timeout',
+                  LEAST(CASE WHEN setting::bigint > 0 THEN setting::bigint ELSE :ms END, :ms)::text,
+                  true) AS limit_ms
+FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout';
