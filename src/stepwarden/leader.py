@@ -86,6 +86,19 @@ class Leadership:
         self.trust = trust
         self._clock = clock
         self.last_progress = clock.monotonic()
+        # Local monotonic moment the term stops being trusted (None: not known, a Leadership made
+        # by hand); the keeper moves it on each renewal and sets it to -inf when the term ends.
+        self.trusted_until: float | None = None
+
+    def trusted(self) -> bool:
+        """Whether this process may still trust its term: its trust window (``ttl - margin`` from
+        the last acquire or renewal it sent, on the local monotonic clock) has not run out and
+        the keeper has not ended the term. Check it right before a side effect outside the
+        database, which ``tx.fence`` cannot cover: a process paused past its window (GC,
+        SIGSTOP) may run a slice of its work before the keeper cancels it, and this is False
+        then. Not a lock (a pause may still fall between the check and the effect): pass
+        ``term`` to whatever can check it where that matters."""
+        return self.trusted_until is None or self._clock.monotonic() < self.trusted_until
 
     def progress(self) -> None:
         self.last_progress = self._clock.monotonic()
@@ -277,6 +290,7 @@ class LeaseKeeper:
         self.term = term
         self.terms_held += 1
         ctx = Leadership(self.name, self.holder, term, self.clock, trust=s.ttl - s.margin)
+        ctx.trusted_until = trust_until
         log.info("lease %s: %s leads with term %d", self.name, self.holder, term)
         self.on_change("acquired", term)
         try:
@@ -332,8 +346,10 @@ class LeaseKeeper:
                     reason = LOST  # the database refused: someone else holds it now
                     break
                 trust_until = sent + s.ttl - s.margin
+                ctx.trusted_until = trust_until
         finally:
             self.term = None  # not trusted from here on, whatever the work does next
+            ctx.trusted_until = float("-inf")
             work.cancel()
             keeper_cancelled = False
             try:

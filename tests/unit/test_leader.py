@@ -750,3 +750,42 @@ def test_a_stop_during_a_hung_renewal_cancels_the_work_at_once(
     stopped = dict(log)["stop"]
     assert dict(log)["cancelled"] - stopped < 0.25, log
     assert "lease_resigned" in event_kinds(tracked_store)  # and the lease given up (DEP4)
+
+
+def test_the_work_can_ask_whether_its_term_is_still_trusted(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    """``lead.trusted()``, for a side effect outside the database (tx.fence covers the store's):
+    true while the trust window of the last renewal sent runs, false once it ran out (a renewal
+    that hangs) and after the term ended, even for a copy of the work that runs on."""
+    hung = _SlowOrHung(tracked_store, clock)
+    seen: list[Leadership] = []
+
+    async def work(lead: Leadership) -> None:
+        seen.append(lead)
+        while True:
+            lead.progress()
+            await clock.sleep(0.25)
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        keeper = LeaseKeeper(hung, "L", "A", work, settings=S, clock=clock)  # type: ignore[arg-type]
+        task = asyncio.create_task(keeper.run(stop))
+        await fake_time.run_for(0.5)
+        [lead] = seen
+        assert lead.trusted() and lead.trusted_until == 1000.0 + S.ttl - S.margin
+        await fake_time.run_for(1.0)  # renewed at +1: trusted to +5
+        assert lead.trusted() and lead.trusted_until == 1001.0 + S.ttl - S.margin
+        hung.hang = True  # the renewal sent at +2 hangs
+        clock.advance(3.5)  # +5.0 in one jump, as a process paused that long sees it on waking
+        assert not lead.trusted()  # before the keeper has run to cancel the work
+        await fake_time.run_for(0.5)
+        assert keeper.term is None and not lead.trusted()
+        stop.set()
+        await fake_time.run_for(1.0)
+        await asyncio.wait_for(task, 5)
+
+    assert clock.monotonic() == 1000.0
+    asyncio.run(body())
+    hand_made = Leadership("L", "A", 1, clock)
+    assert hand_made.trusted()  # a Leadership made by hand knows no window
