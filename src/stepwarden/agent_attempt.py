@@ -209,7 +209,7 @@ class Attempts:
                 break
             first_of_trial = trial and n == 1
             held = None if first_of_trial else health.may_call(name)
-            if held is not None and self.full(name):
+            if held is not None and self._blocks_trial(name):
                 # Every slot is held: the instance pulls nothing, so it could never take the
                 # half-open trial, and attempts like this one, each try refused, kept the
                 # breaker open until they ran out of tries or time (19 s of a 1 s cool-off).
@@ -276,7 +276,7 @@ class Attempts:
             if n == tries or self.clock.monotonic() + delay + need > deadline:
                 break  # no time for another try that could answer: say so now
             held = health.may_call(name)
-            if held is not None and self.full(name):  # as above, before sleeping for nothing
+            if held is not None and self._blocks_trial(name):  # as above, before sleeping for nothing
                 last = f"{held} (the last call: {last})"
                 break
             await self.clock.sleep(delay)
@@ -284,6 +284,12 @@ class Attempts:
         # complete-by, so the step is retried now rather than after its deadline (past it, the
         # role sends nothing: see AgentRole._execute).
         return "retry", None, f"transient: {last}"
+
+    def _blocks_trial(self, agent: str) -> bool:
+        """Whether an attempt that waits out the open breaker keeps the trial from being taken:
+        every slot of the agent is taken, and none of them runs this instance's trial (if one
+        does, ending the attempt frees nothing the trial needs, and would cost its step a failure)."""
+        return self.full(agent) and not self.health.breakers[agent].trial
 
     async def _settled(self, report: asyncio.Task[None] | None, deadline: float) -> bool:
         """Wait for ``report`` (None: settled already) until ``deadline``; False if the deadline

@@ -96,9 +96,10 @@ class AppTransaction:
         lease in between (and neither can this process's own renewal: keep a fenced block well
         under the lease's ``ttl - margin``). On PostgreSQL the lease row stays share-locked, and
         a successor's acquire waits for it; so the block's session may sit idle in its
-        transaction for ``ttl - margin`` at most (``idle_in_transaction_session_timeout``, set
-        for the transaction, never raised), after which the server ends it and the block
-        commits nothing: a leader paused inside the block (SIGSTOP, a partition) kept its
+        transaction only for what is left of the term's trust window, which ends ``margin``
+        before the lease expires (``idle_in_transaction_session_timeout``, set for the
+        transaction, never raised), after which the server ends it and the block commits
+        nothing: a leader paused inside the block (SIGSTOP, a partition) kept its
         successors out for the 60 s a block's session otherwise has. On SQLite the block's
         transaction holds the write lock from the check on, and an acquire is a write: on your
         own ``sqlite3`` connection the fence takes it (``BEGIN IMMEDIATE`` when no transaction
@@ -117,10 +118,11 @@ class AppTransaction:
         began = isinstance(store, SQLiteStore) and not self._lent and store.hold_write_lock(self.connection)
         try:
             fence(self._tx, lead.holder, lead.name, lead.term)
-            if self._tx.dialect == "postgres" and lead.trust is not None:
-                # The lease row stays share-locked until the block ends: a leader paused inside
-                # it must not keep its successors out for longer than its lease is trusted.
-                self._tx.run("fence_idle_limit", ms=max(1, int(lead.trust * 1000)))
+            limit = _idle_limit(lead)
+            if self._tx.dialect == "postgres" and limit is not None:
+                # The lease row stays share-locked until the block ends (no renewal either): a
+                # leader paused inside it must not keep its successors out past its lease.
+                self._tx.run("fence_idle_limit", ms=limit)
         except BaseException:
             if began:  # only the check was in it: nothing of the caller's is undone
                 store.rollback(self.connection)
@@ -378,3 +380,17 @@ def _existing_tasks(tx: Tx, ids: list[int]) -> list[int]:
 
 def _tasks(ids: list[int]) -> str:
     return f"task {ids[0]}" if len(ids) == 1 else f"tasks {', '.join(map(str, ids))}"
+
+
+def _idle_limit(lead: Leadership) -> int | None:
+    """Milliseconds a fenced block's session may sit idle in its transaction on PostgreSQL: what
+    is left of the term's trust window (it ends ``margin`` before the lease expires, and no
+    renewal can extend it while the block holds the lease row), else the whole window for a
+    Leadership made by hand; None if neither is known. Within PostgreSQL's int range (a lease
+    of 40 days asked for more, and the fence failed the caller's transaction)."""
+    seconds = lead.trust_left()
+    if seconds is None:
+        seconds = lead.trust
+    if seconds is None:
+        return None
+    return min(2_147_483_647, max(1, int(seconds * 1000)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -87,6 +88,15 @@ STATUS_CLASS_NAMES = frozenset({"HTTPError", "HTTPStatusError", "ClientResponseE
 # A psycopg ``OperationalError`` with no code is the client's own failure to connect or to keep
 # the connection (refused, reset, timed out), and is transient too.
 _HEALING_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300", "40001", "40P01", "57014", "55P03"})
+
+# The server's refusals at connect that are configuration (PostgreSQL's FATAL texts for 3D000,
+# 28000, 28P01 and the pg_hba.conf rejection; psycopg gives no SQLSTATE for them). The FATALs a
+# retry outlives (starting up, shutting down, too many clients) are not among them.
+_REFUSED_AT_CONNECT = re.compile(
+    r"FATAL:.*(does not exist|authentication failed|pg_hba\.conf|no password supplied"
+    r"|permission denied|not permitted to log in)",
+    re.S,
+)
 
 # How many ``raise ... from`` links are followed below the exception raised.
 MAX_CAUSES = 5
@@ -259,8 +269,18 @@ def _database_verdict(exc: BaseException, foreign: list[type]) -> str | None:
         return TRANSIENT if code.startswith("08") or code in _HEALING_SQLSTATES else None
     from_psycopg = any(c.__module__.split(".")[0] in ("psycopg", "psycopg2") for c in foreign)
     if from_psycopg and any(c.__name__ == "OperationalError" for c in foreign):
-        return TRANSIENT  # no code: the client could not connect, or lost the connection
+        # No code: the client could not connect, or lost the connection; but psycopg also
+        # reports the server's refusal at connect (FATAL) without its code, and a database or
+        # role that does not exist, or a password refused, is configuration, not a blip.
+        return PERMANENT if _REFUSED_AT_CONNECT.search(_text(exc)) else TRANSIENT
     return None
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return ""
 
 
 def _class(module: ModuleType | None, name: str) -> tuple[type, ...]:

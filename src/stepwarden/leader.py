@@ -100,6 +100,11 @@ class Leadership:
         ``term`` to whatever can check it where that matters."""
         return self.trusted_until is None or self._clock.monotonic() < self.trusted_until
 
+    def trust_left(self) -> float | None:
+        """Seconds left of the term's trust window (negative once it ran out); None when the
+        keeper did not say (a Leadership made by hand)."""
+        return None if self.trusted_until is None else self.trusted_until - self._clock.monotonic()
+
     def progress(self) -> None:
         self.last_progress = self._clock.monotonic()
 

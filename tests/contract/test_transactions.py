@@ -141,6 +141,43 @@ def test_a_leader_paused_inside_a_fenced_block_keeps_its_successor_out_only_whil
     app.close()
 
 
+def test_a_fence_limits_a_blocks_idle_time_to_the_trust_left_and_never_past_postgres_range(
+    pg_url: str,
+) -> None:
+    """Found by review: the idle limit was the whole window (ttl - margin) from the fence, so a
+    block fenced late in its window kept the successor out past the lease's expiry (2.9 s with
+    ttl 5); and a lease of 40 days asked PostgreSQL for more milliseconds than it takes, which
+    failed the caller's own transaction at the fence."""
+    from stepwarden.clock import FakeClock
+
+    app = make_app(pg_url)
+    clock = FakeClock()
+    got = run_sync(app.store.acquire_lease("nightly", "A", 3600.0 * 24 * 40))
+    assert got is not None
+    late = Leadership("nightly", "A", int(got[0]), clock, trust=4.0)
+    late.trusted_until = clock.monotonic() + 0.25  # a quarter second of trust left
+    long = Leadership("nightly", "A", int(got[0]), clock, trust=3600.0 * 24 * 40 - 1)
+
+    def limit(tx: Any) -> int:
+        sql = "SELECT setting FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'"
+        return int(one_value(tx.execute(sql)))  # in milliseconds
+
+    with app.transaction() as tx:
+        tx.fence(late)
+        assert limit(tx) == 250
+    with psycopg.connect(pg_url) as own:  # the caller's own connection: no limit of ours before
+        with app.transaction(own) as tx:
+            tx.fence(long)  # failed with InvalidParameterValue
+            assert limit(tx) == 2_147_483_647
+        own.commit()
+    app.close()
+
+
+def one_value(cur: Any) -> str:
+    row = cur.fetchone()
+    return str(row[0] if isinstance(row, tuple | list) else next(iter(row.values())))
+
+
 def app_lease(app: App, holder: str) -> int:
     got = run_sync(app.store.acquire_lease("nightly", holder, 60.0))
     assert got is not None

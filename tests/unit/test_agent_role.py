@@ -424,6 +424,51 @@ def test_attempts_refused_by_an_open_breaker_end_at_once_so_the_instance_can_tak
     assert len(calls) == 2
 
 
+def test_a_held_attempt_goes_on_when_the_last_slot_runs_this_instances_own_trial(
+    store: Store, clock: FakeClock, dispatch_requests: Dispatch
+) -> None:
+    """Found by review of the rule above: with one slot free, an attempt refused by the open
+    breaker goes on; this instance then takes the trial into that slot, so every slot is taken.
+    Ending the attempt then frees nothing the trial needs (it runs already) and cost its step a
+    failure; it goes on, and calls again once the trial closes the breaker."""
+    backoff = Backoff(initial=10.0, maximum=10.0, jitter=0)
+    agent = Agent("svc", concurrency=2, breaker_threshold=1, breaker_cool_off=1.0)
+    calls: list[int] = []
+    slow = asyncio.Event()
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(req.task_id)
+        if len(calls) == 1:
+            raise ConnectionError("refused")  # opens the breaker (threshold 1)
+        if len(calls) == 2:
+            await slow.wait()  # the trial call, slow
+        return "up"
+
+    async def body() -> None:
+        dispatch_requests(store, n=1, tries=100, budget=600.0, backoff=backoff)
+        role = make_role(store, agent, clock=clock)
+        assert await role.pull() == 1
+        await until(lambda: role.breakers["svc"].state == "open")
+        dispatch_requests(store, n=1, tries=100, budget=600.0, backoff=backoff)
+        clock.advance(1.0)
+        assert await role.pull() == 1  # the trial, into the free slot: both slots taken
+        await until(lambda: len(calls) == 2)
+        clock.advance(10.0)  # the held attempt's back-off ends while the trial call runs
+        await until(lambda: role.breakers["svc"].state == "half_open" or len(replies(store)) > 0)
+        for _ in range(20):  # let the held attempt run its refused try, if it is to end
+            await asyncio.sleep(0.005)
+        assert replies(store) == [], "the held attempt ended while its instance's own trial ran"
+        slow.set()  # the trial succeeds: the breaker closes
+        await until(lambda: len(replies(store)) == 1)
+        clock.advance(10.0)  # the held attempt's next try calls, and succeeds
+        await finish(role)
+
+    run(body())
+    assert [r["outcome"] for r in replies(store)] == ["ok", "ok"]
+    assert calls == [1, 2, 1]
+
+
 def down_once(slow: asyncio.Event | None = None, cool_off: float = 10.0) -> tuple[Agent, list[int]]:
     """Agent ``svc`` (breaker after 1 failure, 10 s cool-off by default) whose service is down for
     its first call and up after (each later call answering once ``slow`` is set, if given); the

@@ -466,6 +466,31 @@ def test_a_real_refused_connection_through_psycopg_is_transient() -> None:
     assert default_classify(caught.value) == "transient"
 
 
+def test_a_server_refusing_a_psycopg_connect_for_its_configuration_is_permanent(pg_admin_url: str) -> None:
+    """psycopg gives the server's FATAL at connect no SQLSTATE, as it gives none to a refused
+    connection: a database or role that does not exist is configuration, which no retry heals
+    (found by review: it was retried, and counted toward the breaker). A server starting up is
+    not (57P03's text, as the server words it)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(pg_admin_url)
+    for url in (
+        urlunsplit(parts._replace(path="/no_such_database_here")),
+        urlunsplit(parts._replace(netloc=f"no_such_role_here@{parts.hostname}:{parts.port}")),
+    ):
+        with pytest.raises(psycopg.OperationalError) as caught:
+            psycopg.connect(url, connect_timeout=5)
+        assert caught.value.sqlstate is None
+        assert default_classify(caught.value) == "permanent", str(caught.value)
+    starting = psycopg.OperationalError(
+        'connection failed: connection to server at "127.0.0.1", port 5432 failed: FATAL:  the'
+        " database system is starting up"
+    )
+    assert default_classify(starting) == "transient"
+    too_many = psycopg.OperationalError("connection failed: FATAL:  sorry, too many clients already")
+    assert default_classify(too_many) == "transient"
+
+
 def test_the_operations_own_permanent_or_transient_wins_over_the_agents_classify() -> None:
     """SPEC §5's sketch raises Permanent("card declined") for an error reply at once; an agent
     whose classify retried everything else retried the declined card too."""

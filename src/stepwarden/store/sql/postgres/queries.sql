@@ -314,7 +314,7 @@ DELETE FROM agent_instances WHERE (worker, agent) IN (
 
 -- name: fence_idle_limit
 -- For the rest of an application's fenced block (tx.fence): its session may sit idle in the
--- transaction only as long as the lease is trusted (:ms), or less if it was set lower. The
+-- transaction only for what is left of the term's trust (:ms), or less if it was set lower. The
 -- fence share-locks the lease row until the block ends, and a successor's acquire waits for it:
 -- a leader paused inside the block (SIGSTOP, a partition) kept every successor out for the
 -- callers' 60 s limit, not the lease's TTL.
