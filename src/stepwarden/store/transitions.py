@@ -183,7 +183,7 @@ def advance(tx: Tx, task: Row, me: str, steps: list[Row] | None = None, now: flo
     reached: set[int] | None = None
     for s in reversed(steps):
         if s["started_at"] is not None and s["compensate"] and s["state"] != "compensated":
-            if s["state"] != "completed":
+            if s["state"] not in ("completed", "compensating"):  # an undo begun is finished
                 reached = reached_steps(tx, task["id"]) if reached is None else reached
                 if s["idx"] not in reached:
                     continue
