@@ -17,11 +17,20 @@ from .agent import Agent, default_classify
 from .alerts import AlertSink, ack_alert, as_sink
 from .app_transaction import AppTransaction
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import InputError, NotFound, UnknownWorkflow
+from .errors import InputError, NotFound, StoreError, UnknownWorkflow
 from .leader import LeaseSettings, Work, check_leader_arguments, run_while_leader
 from .policies import check_count, check_id, check_number, show
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
-from .store import FINAL_TASK_STATES, Store, open_store, resolve_url, transitions, views
+from .store import (
+    FINAL_TASK_STATES,
+    Store,
+    StoreMissing,
+    open_existing,
+    open_store,
+    resolve_url,
+    transitions,
+    views,
+)
 from .worker import Worker, WorkerSettings, make_identity
 from .workflow import (
     DEFAULT_MAX_INPUT_BYTES,
@@ -93,17 +102,30 @@ class App:
         if name in self.workflows:
             raise InputError(f"workflow {name!r} is already defined")
         wf = Workflow.of(name, steps, version)
-        for s in wf.steps:
-            for ref in (s.operation, s.compensate):
-                if ref is None:
-                    continue
-                agent, op = ref.split(".", 1)
-                if agent in self.agents and op not in self.agents[agent].operations:
-                    raise InputError(
-                        f"workflow {name!r} step {s.name!r}: agent {agent!r} has no operation {op!r}"
-                    )
         self.workflows[name] = wf
         return wf
+
+    def check_operations(self) -> None:
+        """Every operation the app's workflows name on an agent this app defines exists
+        (:class:`InputError` naming the first missing one); a worker checks it as it starts.
+
+        Not checked in :meth:`workflow`: there the result hung on the order of the definitions
+        (an agent defined first with its operations added later was refused, one defined after
+        the workflow never checked, so ``payments.chrage`` went through and its requests waited,
+        taken by no agent, until their complete-by). Agents the app does not define are other
+        workers' to run."""
+        for wf in self.workflows.values():
+            for s in wf.steps:
+                for ref in (s.operation, s.compensate):
+                    if ref is None:
+                        continue
+                    agent, op = ref.split(".", 1)
+                    if agent in self.agents and op not in self.agents[agent].operations:
+                        have = ", ".join(sorted(self.agents[agent].operations)) or "none"
+                        raise InputError(
+                            f"workflow {wf.name!r} step {s.name!r}: agent {agent!r} has no operation"
+                            f" {op!r} (it has: {have})"
+                        )
 
     def alert_sink(self, sink: Any = None, *, name: str | None = None) -> Any:
         """Send operator alerts to ``sink`` (OPS4): a :class:`~stepwarden.alerts.LogSink`,
@@ -181,6 +203,15 @@ class App:
     def _workflow(self, name: str) -> Workflow:
         if name in self.workflows:
             return self.workflows[name]
+        if self._store is None:
+            # Looked up in a store that must exist already: opening the app's store would create
+            # (and migrate) one at a mistyped path, for a submission that then writes nothing.
+            try:
+                open_existing(self._db, clock=self.clock).close()
+            except StoreMissing as e:
+                raise UnknownWorkflow(f"unknown workflow {name!r}: {e}") from None
+            except StoreError:
+                pass  # an older schema, say: the app's own store upgrades it, as for any submit
         try:
             return self.store.workflow_sync(name)
         except UnknownWorkflow:

@@ -150,11 +150,23 @@ class AppTransaction:
             if row is None:
                 raise UnknownWorkflow(f"unknown workflow {workflow!r}")
             wf = Workflow.from_dict(json.loads(row["definition"]))
-        task_id, created = transitions.submit(self._tx, wf, text, **kw)
-        # The task's received event and message written now, not kept for the commit: a COMMIT
-        # the caller's code sends on the connection commits whole tasks, and nothing of ours
-        # is left to write once the transaction has ended.
-        self._tx.flush()
+        try:
+            task_id, created = transitions.submit(self._tx, wf, text, **kw)
+            # The task's received event and message written now, not kept for the commit: a
+            # COMMIT the caller's code sends on the connection commits whole tasks, and nothing
+            # of ours is left to write once the transaction has ended.
+            self._tx.flush()
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY_SNAPSHOT:
+                raise
+            # The driver says "database is locked", which reads as "wait and try again"; inside
+            # this transaction no wait helps.
+            raise StoreError(
+                "tx.submit: the block's transaction read the SQLite store before another"
+                " connection's last write, so it cannot write (SQLite writes only from the newest"
+                " state) and nothing was submitted; roll it back and run the block again, or begin"
+                " it with BEGIN IMMEDIATE"
+            ) from e
         self._opened = self._opened or self._open_now()
         self._mark_sqlite()
         if created:

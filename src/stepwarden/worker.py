@@ -161,6 +161,7 @@ class Worker:
         # stepwarden.db in the working folder), before the command line has refused or accepted
         # the command, and on the event loop, where a stop signal cannot end a wait for its lock.
         self._spans: tracing.Tracer | tracing.NoTracer = tracing.NoTracer()
+        app.check_operations()  # every definition made by now, whatever their order
         self.agents = self._agents()
         self.wake = asyncio.Event()
         self.scheduler: SchedulerRole | None = None

@@ -194,3 +194,28 @@ def test_a_block_that_reads_first_then_writes_after_another_connections_commit(a
     finally:
         other.close()
         conn.close()
+
+
+def test_a_submit_after_the_transaction_read_an_older_state_says_why_it_cannot_write(
+    app: App, path: str
+) -> None:
+    """Found by review (SUB2, SUB3): the same snapshot as above, without a fence. tx.submit let the
+    driver's "database is locked" out, which reads as "wait and try again"; inside that
+    transaction no wait helps. Nothing is written either way."""
+    conn = deferred(path)
+    try:
+        conn.execute("SELECT COUNT(*) FROM tasks").fetchone()  # the transaction's snapshot
+        other = app.submit("order", {"order": "elsewhere"}, idempotency_key="K")
+        with (
+            pytest.raises(
+                StoreError,
+                match=r"tx.submit: .* before another connection's last write.*run the block again",
+            ),
+            app.transaction(conn) as tx,
+        ):
+            tx.submit("order", {"order": "mine"}, idempotency_key="K")
+        conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+    tasks = app.store.transact_sync(lambda tx: tx.sql("SELECT id, idempotency_key FROM tasks"))
+    assert tasks == [{"id": other, "idempotency_key": "K"}]

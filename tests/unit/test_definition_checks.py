@@ -454,3 +454,53 @@ def test_a_stored_policy_is_parsed_once_per_text_and_warned_about_once(
     assert first is again
     assert (first.tries, first.in_attempt) == (2, Backoff(initial=0.01, maximum=Retry().in_attempt.maximum))
     assert caplog.text.count("takes its default") == 1
+
+
+def test_an_operation_a_workflow_names_is_checked_when_a_worker_starts_whatever_the_order(
+    tmp_path: Any,
+) -> None:
+    """Found by review: the check ran in app.workflow, so it hung on the order of definitions. An
+    agent defined first, its operations decorated after the workflow (in a module imported
+    later), was refused; one defined after the workflow was never checked, and a typo went
+    through: its requests waited, taken by no agent, until their complete-by."""
+    from stepwarden import InputError, Step, Worker
+
+    later = App(f"sqlite:///{tmp_path / 'a.db'}")
+    pay = later.agent("payments")
+    later.workflow("order", [Step("charge", "payments.charge"), Step("ship", "shipping.create")])
+
+    @pay.operation
+    async def charge(req: Request) -> None:
+        return None
+
+    Worker(later)  # accepted: every operation of `payments` exists by now; `shipping` is another's
+
+    typo = App(f"sqlite:///{tmp_path / 'b.db'}")
+    typo.workflow("order", [Step("charge", "payments.chrage")])
+    pays = typo.agent("payments")
+
+    @pays.operation
+    async def charge2(req: Request) -> None:
+        return None
+
+    with pytest.raises(
+        InputError, match=r"step 'charge': agent 'payments' has no operation 'chrage' \(it has: charge2\)"
+    ):
+        Worker(typo)
+    assert not (tmp_path / "b.db").exists()  # refused before the store was opened
+
+
+def test_submitting_an_unknown_workflow_to_a_store_that_does_not_exist_creates_nothing(
+    tmp_path: Any,
+) -> None:
+    """SUB4, found by review: the lookup opened the app's store, which created and migrated one
+    at the (likely mistyped) path, for a submission that wrote nothing."""
+    from stepwarden.errors import UnknownWorkflow
+
+    folder = tmp_path / "fresh"
+    folder.mkdir()
+    app = App(f"sqlite:///{folder / 'new.db'}")
+    with pytest.raises(UnknownWorkflow, match=r"unknown workflow 'nope': no stepwarden store at .*new\.db"):
+        app.submit("nope", {})
+    assert list(folder.iterdir()) == []
+    app.close()
