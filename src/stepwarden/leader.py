@@ -181,6 +181,7 @@ class LeaseKeeper:
             if self._stubborn is not None and not self._stubborn.done():
                 await self._wait(s.retry_every, stop=stop)
                 continue
+            failed = False
             try:
                 sent = self.clock.monotonic()
                 # Raced with ``stop``: an acquire stuck on a dead connection must not hold up a
@@ -188,17 +189,20 @@ class LeaseKeeper:
                 got = await self._campaign(self.store.acquire_lease(self.name, self.holder, s.ttl), stop)
             except Exception as e:  # the store is down: keep campaigning, never crash (REL3)
                 outage.failed(e)
-                got = None
-            else:
-                outage.answered()
+                failed, got = True, None
             if got is None and s.take_from_dead is not None and not stop.is_set():
                 try:
                     sent = self.clock.monotonic()
                     got = await self._campaign(self._take_from_dead(s.take_from_dead), stop)
                 except Exception as e:
-                    outage.failed(e)
-                else:
-                    outage.answered()
+                    if not failed:  # one failure per round, as one answer per round
+                        outage.failed(e)
+                    failed = True
+            if not failed:
+                # Only a round whose every try went through: a store that reads but cannot write
+                # (a full disk, a read-only standby) failed the acquire and answered the
+                # takeover's read, and the outage was logged as ended and begun again each round.
+                outage.answered()
             if got is None:
                 await self._wait(s.retry_every, stop=stop)
                 continue

@@ -789,3 +789,34 @@ def test_the_work_can_ask_whether_its_term_is_still_trusted(
     asyncio.run(body())
     hand_made = Leadership("L", "A", 1, clock)
     assert hand_made.trusted()  # a Leadership made by hand knows no window
+
+
+def test_a_store_that_reads_but_cannot_write_is_one_outage_in_the_log(
+    tracked_store: Any, clock: FakeClock, fake_time: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review (REL3): a full disk, or a read-only standby after a failover. Each round's
+    acquire (a write) failed and the takeover's look at the holder (a read) went through, so
+    the campaign logged "failed" and "answers again" every retry period: 34 lines in 20 s."""
+    import logging
+
+    class ReadOnly(_SlowOrHung):
+        async def acquire_lease(self, *a: Any) -> Any:
+            raise RuntimeError("database or disk is full")
+
+    settings = LeaseSettings(ttl=5.0, renew_every=1.0, retry_every=1.0, margin=1.0, take_from_dead=3.0)
+    full = ReadOnly(tracked_store, clock)
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        keeper = LeaseKeeper(full, "L", "A", _logged_work(clock, []), settings=settings, clock=clock)  # type: ignore[arg-type]
+        task = asyncio.create_task(keeper.run(stop))
+        await fake_time.run_for(10.0)
+        assert keeper.term is None
+        stop.set()
+        await fake_time.run_for(1.0)
+        await asyncio.wait_for(task, 5)
+
+    with caplog.at_level(logging.INFO, logger="stepwarden.leader"):
+        asyncio.run(body())
+    campaign = [r for r in caplog.records if "campaign" in r.getMessage()]
+    assert [r.levelname for r in campaign] == ["WARNING"], [r.getMessage() for r in campaign]

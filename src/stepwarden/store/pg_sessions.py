@@ -7,6 +7,7 @@ session outlives every transaction on it: what is set here is what the next one 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -88,6 +89,47 @@ _NOT_FOR_SET_ASIDE = _NotForSetAside()
 
 def _quiet_deliberate_discards() -> None:
     logging.getLogger("psycopg.pool").addFilter(_NOT_FOR_SET_ASIDE)  # addFilter skips a repeat
+
+
+# The pool's warnings that repeat for as long as the server is down: one per reconnection try
+# and per dead connection found, about 60 lines a minute per worker in a 60 s outage (the
+# roles, the lease keeper and the LISTEN loop log an outage once, at its start and end).
+_REPEATING = (
+    "error connecting in %r: %s",
+    "reconnection attempt in pool %r failed after %s sec",
+    "discarding broken connection: %s",
+    "discarding closed connection: %s",
+)
+REPEAT_EVERY = 60.0  # seconds between two of them of one kind (and one pool)
+
+
+class _OnceAMinute(logging.Filter):
+    """Lets each of the pool's repeating warnings (:data:`_REPEATING`) through once per
+    :data:`REPEAT_EVERY` seconds per pool, and drops the repeats; every other record passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: dict[tuple[str, str], float] = {}
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in _REPEATING:
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        pool = str(args[0]) if args and record.msg in _REPEATING[:2] else ""  # the others name a conn
+        key = (str(record.msg), pool)
+        with self.lock:
+            if record.created - self.last.get(key, float("-inf")) < REPEAT_EVERY:
+                return False
+            self.last[key] = record.created
+        return True
+
+
+_ONCE_A_MINUTE = _OnceAMinute()
+
+
+def _quiet_repeats() -> None:
+    logging.getLogger("psycopg.pool").addFilter(_ONCE_A_MINUTE)  # addFilter skips a repeat
 
 
 def _set_aside(conn: Any, why: str, level: int = logging.INFO) -> None:

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import select
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -60,6 +61,7 @@ from .pg_sessions import (
     SESSION_LIMITS,
     _configure,
     _quiet_deliberate_discards,
+    _quiet_repeats,
     _settle_caller,
 )
 from .pg_tx import CHANNELS, NOTIFY_ON, REQUESTS, PgTx, _to_psycopg
@@ -169,6 +171,7 @@ class PostgresStore(Store):
         # log lines are held back while it opens (a server still starting is waited for).
         quiet = _Quiet()
         logging.getLogger("psycopg.pool").addFilter(quiet)
+        _quiet_repeats()  # for the store's whole life: an outage is not a minute of warnings
         try:
             self.pool.open(wait=True, timeout=10)
         except Exception as e:
@@ -471,6 +474,7 @@ class PostgresStore(Store):
             return
         wanted = sorted(set(channels) & set(CHANNELS)) if channels is not None else CHANNELS
         delay = 0.2
+        lost_at: float | None = None  # the outage's start (monotonic): logged once, at each end
         while not stop.is_set():
             try:
                 aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
@@ -478,6 +482,9 @@ class PostgresStore(Store):
                     for ch in wanted:
                         await aconn.execute(f"LISTEN {ch}")
                     delay = 0.2
+                    if lost_at is not None:
+                        log.info("LISTEN connection back after %.1fs", time.monotonic() - lost_at)
+                        lost_at = None
                     for ch in wanted:  # anything sent while we were not listening
                         wake(ch)
                     gen = aconn.notifies()
@@ -495,7 +502,11 @@ class PostgresStore(Store):
                     finally:
                         stopper.cancel()
             except Exception as e:
-                log.warning("LISTEN connection lost (%r); polling until it is back", e)
+                if lost_at is None:
+                    lost_at = time.monotonic()
+                    log.warning("LISTEN connection lost (%r); polling until it is back", e)
+                else:  # one warning per outage, not one per try (every 0.2 s to 5 s)
+                    log.debug("LISTEN connection still lost (%r)", e)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=delay)
                 delay = min(5.0, delay * 2)
