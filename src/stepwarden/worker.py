@@ -22,13 +22,13 @@ from . import tracing
 from .agent import Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .clock import STOPPED, Outage, sleep_or_wake, unless_stopped
-from .errors import InputError
+from .errors import InputError, StoreError
 from .leader import LeaseKeeper, LeaseSettings
 from .logs import log_raised
 from .policies import check_count, check_seconds, show
 from .scheduler import SchedulerRole, SchedulerSettings
 from .stop_writes import StopWrites
-from .store import ApplyResult, Store, open_store
+from .store import ApplyResult, SQLiteStore, Store, open_store
 from .store.agents import hand_back_dispatched
 from .store.base import WORK_CHANNELS, redact_url
 from .supervisor import LEASE, Supervisor, SupervisorSettings
@@ -289,6 +289,8 @@ class Worker:
         beats = asyncio.create_task(self._heartbeat(beats_stop), name="heartbeat")
         jobs.append(asyncio.create_task(store.listen(self._woken, stop, WORK_CHANNELS), name="listen"))
         jobs.append(asyncio.create_task(_bound_lock_waits(store, stop), name="stop-waits"))
+        if isinstance(store, SQLiteStore):
+            jobs.append(asyncio.create_task(_watch_store_file(store, stop, s.heartbeat), name="store-file"))
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -509,6 +511,22 @@ async def _bound_lock_waits(store: Store, stop: asyncio.Event) -> None:
     the supervisor's to rescue, as for a worker that died."""
     await stop.wait()
     store.limit_lock_waits(STOP_LOCK_WAIT)
+
+
+async def _watch_store_file(store: SQLiteStore, stop: asyncio.Event, every: float) -> None:
+    """Stop the worker (a :class:`StoreError`, exit 1 from the command line) once its SQLite file
+    is deleted or replaced: its connections stay on the file it opened, and it went on working
+    there, silently, where no other process looks. Started again, it opens the file now at the
+    path; a service manager that restarts it does that."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=every)
+        why = store.replaced()
+        if why is not None and not stop.is_set():
+            raise StoreError(
+                f"{why}: this worker's connections are still on the old file, where no other"
+                " process looks; it stops (start it again to work on the file now at the path)"
+            )
 
 
 async def _safe(coro: object, what: str) -> bool:

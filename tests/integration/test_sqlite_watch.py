@@ -199,3 +199,43 @@ def test_a_watch_that_works_wakes_once_per_commit_and_stops_with_its_worker(tmp_
         asyncio.run(main())
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_worker_whose_store_file_is_deleted_or_replaced_stops_instead_of_working_on_the_old_one(
+    tmp_path: Path, how: str
+) -> None:
+    """Found by review (REL1, DEP1): a store file deleted, or replaced by a restored backup, under
+    a running worker left its connections on the old file: it went on claiming and writing
+    there, silently, where no other process looks, while new tasks in the file now at the path
+    stayed pending for good. It now stops within a heartbeat or two, exit 1, one line saying why."""
+    import os
+    import time
+
+    from harness import Cluster
+
+    db = tmp_path / "s.db"
+    cluster = Cluster(tmp_path, f"sqlite:///{db}")
+    try:
+        w = cluster.start("w1")
+        if how == "replaced":
+            backup = tmp_path / "backup.db"
+            src = sqlite3.connect(db)
+            dst = sqlite3.connect(backup)
+            src.backup(dst)
+            dst.close()
+            src.close()
+            os.replace(backup, db)
+        else:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{db}{suffix}")
+        w.expect_alive = False
+        started = time.monotonic()
+        code = w.popen.wait(timeout=15)
+        took = time.monotonic() - started
+        assert code == 1, w.log_text()
+        assert took < 10, took
+        assert f"was {how}" in w.log_text() and "it stops" in w.log_text(), w.log_text()
+    finally:
+        cluster.close()

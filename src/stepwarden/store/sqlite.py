@@ -104,6 +104,18 @@ def _data_version(conn: sqlite3.Connection) -> int | None:
     return int(row[0]) if row else None
 
 
+def _file_id(path: str) -> tuple[int, int] | None:
+    """The file at ``path`` as the file system knows it (device, inode), or None if there is
+    none (or it cannot be looked at, or the store is in memory)."""
+    if path in ("", ":memory:") or path.startswith("file:"):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _busy(e: sqlite3.OperationalError) -> bool:
     """Another connection holds the lock ("database is locked", or a table's lock)."""
     return primary_code(e) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
@@ -171,6 +183,22 @@ class SQLiteStore(Store):
         refuse_foreign_read(path)  # before any connection: one would create files it must not
         if migrate:
             self.migrate()
+        self._file_id = _file_id(path)  # the file opened, to tell one put in its place (see replaced)
+
+    def replaced(self) -> str | None:
+        """Why the file at the store's path is no longer the one this store opened, or None.
+
+        A store file deleted, or replaced (a backup restored, a file moved over it) under a
+        running process leaves its connections on the old file: it went on claiming and writing
+        where no other process looks, silently, while tasks in the new file waited for good.
+        A worker checks this every heartbeat and stops (see ``worker._watch_store_file``)."""
+        if self._file_id is None:
+            return None
+        now = _file_id(self.path)
+        if now == self._file_id:
+            return None
+        what = "deleted" if now is None and not os.path.lexists(self.path) else "replaced by another file"
+        return f"the SQLite store {shown(self.path)} was {what} after this process opened it"
 
     def connect(self) -> _StoreConnection:
         """A new connection with our pragmas and clock; the caller owns it."""
