@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from ..classify import TRANSIENT_FATAL
 from ..errors import InputError, StoreError
 from .base import redact_url
 
@@ -187,7 +188,7 @@ _CLIENT_CHOICES = {
 
 # A server's refusals that pass: it is starting, stopping or full. Any other FATAL at connect time
 # (no such database or role, authentication failed) stays until someone changes something.
-_TRANSIENT_FATAL = ("starting up", "shutting down", "recovery mode", "too many", "connection slots")
+_TRANSIENT_FATAL = TRANSIENT_FATAL  # the same list as the default classifier's (classify.py)
 
 
 def _first_line(e: BaseException) -> str:
