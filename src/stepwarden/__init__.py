@@ -19,6 +19,7 @@ from .errors import (
     Permanent,
     StepwardenError,
     StoreError,
+    StoreUnreachable,
     Transient,
     UnknownWorkflow,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "Step",
     "StepwardenError",
     "StoreError",
+    "StoreUnreachable",
     "SystemClock",
     "TaskResult",
     "Transient",

@@ -43,6 +43,12 @@ class StoreError(StepwardenError):
     """The state store failed in a way the caller cannot fix by retrying the same call."""
 
 
+class StoreUnreachable(StoreError):
+    """The store did not answer while it was being opened: a PostgreSQL server that refused or
+    timed out for 10 s (down, restarting), an SQLite file another process kept locked past the
+    busy timeout. A command gives up (exit 1); a worker starting waits on (see Worker.run)."""
+
+
 class MigrationError(StoreError):
     """The schema is newer than this code, or a migration failed."""
 

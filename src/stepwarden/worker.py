@@ -22,7 +22,7 @@ from . import tracing
 from .agent import Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .clock import STOPPED, Outage, sleep_or_wake, unless_stopped
-from .errors import InputError, StoreError
+from .errors import InputError, StoreError, StoreUnreachable
 from .leader import LeaseKeeper, LeaseSettings
 from .logs import log_raised
 from .policies import check_count, check_seconds, show
@@ -344,9 +344,43 @@ class Worker:
         The store's own waits stay what they are for everyone else."""
         if stop.is_set():  # stopped before it began: nothing to open, nor to create
             return None
-        opened = await unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
+        delay, since = REGISTER_RETRY_MIN, self.app.clock.monotonic()
+        failed = 0
+        while True:
+            try:
+                opened = await unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
+            except StoreUnreachable as e:
+                # A server down or restarting, a file another process keeps locked: waited out
+                # with back-off, as every role waits out a failing store (REL3). Exiting, the
+                # worker of a fleet started before its database crash-looped under a service
+                # manager that restarts it. A store that refuses (no such database, a schema
+                # newer than this code, a bad URL) is still raised at once.
+                failed += 1
+                if failed == 1:
+                    log.warning(
+                        "worker %s: cannot open the store yet, trying again with back-off (up to"
+                        " %gs), logged again when it opens: %s",
+                        self.identity,
+                        REGISTER_RETRY_MAX,
+                        e,
+                    )
+                else:
+                    log.debug("worker %s: still cannot open the store: %s", self.identity, e)
+                await sleep_or_wake(self.app.clock, delay, stop)
+                delay = min(delay * 2, REGISTER_RETRY_MAX)
+                if stop.is_set():
+                    return None
+                continue
+            break
         if opened is STOPPED:
             return None
+        if failed:
+            log.info(
+                "worker %s: the store answers, opened after %.1fs (%d failed tries)",
+                self.identity,
+                self.app.clock.monotonic() - since,
+                failed,
+            )
         log.info("worker %s on %s", self.identity, redact_url(opened.url))
         return opened
 

@@ -239,3 +239,37 @@ def test_a_worker_whose_store_file_is_deleted_or_replaced_stops_instead_of_worki
         assert f"was {how}" in w.log_text() and "it stops" in w.log_text(), w.log_text()
     finally:
         cluster.close()
+
+
+def test_a_worker_started_while_its_store_stays_locked_waits_for_it_instead_of_exiting(
+    tmp_path: Path,
+) -> None:
+    """Found by review (REL3): a worker started while another process kept the SQLite file locked
+    past the busy timeout (or, on PostgreSQL, while the server was down) exited 1 after the
+    wait, and a fleet started before its database crash-looped under a service manager. It now
+    waits on, with one warning, and starts once the store answers."""
+    import time
+
+    from harness import Cluster
+
+    db = tmp_path / "s.db"
+    cluster = Cluster(tmp_path, f"sqlite:///{db}")
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")  # another process's long write
+        w = cluster.start("w1", db=f"sqlite:///{db}?busy_timeout=0.5", wait=False)
+        deadline = time.monotonic() + 20
+        while "cannot open the store yet" not in w.log_text():
+            assert w.alive(), w.log_text()
+            assert time.monotonic() < deadline, w.log_text()
+            time.sleep(0.05)
+        time.sleep(2.0)  # several tries, each refused after the busy timeout: the worker waits on
+        assert w.alive(), w.log_text()
+        holder.execute("ROLLBACK")
+        cluster.identity(w)  # it starts and registers once the lock is gone
+        text = w.log_text()
+        assert text.count("cannot open the store yet") == 1, text
+        assert "the store answers, opened after" in text, text
+    finally:
+        holder.close()
+        cluster.close()

@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import InputError, MigrationError, StoreError
+from ..errors import InputError, MigrationError, StoreError, StoreUnreachable
 from .base import (
     FINAL_TASK_STATES,
     STEP_STATES,
@@ -211,9 +211,10 @@ def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: 
         try:
             return SQLiteStore(path, clock=clock, migrate=migrate, **options)
         except sqlite3.Error as e:  # sqlite3 names neither the file nor what to do about it
-            raise StoreError(
-                f"cannot open the SQLite store {shorten(repr(path))}: {_sqlite_why(path, e)}"
-            ) from None
+            locked = primary_code(e) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+            kind = StoreUnreachable if locked else StoreError  # locked: another process's, for now
+            where = shorten(repr(path))
+            raise kind(f"cannot open the SQLite store {where}: {_sqlite_why(path, e)}") from None
     if url.startswith(("postgresql://", "postgres://")):
         from .postgres import PostgresStore
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
-from ..errors import InputError, StoreError
+from ..errors import InputError, StoreError, StoreUnreachable
 from . import pg_batching, pg_migrate
 from .base import redact_url
 from .core import Store
@@ -179,7 +179,7 @@ class PostgresStore(Store):
             # The pool says only that it gave up; the first try's error says why (no such host,
             # no server that satisfies target_session_attrs, ...).
             why = f"{probe} (still failing after 10 s)" if probe else str(e)
-            raise StoreError(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {why}") from None
+            raise StoreUnreachable(f"cannot connect to PostgreSQL at {redact_url(conninfo)}: {why}") from None
         finally:
             logging.getLogger("psycopg.pool").removeFilter(quiet)
         # The lease lane's own connection (Store.transact runs lease transactions on a thread of
