@@ -41,9 +41,10 @@ from .cli_params import (
 )
 from .cli_views import COMMANDS
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import InputError, NotFound, StepwardenError, UnknownWorkflow
+from .errors import InputError, NotFound, StepwardenError, StoreError, UnknownWorkflow
 from .logs import safe_text
-from .store.base import redact_url
+from .store.base import read_only, redact_url
+from .store.sqlite import SQLiteStore
 from .supervisor import SupervisorSettings
 from .worker import ROLES, Worker, WorkerSettings, parse_list
 from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
@@ -128,12 +129,29 @@ for _command in COMMANDS:
     cli.add_command(_command)
 
 
+@read_only
+def _quick_check(tx: Any) -> str:
+    """SQLite's ``PRAGMA quick_check``: "ok", or its first finding."""
+    rows = tx.sql("PRAGMA quick_check")
+    return str(next(iter(rows[0].values()))) if rows else "ok"
+
+
 @cli.command()
 @click.pass_context
 def init(ctx: click.Context) -> None:
     """Create or upgrade the schema (idempotent)."""
     store = open_for(ctx, create=True)
-    echo(f"store ready: {redact_url(store.url)}")
+    if isinstance(store, SQLiteStore):
+        # A damaged file opens, and its schema reads, as long as the pages read are whole: "ready"
+        # was printed for a store whose tasks table was damaged (every other command then failed).
+        found = store.transact_sync(_quick_check)
+        if found != "ok":
+            where = safe_text(store.path)
+            raise StoreError(
+                f"the SQLite store {where} is damaged (quick_check: {safe_text(found)}): check it"
+                f" with `sqlite3 {where} 'PRAGMA integrity_check'` and restore a backup"
+            )
+    echo(f"store ready: {safe_text(redact_url(store.url))}")  # the URL is the user's: escaped
 
 
 @cli.command()

@@ -41,3 +41,41 @@ def test_a_hostile_error_message_is_escaped_in_every_view(tmp_path: Path) -> Non
         for raw in ("\x1b", "\x07", "\x9b", "\r"):
             assert raw not in out, f"{args}: a raw {raw!r} reached the terminal"
         assert ("\\x1b[2J" in out) == shows_it, f"{args}: the hostile text is not shown escaped:\n{out}"
+
+
+def test_init_shows_a_hostile_store_path_escaped(tmp_path: Path) -> None:
+    """Found by review: `init` printed the store's URL, which is the user's (or the
+    environment's), as it came: a path with an escape sequence cleared the screen or retitled
+    the window."""
+    from .helpers import sw
+
+    folder = tmp_path / "a\x1b]0;pwned\x07b"
+    folder.mkdir()
+    r = sw("--db", f"sqlite:///{folder}/store.db", "init", cwd=tmp_path)
+    assert r.returncode == 0, r
+    for raw in ("\x1b", "\x07"):
+        assert raw not in r.stdout, r.stdout
+    assert "store ready: " in r.stdout and "\\x1b]0;pwned\\x07b" in r.stdout, r.stdout
+
+
+def test_a_damaged_sqlite_store_is_named_as_such_by_init_and_the_read_commands(tmp_path: Path) -> None:
+    """Found by review: a store whose tasks table's first page was overwritten made `init` say
+    "store ready" (it reads only the schema), and `tasks` fail with a bare "DatabaseError:
+    database disk image is malformed" that named no store."""
+    import sqlite3
+
+    from .helpers import assert_one_error_line
+
+    db = make_db(tmp_path)
+    submit_in_process(db.url)
+    conn = sqlite3.connect(db.path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'tasks'").fetchone()
+    (size,) = conn.execute("PRAGMA page_size").fetchone()
+    conn.close()
+    with open(db.path, "r+b") as f:
+        f.seek((root - 1) * size)
+        f.write(b"\xff" * size)
+    for args in (("init",), ("tasks",)):
+        line = assert_one_error_line(db.sw(*args), code=1)
+        assert "is damaged" in line and "store.db" in line and "integrity_check" in line, (args, line)

@@ -325,17 +325,22 @@ class SQLiteStore(Store):
         started = time.monotonic()
         try:
             yield
-        except sqlite3.OperationalError as e:
+        except sqlite3.DatabaseError as e:  # OperationalError is one; so is a damaged file's
             explained = self._explained(e, time.monotonic() - started)
             if explained is None:
                 raise
             raise explained from e
 
-    def _explained(self, e: sqlite3.OperationalError, waited: float) -> StoreError | None:
-        """:class:`StoreError` for the lock that stayed taken and the store that cannot be written;
-        ``None`` for any other error (a caller's own SQL in ``app.transaction()`` gets sqlite3's
-        errors as they came)."""
+    def _explained(self, e: sqlite3.DatabaseError, waited: float) -> StoreError | None:
+        """:class:`StoreError` for the lock that stayed taken, the store that cannot be written and
+        the file that is damaged; ``None`` for any other error (a caller's own SQL in
+        ``app.transaction()`` gets sqlite3's errors as they came)."""
         code = primary_code(e)
+        if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+            return StoreError(
+                f"the SQLite store {shown(self.path)} is damaged ({e}): check it with"
+                f" `sqlite3 {shown(self.path)} 'PRAGMA integrity_check'` and restore a backup"
+            )
         if code == sqlite3.SQLITE_BUSY:
             return StoreError(
                 f"the SQLite store {shown(self.path)} stayed locked by another writer for"

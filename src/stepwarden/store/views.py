@@ -200,7 +200,7 @@ def _alert_views(tx: Tx, rows: list[Row]) -> list[dict[str, Any]]:
     out = [dict(a, created_at=iso(a["created_at"]), acked_at=iso(a["acked_at"]), deliveries=[]) for a in rows]
     if out:
         by_id = {a["id"]: a for a in out}
-        for d in tx.all("alert_deliveries_of", lo=out[0]["id"], hi=out[-1]["id"]):
+        for d in _deliveries_of(tx, list(by_id)):
             if d["alert_id"] in by_id:
                 by_id[d["alert_id"]]["deliveries"].append(
                     {
@@ -213,6 +213,22 @@ def _alert_views(tx: Tx, rows: list[Row]) -> list[dict[str, Any]]:
                     }
                 )
     return out
+
+
+def _deliveries_of(tx: Tx, alert_ids: list[int]) -> list[Row]:
+    """The deliveries of exactly these alerts, read by id, as :func:`_steps_of` reads steps: a
+    range between the first and the last listed alert (``alerts --unacked`` lists a few, far
+    apart) read every delivery in between, 594,002 rows for 200 in a store of 300,000 alerts."""
+    rows: list[Row] = []
+    for i in range(0, len(alert_ids), _IDS_PER_READ):
+        ids = alert_ids[i : i + _IDS_PER_READ]
+        marks = ", ".join("?" * len(ids))
+        rows += tx.sql(
+            "SELECT sink, alert_id, attempts, next_attempt_at, delivered_at, gave_up_at, last_error,"
+            f" delivered_by FROM alert_deliveries WHERE alert_id IN ({marks}) ORDER BY alert_id, sink",
+            tuple(ids),
+        )
+    return rows
 
 
 @read_only

@@ -42,10 +42,6 @@ ON CONFLICT (sink, alert_id) DO UPDATE SET attempts = alert_deliveries.attempts 
     last_error = excluded.last_error, delivered_by = excluded.delivered_by,
     updated_at = excluded.updated_at;
 
--- name: alert_deliveries_of
-SELECT sink, alert_id, attempts, next_attempt_at, delivered_at, gave_up_at, last_error, delivered_by
-FROM alert_deliveries WHERE alert_id BETWEEN :lo AND :hi ORDER BY alert_id, sink;
-
 -- name: alerts_expired
 -- The alerts a sink has not delivered and no longer tries (older than the age limit), each to get
 -- its give-up recorded: else `alerts` shows a retry time long past, as if one were still coming.
