@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,9 @@ from typing import Any
 import click
 
 from .alerts import ack_alert
+from .classify import default_classify
 from .cli_params import TABLE_ROWS, FiniteRange, echo, open_for, positive_id, print_json
+from .clock import SYSTEM_CLOCK, Outage
 from .errors import InputError, NotFound, StepwardenError
 from .logs import safe_text
 from .replies import Replies
@@ -243,12 +246,30 @@ def watch(
     store = open_for(ctx)
     end = None if timeout is None else time.monotonic() + timeout
     after = 0
+    # The store failing while it is watched (a server restarting, a lost connection) is waited
+    # out, as `watch --reply-to` waits it out, with one warning and one line when it answers;
+    # it ended the watch with the driver's bare "PoolTimeout" after 5 s.
+    outage = Outage(logging.getLogger("stepwarden.cli"), f"watch {tid}", SYSTEM_CLOCK)
     while True:  # look at least once, however short the timeout
         # The state before the events: a task's final state commits with its last events, so the
         # events read after a final state include them. In the other order, a task that became
         # final between the two reads ended the watch without its last events.
-        state = store.transact_sync(views.task_state, tid)
-        for e in store.transact_sync(views.events_after, tid, after):
+        try:
+            state = store.transact_sync(views.task_state, tid)
+            events = store.transact_sync(views.events_after, tid, after)
+        except Exception as failure:
+            if default_classify(failure) != "transient":  # a damaged store, a bug: not waited out
+                raise
+            wait = outage.failed(failure)
+            if end is not None and time.monotonic() >= end:
+                raise StepwardenError(
+                    f"task {tid}: the store did not answer in the last"
+                    f" {SYSTEM_CLOCK.monotonic() - outage.since:.0f}s of the {timeout:g}s watch: {failure}"
+                ) from None
+            time.sleep(wait if end is None else max(0.0, min(wait, end - time.monotonic())))
+            continue
+        outage.answered()
+        for e in events:
             after = e["id"]
             detail = json.loads(e["detail"]) if e["detail"] else {}
             shown = " ".join(f"{k}={detail_value(k, v)}" for k, v in detail.items())

@@ -279,3 +279,42 @@ def test_a_connection_lost_in_an_outage_is_retried_for_seconds_not_minutes(pg_ur
         assert store.lease_pool.reconnect_timeout == RECONNECT_TIMEOUT
     finally:
         store.close()
+
+
+def test_watch_waits_out_a_server_restart_and_sees_the_task_to_its_end(
+    tmp_path: Path, own_postgres: LocalPostgres
+) -> None:
+    """Found by review (OPS1, REL3): `watch ID` on a server that went away ended with the driver's
+    bare "error: PoolTimeout: couldn't get a connection after 5.00 sec" (exit 1), while `watch
+    --reply-to` waited the outage out. It now waits too: one warning, one line when the store
+    answers, and the task's end once it comes."""
+    from stepwarden import App, Step
+
+    url = own_postgres.url()
+    app = App(url)
+    app.workflow("one", [Step("a", "ops.noop", complete_by=60)])
+    task_id = app.submit("one", {})
+    app.close()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "stepwarden", "--db", url, "watch", str(task_id), "--timeout", "60"]
+    watch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    try:
+        time.sleep(1.0)  # it reads the task (pending) and polls
+        assert watch.poll() is None
+        own_postgres.stop("fast")
+        time.sleep(3.0)  # past the pool's 5 s wait for one read, give or take: the watch goes on
+        assert watch.poll() is None, watch.communicate(timeout=5)
+        own_postgres.start()
+        own_postgres.wait_ready()
+        with psycopg.connect(url, autocommit=True) as c:  # the task ends (as a worker would end it)
+            c.execute("UPDATE tasks SET state = 'cancelled', finished_at = 1 WHERE id = %s", (task_id,))
+        out, err = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+    assert watch.returncode == 0, (out, err)
+    assert f"task {task_id} is cancelled" in out.decode()
+    text = err.decode()
+    assert text.count(f"watch {task_id}: a round on the store failed") == 1, text
+    assert "the store answers again" in text and "Traceback" not in text, text
