@@ -148,15 +148,35 @@ def task_detail(v: dict[str, Any]) -> None:
         f"{v['workflow']} v{v['workflow_version']}  ", style=""
     )
     head.append_text(_state(v["state"]))
+    if v.get("cancel_requested") and v["state"] not in ("processed", "error", "compensated", "cancelled"):
+        head.append("  cancel requested", style="yellow")  # it stops after its running step (CMP4)
     head.append(
         f"  correlation={_v(v['correlation_id'])}  failures={v['failure_count']}  "
         f"locked_by={_v(v['locked_by'])}  complete_by={_time(v['complete_by'])}"
     )
     console.print(head)
+    # The rest of what --json says of the task itself (docs/cli.md: "the text shows the same").
+    console.print(
+        f"created={_time(v.get('created_at'))}  updated={_time(v.get('updated_at'))}"
+        f"  finished={_time(v.get('finished_at'))}  priority={_v(v.get('priority'))}"
+        f"  reply_to={_v(v.get('reply_to'))}  idempotency_key={_v(v.get('idempotency_key'))}",
+        markup=False,
+        highlight=False,
+    )
     if v.get("last_error"):
         console.print(Text("last error: ").append(str(v["last_error"]), style="red"))
     st = _table(
-        "#", "step", "operation", "state", "attempt", "failures", "locked_by", "complete_by", "last error"
+        "#",
+        "step",
+        "operation",
+        "state",
+        "attempt",
+        "failures",
+        "locked_by",
+        "complete_by",
+        "started_at",
+        "finished_at",
+        "last error",
     )
     for s in v["steps"]:
         st.add_row(
@@ -168,6 +188,8 @@ def task_detail(v: dict[str, Any]) -> None:
             str(s["failure_count"]),
             _v(s["locked_by"]),
             _time(s["complete_by"]),
+            _time(s.get("started_at")),
+            _time(s.get("finished_at")),
             (s["last_error"] or "")[:60],
         )
     console.print(st)
@@ -179,7 +201,10 @@ def task_detail(v: dict[str, Any]) -> None:
         "outcome",
         "dispatched_by",
         "taken_by",
+        "dispatched_at",
+        "taken_at",
         "complete_by",
+        "finished_at",
         title="attempts",
     )
     for s in v["steps"]:
@@ -192,7 +217,10 @@ def task_detail(v: dict[str, Any]) -> None:
                 _v(a["outcome"]),
                 a["dispatched_by"],
                 _v(a["taken_by"]),
+                _time(a.get("dispatched_at")),
+                _time(a.get("taken_at")),
                 _time(a["complete_by"]),
+                _time(a.get("finished_at")),
             )
     console.print(at)
     et = _table("at", "event", "step", "attempt", "actor", "detail", title="events")

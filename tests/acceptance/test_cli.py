@@ -641,6 +641,16 @@ def test_task_show_in_text_lists_the_replies_and_full_values_in_a_pipe(world: Wo
     assert (
         step["taken_by"] in shown.stdout and step["complete_by"].replace("T", " ").rstrip("Z") in shown.stdout
     )
+
+    # the timings --json has (found missing by review): the task's, each step's, each attempt's
+    def as_shown(at: str) -> str:
+        return at.replace("T", " ").rstrip("Z")
+
+    for at in (t["created_at"], t["finished_at"], t["steps"][0]["started_at"], t["steps"][-1]["finished_at"]):
+        assert as_shown(at) in shown.stdout, (at, shown.stdout)
+    for at in (step["dispatched_at"], step["taken_at"], step["finished_at"]):
+        assert as_shown(at) in shown.stdout, (at, shown.stdout)
+    assert f"priority={t['priority']}" in shown.stdout
     listing = sw("--db", world.db.url, "tasks", cwd=world.db.cwd, env=env)
     row = next(ln for ln in listing.stdout_lines if ln.split()[:1] == [str(world.web)])
     assert "web-order" in row and t["updated_at"].replace("T", " ").rstrip("Z") in row, listing.stdout
