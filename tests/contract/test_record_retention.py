@@ -178,6 +178,21 @@ def test_alerts_no_one_needs_go_with_their_deliveries_and_an_open_one_stays(
     assert prune_records(store, term)["alerts"] == 0
 
 
+def test_an_unacknowledged_alert_of_no_task_stays_past_the_retention(store: Store, clock: FakeClock) -> None:
+    """Found by review (OPS4): a breaker_opened alert has no task, so "its task is gone" held for
+    it vacuously, and it was pruned after the retention though no one had acknowledged it. Once
+    acknowledged, it goes as any other."""
+    term = lease(store)
+    store.transact_sync(t.alert, "breaker_opened", None, None, "breaker of 'pay' opened")
+    clock.advance(2 * DAY)
+    assert prune_records(store, term)["alerts"] == 0
+    assert [r["kind"] for r in store.transact_sync(lambda tx: tx.sql("SELECT kind FROM alerts"))] == [
+        "breaker_opened"
+    ]
+    store.transact_sync(lambda tx: tx.sql("UPDATE alerts SET acked_at = created_at, acked_by = 'op'"))
+    assert prune_records(store, term)["alerts"] == 1
+
+
 def test_record_pruning_is_bounded_per_transaction_oldest_first_and_fenced_by_the_term(
     store: Store, clock: FakeClock
 ) -> None:

@@ -301,8 +301,11 @@ DELETE FROM lease_terms WHERE (name, term) IN (
 -- name: prunable_alerts
 -- Alerts past the retention that need no one any more: acknowledged, or their task is gone
 -- (pruned when it finished). An unacknowledged alert of a task that still exists (an error
--- waiting for an operator) is kept, however old. PostgreSQL locks them (see its override).
+-- waiting for an operator) is kept, however old, and so is an unacknowledged alert of no task
+-- (a breaker that opened): "its task is gone" held for it vacuously, and it was pruned unread.
+-- PostgreSQL locks them (see its override).
 SELECT id FROM alerts a
 WHERE created_at < {now} - :retention
-  AND (acked_at IS NOT NULL OR NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = a.task_id))
+  AND (acked_at IS NOT NULL
+       OR (a.task_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = a.task_id)))
 ORDER BY created_at LIMIT :limit;

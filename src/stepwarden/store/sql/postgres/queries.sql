@@ -227,7 +227,8 @@ DELETE FROM alerts WHERE id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_e
 -- skipped this round, and a delivery that comes after waits and then finds the alert gone.
 SELECT id FROM alerts a
 WHERE created_at < {now} - :retention
-  AND (acked_at IS NOT NULL OR NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = a.task_id))
+  AND (acked_at IS NOT NULL
+       OR (a.task_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = a.task_id)))
 ORDER BY created_at LIMIT :limit
 FOR UPDATE SKIP LOCKED;
 
