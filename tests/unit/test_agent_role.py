@@ -461,7 +461,13 @@ def test_a_held_attempt_goes_on_when_the_last_slot_runs_this_instances_own_trial
         assert replies(store) == [], "the held attempt ended while its instance's own trial ran"
         slow.set()  # the trial succeeds: the breaker closes
         await until(lambda: len(replies(store)) == 1)
-        clock.advance(10.0)  # the held attempt's next try calls, and succeeds
+        # The held attempt's next try calls, and succeeds: the fake clock moved on until it has
+        # (its back-off may have begun before or after the last advance, as the loop ran it).
+        deadline = time.monotonic() + 10
+        while len(replies(store)) < 2:
+            assert time.monotonic() < deadline, replies(store)
+            clock.advance(10.0)
+            await asyncio.sleep(0.02)
         await finish(role)
 
     run(body())

@@ -52,13 +52,16 @@ def task_list(tx: Tx, state: str | None, query: str | None, before: int | None) 
     rows = rows[:PAGE]
     steps: dict[int, list[dict[str, Any]]] = {r["id"]: [] for r in rows}
     if rows:
+        # The steps of exactly the page's tasks (at most PAGE ids): a range between its lowest and
+        # highest id read every step between them, 0.6 s a poll for 3 error tasks far apart in a
+        # store of 112,000 (found by review; views._steps_of reads the CLI's the same way).
+        marks = ", ".join("?" * len(steps))
         for s in tx.sql(
-            "SELECT task_id, idx, name, state, attempt FROM steps WHERE task_id BETWEEN ? AND ? "
+            f"SELECT task_id, idx, name, state, attempt FROM steps WHERE task_id IN ({marks}) "
             "ORDER BY task_id, idx",
-            (rows[-1]["id"], rows[0]["id"]),
+            tuple(steps),
         ):
-            if s["task_id"] in steps:
-                steps[s["task_id"]].append(s)
+            steps[s["task_id"]].append(s)
     for r in rows:
         r["steps"] = steps[r["id"]]
         for k in ("complete_by", "created_at", "updated_at"):
