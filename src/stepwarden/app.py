@@ -17,7 +17,7 @@ from .agent import Agent, default_classify
 from .alerts import AlertSink, ack_alert, as_sink
 from .app_transaction import AppTransaction
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import InputError, NotFound, StoreError, UnknownWorkflow
+from .errors import InputError, NotFound, StoreError, StoreUnreachable, UnknownWorkflow
 from .leader import LeaseSettings, Work, check_leader_arguments, run_while_leader
 from .policies import check_count, check_id, check_number, show
 from .replies import Replies, TaskResult, wait_for_result, wait_for_result_sync
@@ -210,6 +210,8 @@ class App:
                 open_existing(self._db, clock=self.clock).close()
             except StoreMissing as e:
                 raise UnknownWorkflow(f"unknown workflow {name!r}: {e}") from None
+            except StoreUnreachable:
+                raise  # waited for already: opening the app's store would wait as long again
             except StoreError:
                 pass  # an older schema, say: the app's own store upgrades it, as for any submit
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -88,11 +89,16 @@ STATUS_CLASS_NAMES = frozenset({"HTTPError", "HTTPStatusError", "ClientResponseE
 # the connection (refused, reset, timed out), and is transient too.
 _HEALING_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300", "40001", "40P01", "57014", "55P03"})
 
-# The server's FATAL refusals at connect that a retry outlives (psycopg gives them no SQLSTATE):
-# starting up, shutting down, in recovery, too many clients. Any other FATAL at connect (no such
-# database or role, authentication failed, pg_hba.conf) is configuration. The PostgreSQL store
-# judges its own first connection by the same list (store/pg_options.py).
-TRANSIENT_FATAL = ("starting up", "shutting down", "recovery mode", "too many", "connection slots")
+# The server's FATAL refusals at connect that are configuration, which no retry heals (psycopg
+# gives them no SQLSTATE): no such database or role, authentication failed, pg_hba.conf. Any other
+# FATAL (starting up, shutting down, not accepting connections yet, terminating the connection,
+# too many clients, ...) a retry may outlive: listed the other way round, a refusal the list did
+# not name (a standby "not yet accepting connections") was judged permanent.
+_REFUSED_AT_CONNECT = re.compile(
+    r"FATAL:.*(does not exist|authentication failed|pg_hba\.conf|no password supplied"
+    r"|permission denied|not permitted to log in)",
+    re.S,
+)
 
 # How many ``raise ... from`` links are followed below the exception raised.
 MAX_CAUSES = 5
@@ -268,9 +274,7 @@ def _database_verdict(exc: BaseException, foreign: list[type]) -> str | None:
         # No code: the client could not connect, or lost the connection; but psycopg also
         # reports the server's refusal at connect (FATAL) without its code, and a database or
         # role that does not exist, or a password refused, is configuration, not a blip.
-        text = _text(exc)
-        refused = "FATAL:" in text and not any(t in text for t in TRANSIENT_FATAL)
-        return PERMANENT if refused else TRANSIENT
+        return PERMANENT if _REFUSED_AT_CONNECT.search(_text(exc)) else TRANSIENT
     return None
 
 

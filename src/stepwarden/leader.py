@@ -198,9 +198,10 @@ class LeaseKeeper:
                     if not failed:  # one failure per round, as one answer per round
                         outage.failed(e)
                     failed = True
-            if not failed:
-                # Only a round whose every try went through: a store that reads but cannot write
-                # (a full disk, a read-only standby) failed the acquire and answered the
+            if not failed or got is not None:
+                # Only a round whose every try went through, or that won the lease (a takeover
+                # after a failed acquire: the store writes again): a store that reads but cannot
+                # write (a full disk, a read-only standby) failed the acquire and answered the
                 # takeover's read, and the outage was logged as ended and begun again each round.
                 outage.answered()
             if got is None:

@@ -273,3 +273,22 @@ def test_a_worker_started_while_its_store_stays_locked_waits_for_it_instead_of_e
     finally:
         holder.close()
         cluster.close()
+
+
+def test_a_store_opened_by_a_relative_path_is_the_same_file_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a store opened as `b.db` was reported deleted once the process changed its
+    working folder (a handler or a library may), and its worker would have stopped."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    store = SQLiteStore("b.db")
+    try:
+        (tmp_path / "sub").mkdir()
+        os.chdir(tmp_path / "sub")
+        assert store.replaced() is None
+        os.replace(tmp_path / "b.db", tmp_path / "moved.db")
+        assert "b.db" in (store.replaced() or "") and "deleted" in (store.replaced() or "")
+    finally:
+        store.close()

@@ -489,6 +489,12 @@ def test_a_server_refusing_a_psycopg_connect_for_its_configuration_is_permanent(
     assert default_classify(starting) == "transient"
     too_many = psycopg.OperationalError("connection failed: FATAL:  sorry, too many clients already")
     assert default_classify(too_many) == "transient"
+    for text in (  # found by review: refusals a list of transient ones did not name
+        "FATAL:  the database system is not accepting connections\nDETAIL:  Hot standby mode is disabled.",
+        "FATAL:  the database system is not yet accepting connections",
+        "consuming input failed: FATAL:  terminating connection due to administrator command",
+    ):
+        assert default_classify(psycopg.OperationalError(text)) == "transient", text
 
 
 def test_the_operations_own_permanent_or_transient_wins_over_the_agents_classify() -> None:

@@ -820,3 +820,45 @@ def test_a_store_that_reads_but_cannot_write_is_one_outage_in_the_log(
         asyncio.run(body())
     campaign = [r for r in caplog.records if "campaign" in r.getMessage()]
     assert [r.levelname for r in campaign] == ["WARNING"], [r.getMessage() for r in campaign]
+
+
+def test_a_round_won_by_the_takeover_after_a_failed_acquire_ends_the_outage_in_the_log(
+    tracked_store: Any, clock: FakeClock, fake_time: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review of the rule above: the acquire fails once, the same round's takeover wins
+    the lease. The outage was logged as begun and never as ended while the keeper led."""
+    import logging
+
+    class OnceFailing(_SlowOrHung):
+        tries = 0
+
+        async def acquire_lease(self, *a: Any) -> Any:
+            self.tries += 1
+            if self.tries == 1:
+                raise RuntimeError("could not serialize access")
+            return await super().acquire_lease(*a)
+
+    settings = LeaseSettings(ttl=5.0, renew_every=1.0, retry_every=1.0, margin=1.0, take_from_dead=3.0)
+    store = OnceFailing(tracked_store, clock)
+    led: list[int | None] = []
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        keeper = LeaseKeeper(store, "L", "A", _logged_work(clock, []), settings=settings, clock=clock)  # type: ignore[arg-type]
+
+        async def takeover(dead_after: float) -> Any:  # the holder was presumed dead: it wins
+            return await tracked_store.acquire_lease("L", "A", settings.ttl)
+
+        keeper._take_from_dead = takeover  # type: ignore[method-assign]
+        task = asyncio.create_task(keeper.run(stop))
+        await fake_time.run_for(3.0)
+        led.append(keeper.term)
+        stop.set()
+        await fake_time.run_for(1.0)
+        await asyncio.wait_for(task, 5)
+
+    with caplog.at_level(logging.INFO, logger="stepwarden.leader"):
+        asyncio.run(body())
+    assert led == [1]
+    campaign = [r.levelname for r in caplog.records if "campaign" in r.getMessage()]
+    assert campaign == ["WARNING", "INFO"], campaign

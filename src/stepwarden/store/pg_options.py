@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..classify import TRANSIENT_FATAL
 from ..errors import InputError, StoreError
 from .base import redact_url
 
@@ -188,7 +187,15 @@ _CLIENT_CHOICES = {
 
 # A server's refusals that pass: it is starting, stopping or full. Any other FATAL at connect time
 # (no such database or role, authentication failed) stays until someone changes something.
-_TRANSIENT_FATAL = TRANSIENT_FATAL  # the same list as the default classifier's (classify.py)
+_TRANSIENT_FATAL = (
+    "starting up",
+    "shutting down",
+    "recovery mode",
+    "too many",
+    "connection slots",
+    "accepting connections",  # a standby not (yet) accepting connections
+    "terminating connection",
+)
 
 
 def _first_line(e: BaseException) -> str:

@@ -104,20 +104,28 @@ REPEAT_EVERY = 60.0  # seconds between two of them of one kind (and one pool)
 
 
 class _OnceAMinute(logging.Filter):
-    """Lets each of the pool's repeating warnings (:data:`_REPEATING`) through once per
-    :data:`REPEAT_EVERY` seconds per pool, and drops the repeats; every other record passes."""
+    """Lets each of the store's pools' repeating warnings (:data:`_REPEATING`) through once per
+    :data:`REPEAT_EVERY` seconds per pool and error, and drops the repeats; every other record
+    passes, the application's own pools' included (the logger is the process's). An error other
+    than the last one of its kind (a refusal, then a failed password) passes at once."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.last: dict[tuple[str, str], float] = {}
+        self.last: dict[tuple[str, str, str], float] = {}
         self.lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg not in _REPEATING:
             return True
         args = record.args if isinstance(record.args, tuple) else ()
-        pool = str(args[0]) if args and record.msg in _REPEATING[:2] else ""  # the others name a conn
-        key = (str(record.msg), pool)
+        if record.msg in _REPEATING[:2]:  # (pool name, ...)
+            pool = str(args[0]) if args else ""
+        else:  # (connection,): the pool that holds it, which psycopg_pool records on it
+            pool = str(getattr(getattr(args[0], "_pool", None), "name", "")) if args else ""
+        if not pool.startswith("stepwarden"):
+            return True
+        error = str(args[1]).split("\n", 1)[0] if record.msg == _REPEATING[0] and len(args) > 1 else ""
+        key = (str(record.msg), pool, error)
         with self.lock:
             if record.created - self.last.get(key, float("-inf")) < REPEAT_EVERY:
                 return False

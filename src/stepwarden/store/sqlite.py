@@ -183,7 +183,10 @@ class SQLiteStore(Store):
         refuse_foreign_read(path)  # before any connection: one would create files it must not
         if migrate:
             self.migrate()
-        self._file_id = _file_id(path)  # the file opened, to tell one put in its place (see replaced)
+        # The file opened, to tell one put in its place (see replaced); by its absolute path, as
+        # a process that changes its working folder still has the same file open.
+        self._abs_path = os.path.abspath(path) if path not in ("", ":memory:") else path
+        self._file_id = _file_id(self._abs_path)
 
     def replaced(self) -> str | None:
         """Why the file at the store's path is no longer the one this store opened, or None.
@@ -194,10 +197,11 @@ class SQLiteStore(Store):
         A worker checks this every heartbeat and stops (see ``worker._watch_store_file``)."""
         if self._file_id is None:
             return None
-        now = _file_id(self.path)
+        now = _file_id(self._abs_path)
         if now == self._file_id:
             return None
-        what = "deleted" if now is None and not os.path.lexists(self.path) else "replaced by another file"
+        gone = now is None and not os.path.lexists(self._abs_path)
+        what = "deleted" if gone else "replaced by another file"
         return f"the SQLite store {shown(self.path)} was {what} after this process opened it"
 
     def connect(self) -> _StoreConnection:
