@@ -45,13 +45,15 @@ def test_the_pools_repeating_warnings_pass_once_a_minute_per_kind_and_pool() -> 
     # ... and the application's own pools (the logger is the process's) are not ours to quiet
     assert all(f.filter(record(err, ("orders", "refused"), 2000.0 + i)) for i in range(3))
 
-    class Pool:
+    class Theirs:
         name = "orders"
 
-    class Conn:
-        _pool = Pool()
+    class TheirConn:
+        _pool = Theirs()
 
-    assert all(f.filter(record("discarding broken connection: %s", (Conn(),), 2000.0 + i)) for i in range(3))
+    assert all(
+        f.filter(record("discarding broken connection: %s", (TheirConn(),), 2000.0 + i)) for i in range(3)
+    )
 
 
 def test_the_listen_loop_logs_an_outage_once_and_its_end_once(
