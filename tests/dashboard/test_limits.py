@@ -11,6 +11,7 @@ before the body is read, not after."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -351,11 +352,16 @@ def test_a_client_that_leaves_mid_body_is_no_application_error(
     assert any("left before its body was read" in r.getMessage() for r in caplog.records)
 
 
-def _start(procs: Procs, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, int]:
-    """The real command in a subprocess (``python -m stepwarden.dashboard``); its host and port."""
+def _start(
+    procs: Procs, tmp_path: Path, *extra: str, group: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], str, int]:
+    """The real command in a subprocess (``python -m stepwarden.dashboard``, with ``group``'s
+    options before the command's); its host and port."""
     url = f"sqlite:///{tmp_path / 'served.db'}"
     open_store(url).close()
-    cmd = [sys.executable, "-m", "stepwarden.dashboard", "--db", url, "dashboard", "--port", "0", *extra]
+    module = "stepwarden" if group else "stepwarden.dashboard"  # the logging options are the CLI's
+    cmd = [sys.executable, "-m", module, "--db", url, *group, "dashboard", "--port", "0"]
+    cmd += extra
     p = procs.start(cmd, "dashboard", clean_env(STEPWARDEN_DASHBOARD_TOKEN=TOKEN))
 
     def listening() -> str | None:
@@ -437,7 +443,7 @@ def test_beyond_the_limit_a_request_hears_503_until_a_slot_is_free(tmp_path: Pat
     next one's own connection fill it: that one hears 503; once the first leaves, 200."""
     procs = Procs(tmp_path)
     try:
-        p, host, port = _start(procs, tmp_path, "--limit-concurrency", "2")
+        p, host, port = _start(procs, tmp_path, "--limit-concurrency", "2", group=("--log-format", "json"))
         held = _open_body(host, port)
         try:
             r = httpx.get(f"http://{host}:{port}/", timeout=10)
@@ -453,6 +459,11 @@ def test_beyond_the_limit_a_request_hears_503_until_a_slot_is_free(tmp_path: Pat
     finally:
         procs.stop_all()
     assert "Traceback" not in log, log
+    # --log-format json: uvicorn's own warning is a JSON line too (found by review: its default
+    # logging configuration wrote plain text among the JSON lines)
+    lines = [ln for ln in log.splitlines() if ln.strip() and "dashboard on http://" not in ln]
+    records = [json.loads(ln) for ln in lines]
+    assert any("Exceeded concurrency limit" in r.get("msg", r.get("message", "")) for r in records), lines
 
 
 def test_a_connection_that_sends_nothing_holds_a_slot_until_its_client_closes_it(tmp_path: Path) -> None:

@@ -533,3 +533,36 @@ def test_sqlite_pages_and_metrics_do_not_wait_for_a_writer(tmp_path: Path) -> No
         holder.execute("ROLLBACK")
         holder.close()
         store.close()
+
+
+def test_a_store_that_fails_is_a_503_answered_in_full_and_no_traceback(
+    scene: Scene, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review (OPS5, OPS6): the store's failure was answered by an exception handler in
+    Starlette's outermost middleware, which re-raises: uvicorn logged a 64-line traceback per
+    request (plain text among JSON lines), and here the test client re-raised it. A script
+    (Bearer) got the HTML page, not its one line."""
+    import logging
+
+    from stepwarden.errors import StoreError
+
+    tid = scene.errored("order-1")
+    client = TestClient(create_app(scene.store, TOKEN), follow_redirects=False)  # re-raises what escapes
+
+    async def down(*a: Any, **k: Any) -> Any:
+        raise StoreError("the store is down")
+
+    monkeypatch.setattr(scene.store, "transact", down)
+    with caplog.at_level(logging.WARNING, logger="stepwarden.dashboard"):
+        page = client.get("/tasks")
+        script = TestClient(create_app(scene.store, TOKEN)).post(  # no session cookie: a script
+            f"/tasks/{tid}/retry", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+    assert page.status_code == 503 and "the store could not be read or written" in page.text
+    assert page.headers["x-frame-options"] == "DENY"  # through the other middleware
+    assert script.status_code == 503 and script.headers["content-type"].startswith("text/plain")
+    assert script.text.count("\n") == 1 and "StoreError" in script.text, script.text
+    assert [r.getMessage().split(" failed")[0] for r in caplog.records] == [
+        "dashboard: GET /tasks",
+        f"dashboard: POST /tasks/{tid}/retry",
+    ]

@@ -270,6 +270,9 @@ def dashboard(
     app = create_app(store, token, allowed_hosts=hosts, poll=poll, public_origin=public_origin)
     config = uvicorn.Config(
         app,
+        # uvicorn's own loggers through the process's logging (--log-format json included): its
+        # default configuration gave them text handlers of their own, plain lines among the JSON.
+        log_config=None,
         log_level="warning",
         access_log=False,
         lifespan="off",

@@ -114,6 +114,38 @@ class _BodyTooLarge(Exception):
     """Raised from :class:`BodyLimit`'s ``receive`` to stop the application reading a body."""
 
 
+class Failures:
+    """Answers a request whose handler raised (the store down or locked: the only failures a page
+    or an action meets that are not answered on the spot) with ``answer``'s response, if nothing
+    of the response has been sent yet; logs nothing itself (``answer`` logs one line)."""
+
+    def __init__(self, app: ASGIApp, answer: Callable[[Request, Exception], Awaitable[Response]]) -> None:
+        self.app = app
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except (_BodyTooLarge, ClientDisconnect):
+            raise  # BodyLimit's, outside: a 413, or no one left to answer
+        except Exception as e:
+            if started:  # too late to answer otherwise: the connection is cut, as before
+                raise
+            response = await self.answer(Request(scope, receive), e)
+            await response(scope, receive, send)
+
+
 class BodyLimit:
     """Refuses a request body larger than ``limit`` bytes (413), before the application reads it.
 
@@ -574,14 +606,17 @@ def create_app(
 
     async def failed(request: Request, exc: Exception) -> Response:
         log.warning("dashboard: %s %s failed: %r", request.method, request.url.path[:200], exc)
-        response = d.message(
-            request, 503, f"the store could not be read or written ({type(exc).__name__}); retrying"
-        )
-        # Starlette runs this handler outside the middleware: the headers are set here.
-        for k, v in SECURITY_HEADERS:
-            response.headers.setdefault(k.decode(), v.decode())
-        return response
+        text = f"the store could not be read or written ({type(exc).__name__}); retrying"
+        if request.method == "POST" and d.guard.is_script(request, None):
+            return d._say(request, 503, text)  # a script reads one line, as for every answer
+        return d.message(request, 503, text)
 
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={Exception: failed})
+    # Innermost, so that the answer goes out through the others (the security headers) and the
+    # failure ends here: as an exception handler it ran in Starlette's ServerErrorMiddleware,
+    # which re-raises, and uvicorn then logged a 64-line traceback per request while the store
+    # was down, in plain text among the JSON log lines.
+    middleware.append(Middleware(Failures, answer=failed))
+
+    app = Starlette(routes=routes, middleware=middleware)
     app.state.dashboard = d
     return app
