@@ -207,3 +207,46 @@ def test_operator_retries_an_errored_task_in_the_browser(browser: Any, tmp_path:
         raise
     finally:
         procs.stop_all()
+
+
+def test_a_link_from_another_site_keeps_the_operator_signed_in(browser: Any, tmp_path: Path) -> None:
+    """Found by review (OPS5): the session cookie was SameSite=Strict, so following a link to the
+    dashboard from another site (chat, mail, an alert's page) arrived without it; the page set a
+    new session, the auth cookie was bound to the old one, and the operator was signed out for
+    good. The cookies are Lax now: the link arrives signed in, and so does every page after it."""
+    import functools
+    import http.server
+    import threading
+
+    db = make_db(tmp_path)
+    tid = submit_in_process(db.url)
+    procs = Procs(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    server = None
+    try:
+        base = _dashboard(procs, db)
+        (elsewhere / "link.html").write_text(f'<a id="l" href="{base}/tasks/{tid}">task {tid} failed</a>')
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(elsewhere))
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        other_site = f"http://localhost:{server.server_address[1]}"  # another site: another host
+        ctx = browser.new_context()
+        page = ctx.new_page()
+        page.set_default_timeout(20_000)
+        page.goto(base + "/tasks")
+        page.fill("#login input[name=token]", TOKEN)
+        page.click("#login button")
+        page.wait_for_selector("#signed-in")
+        page.goto(other_site + "/link.html")
+        page.click("#l")
+        page.wait_for_load_state()
+        assert page.url == f"{base}/tasks/{tid}"
+        assert page.locator("#signed-in").count() == 1, "the link from another site signed the operator out"
+        page.goto(base + "/tasks")
+        assert page.locator("#signed-in").count() == 1, "signed out for good after the link"
+        ctx.close()
+    finally:
+        if server is not None:
+            server.shutdown()
+        procs.stop_all()

@@ -12,8 +12,11 @@ Acting (retry, cancel, acknowledge) needs all of:
    bound to that session. Scripts may instead send ``Authorization: Bearer TOKEN`` (a header no
    cross-site form can set, so it needs no CSRF token).
 
-Cookies are ``HttpOnly`` and ``SameSite=Strict`` (and ``Secure`` behind a TLS proxy, when set and
-when deleted). The signing key is random per process, so a
+Cookies are ``HttpOnly`` and ``SameSite=Lax`` (and ``Secure`` behind a TLS proxy, when set and
+when deleted). Lax, not Strict: a link to the dashboard followed from another site (chat, mail,
+an alert's page) arrived without the session cookie, the page set a new one, and the operator was
+signed out for good. Lax sends the cookies only with such top-level GETs, which only read; an
+action is a POST, which Lax keeps them from (and which needs the same origin and a CSRF token). The signing key is random per process, so a
 restart signs everyone out. When the dashboard listens on a loopback address, requests must name
 an IP address, ``localhost``, the public origin's host or a host allowed by name
 (``Host: 127.0.0.1``, ``Host: localhost``), which stops DNS-rebinding pages from reading it;
@@ -130,7 +133,7 @@ class Guard:
             max_age=max_age,
             path="/",
             httponly=True,
-            samesite="strict",
+            samesite="lax",
             secure=self.secure_cookies,
         )
 
@@ -146,7 +149,7 @@ class Guard:
         # With the flags it was set with, Secure included: it was left out, so behind a TLS proxy
         # the deleting cookie was a non-Secure one replacing a Secure one.
         response.delete_cookie(
-            AUTH_COOKIE, path="/", httponly=True, samesite="strict", secure=self.secure_cookies
+            AUTH_COOKIE, path="/", httponly=True, samesite="lax", secure=self.secure_cookies
         )
         self._cookie(response, SESSION_COOKIE, secrets.token_hex(16))
 
