@@ -16,9 +16,10 @@ Cookies are ``HttpOnly`` and ``SameSite=Lax`` (and ``Secure`` behind a TLS proxy
 when deleted). Lax, not Strict: a link to the dashboard followed from another site (chat, mail,
 an alert's page) arrived without the session cookie, the page set a new one, and the operator was
 signed out for good. Lax sends the cookies only with such top-level GETs, which only read; an
-action is a POST, which Lax keeps them from (and which needs the same origin and a CSRF token). The signing key is random per process, so a
-restart signs everyone out. When the dashboard listens on a loopback address, requests must name
-an IP address, ``localhost``, the public origin's host or a host allowed by name
+action is a POST, which Lax keeps them from (and which needs the same origin and a CSRF token).
+The signing key is random per process, so a restart signs everyone out. When the dashboard
+listens on a loopback address, requests must name an IP address, ``localhost``, the public
+origin's host or a host allowed by name
 (``Host: 127.0.0.1``, ``Host: localhost``), which stops DNS-rebinding pages from reading it;
 beyond loopback the same check is on once a public origin or an allowed host is named
 (:class:`~.web.HostCheck`, :mod:`.hosts`, ``--allowed-host``).
