@@ -566,3 +566,36 @@ def test_a_store_that_fails_is_a_503_answered_in_full_and_no_traceback(
         "dashboard: GET /tasks",
         f"dashboard: POST /tasks/{tid}/retry",
     ]
+
+
+def test_a_task_with_a_long_history_shows_its_newest_events_and_says_what_is_left_out(
+    scene: Scene, client: TestClient
+) -> None:
+    """Found by review (OPS5): a task's page had no bound and is polled whole: a step retried every
+    minute for days (30,000 events) made it 13 MB, re-sent every 2 s per open tab."""
+    from stepwarden.dashboard.data import TASK_ROWS
+
+    tid = scene.errored("order-1")
+    scene.store.transact_sync(
+        lambda tx: tx.sql(
+            "INSERT INTO events (task_id, kind, detail, at) SELECT ?, 'retry_scheduled', NULL, at FROM events"
+            " WHERE task_id = ?",
+            (tid, tid),
+        )
+    )
+    for _ in range(8):  # doubling: a few hundred events
+        scene.store.transact_sync(
+            lambda tx: tx.sql(
+                "INSERT INTO events (task_id, kind, detail, at) SELECT task_id, kind, detail, at FROM events"
+                " WHERE task_id = ?",
+                (tid,),
+            )
+        )
+    total = scene.store.transact_sync(
+        lambda tx: tx.sql("SELECT COUNT(*) AS n FROM events WHERE task_id = ?", (tid,))
+    )[0]["n"]
+    assert total > TASK_ROWS
+    page = client.get(f"/tasks/{tid}")
+    assert page.status_code == 200
+    assert page.text.count('<li><span class="small">') <= TASK_ROWS, "more events shown than the bound"
+    assert f"{total - TASK_ROWS} older event(s)" in page.text and f"task show {tid} --json" in page.text

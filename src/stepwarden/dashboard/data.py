@@ -17,6 +17,9 @@ from ..store.base import read_only
 from ..store.views import iso
 
 PAGE = 50
+# The newest attempts, events and replies a task's page shows (it is polled whole): a step retried
+# every minute for ten days made it 13 MB, re-sent every poll. The rest: `task show ID --json`.
+TASK_ROWS = 200
 MAX_ID = 2**62
 
 
@@ -80,7 +83,7 @@ def task_detail(tx: Tx, task_id: int) -> dict[str, Any]:
     the events about it, and the task's own events."""
     if not 0 < task_id < MAX_ID:
         raise NotFound(f"no task {task_id}")
-    task = views.show_task(tx, task_id)
+    task = views.show_task(tx, task_id, newest=TASK_ROWS)
     replies: dict[tuple[int, int, str], dict[str, Any]] = {}
     for r in task["replies"]:
         replies[(r["step_idx"], r["attempt"], r["kind"])] = r

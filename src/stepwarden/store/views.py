@@ -123,7 +123,10 @@ def where_clause(conditions: list[str]) -> str:
 
 
 @read_only
-def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
+def show_task(tx: Tx, task_id: int, newest: int | None = None) -> dict[str, Any]:
+    """The task with its steps, each step's attempts, its events and replies. ``newest``: only the
+    newest that many attempts, events and replies (the dashboard's page, polled: a step retried
+    every minute for days made it 13 MB); ``omitted`` then says how many of each were left out."""
     rows = tx.sql(f"SELECT {TASK_COLS}, input FROM tasks WHERE id = ?", (task_id,))
     if not rows:
         raise NotFound(f"no task {task_id}")
@@ -134,10 +137,24 @@ def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
     steps = {s["idx"]: s for s in out["steps"]}
     for s in out["steps"]:
         s["attempts"] = []
-    for r in tx.sql(
-        "SELECT step_idx, attempt, kind, state, outcome, dispatched_by, dispatched_at, taken_by, "
-        "taken_at, complete_by, finished_at FROM requests WHERE task_id = ? ORDER BY id",
-        (task_id,),
+    omitted = {"attempts": 0, "events": 0, "replies": 0}
+
+    def rows_of(table: str, columns: str, key: str) -> list[Row]:
+        if newest is None:
+            return tx.sql(f"SELECT {columns} FROM {table} WHERE task_id = ? ORDER BY id", (task_id,))
+        got = tx.sql(
+            f"SELECT {columns} FROM {table} WHERE task_id = ? ORDER BY id DESC LIMIT ?", (task_id, newest)
+        )[::-1]
+        if len(got) == newest:
+            n = tx.sql(f"SELECT COUNT(*) AS n FROM {table} WHERE task_id = ?", (task_id,))[0]["n"]
+            omitted[key] = int(n) - newest
+        return got
+
+    for r in rows_of(
+        "requests",
+        "step_idx, attempt, kind, state, outcome, dispatched_by, dispatched_at, taken_by, "
+        "taken_at, complete_by, finished_at",
+        "attempts",
     ):
         idx = r.pop("step_idx")
         for k in ("dispatched_at", "taken_at", "complete_by", "finished_at"):
@@ -152,19 +169,16 @@ def show_task(tx: Tx, task_id: int) -> dict[str, Any]:
             "at": iso(e["at"]),
             "detail": json.loads(e["detail"]) if e["detail"] else {},
         }
-        for e in tx.sql(
-            "SELECT kind, step_idx, attempt, actor, detail, at FROM events WHERE task_id = ? ORDER BY id",
-            (task_id,),
-        )
+        for e in rows_of("events", "kind, step_idx, attempt, actor, detail, at", "events")
     ]
     out["replies"] = [
         dict(r, received_at=iso(r["received_at"]))
-        for r in tx.sql(
-            "SELECT step_idx, attempt, kind, outcome, error, sent_by, received_at, status "
-            "FROM replies WHERE task_id = ? ORDER BY id",
-            (task_id,),
+        for r in rows_of(
+            "replies", "step_idx, attempt, kind, outcome, error, sent_by, received_at, status", "replies"
         )
     ]
+    if newest is not None:
+        out["omitted"] = omitted
     return out
 
 
