@@ -349,6 +349,23 @@ def test_sign_out_ends_the_session(scene: Scene, client: TestClient) -> None:
     assert r.status_code == 401
 
 
+def test_a_copy_of_the_cookies_of_a_signed_out_session_acts_no_more(scene: Scene, client: TestClient) -> None:
+    """Found by review: after sign-out, the session's cookies replayed (another tab, a copy in a
+    proxy's log, a shared machine) still signed in, for the rest of the auth cookie's 12 hours."""
+    tid = scene.errored("order-1")
+    csrf = sign_in(client)
+    copied = {k: v for k, v in client.cookies.items()}
+    r = client.post("/logout", data={"csrf": csrf, "next": "/"}, headers={"Origin": ORIGIN})
+    assert r.status_code == 303
+    client.cookies.clear()
+    for k, v in copied.items():
+        client.cookies.set(k, v)
+    page = client.get(f"/tasks/{tid}").text
+    assert "signed in as" not in page
+    r = client.post(f"/tasks/{tid}/retry", data={"csrf": csrf}, headers={"Origin": ORIGIN})
+    assert r.status_code == 401 and scene.state(tid) == "error"
+
+
 def test_login_redirect_stays_on_this_site(scene: Scene, client: TestClient) -> None:
     csrf = csrf_of(client.get("/").text)
     for target in ("//evil.example/", "https://evil.example/", "/\\evil.example"):

@@ -47,6 +47,7 @@ __all__ = ["Guard", "Refused", "check_actor", "check_origin", "safe_next"]
 
 SESSION_COOKIE = "sw_session"
 AUTH_COOKIE = "sw_auth"
+SIGNED_OUT_MAX = 10_000  # signed-out sessions remembered (see Guard.signed_out)
 AUTH_TTL = 12 * 3600.0
 _ACTOR = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 _SID = re.compile(r"^[0-9a-f]{32}$")
@@ -80,6 +81,10 @@ class Guard:
     public_origin: str | None = None
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     guesses: GuessLimiter = field(default_factory=GuessLimiter)
+    # Sessions signed out, until their auth cookie would have expired anyway: a copy of the cookie
+    # (another tab, a proxy's log, a shared machine) stayed valid for the rest of AUTH_TTL after
+    # "sign out". Bounded: the oldest go first past SIGNED_OUT_MAX (they are at most AUTH_TTL old).
+    signed_out: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The one rule (see .tokens): surrounding whitespace is not part of the token; a token
@@ -105,7 +110,7 @@ class Guard:
         """The signed-in operator of this session, or None."""
         sid = self.session_id(request)
         raw = request.cookies.get(AUTH_COOKIE, "")
-        if sid is None or not self.actions_enabled or raw.count("!") != 2:
+        if sid is None or not self.actions_enabled or raw.count("!") != 2 or sid in self.signed_out:
             return None
         actor, expires, sig = raw.split("!")
         # As bytes: compare_digest refuses str with non-ASCII characters (TypeError), and any page
@@ -146,7 +151,15 @@ class Guard:
         self._cookie(response, AUTH_COOKIE, f"{actor}!{expires}!{self._sign('auth', sid, actor, expires)}")
         return sid
 
-    def sign_out(self, response: Response) -> None:
+    def sign_out(self, response: Response, request: Request | None = None) -> None:
+        sid = self.session_id(request) if request is not None else None
+        if sid is not None:  # its auth cookie is refused from now on, wherever a copy of it is
+            now = time.time()
+            for gone in [k for k, until in self.signed_out.items() if until < now]:
+                del self.signed_out[gone]
+            while len(self.signed_out) >= SIGNED_OUT_MAX:
+                del self.signed_out[next(iter(self.signed_out))]
+            self.signed_out[sid] = now + AUTH_TTL
         # With the flags it was set with, Secure included: it was left out, so behind a TLS proxy
         # the deleting cookie was a non-Secure one replacing a Secure one.
         response.delete_cookie(

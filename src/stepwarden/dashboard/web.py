@@ -413,7 +413,7 @@ class Dashboard:
         except Refused as e:
             return self.message(request, e.status, str(e))
         response = RedirectResponse(safe_next(form.get("next")), status_code=303)
-        self.guard.sign_out(response)
+        self.guard.sign_out(response, request)
         return response
 
     # -- operator actions ---------------------------------------------------------------------------------
