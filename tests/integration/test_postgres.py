@@ -4,6 +4,7 @@ pooler, and connection faults (REL3) — killed backends and a server restart in
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -296,25 +297,36 @@ def test_watch_waits_out_a_server_restart_and_sees_the_task_to_its_end(
     task_id = app.submit("one", {})
     app.close()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "stepwarden", "--db", url, "watch", str(task_id), "--timeout", "60"]
-    watch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    cmd = [sys.executable, "-m", "stepwarden", "--db", url, "watch", str(task_id), "--timeout", "90"]
+    err_path = tmp_path / "watch.err"
+    with open(err_path, "wb") as err_file:
+        watch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, env=env, cwd=tmp_path)
+    failed = f"watch {task_id}: a round on the store failed"
     try:
-        time.sleep(1.0)  # it reads the task (pending) and polls
-        assert watch.poll() is None
+        out_fd = watch.stdout
+        assert out_fd is not None
+
+        def printed_received() -> bool | None:  # the first event is printed: the watch is running
+            if not select.select([out_fd], [], [], 0.1)[0]:
+                return None
+            return b" received " in out_fd.peek() or None  # type: ignore[attr-defined]
+
+        wait_until(printed_received, 30, "the watch to print the task's first event")
         own_postgres.stop("fast")
-        time.sleep(3.0)  # past the pool's 5 s wait for one read, give or take: the watch goes on
-        assert watch.poll() is None, watch.communicate(timeout=5)
+        # Down until the watch has met the outage (a read waits up to 5 s for a connection)
+        wait_until(lambda: failed in err_path.read_text() or None, 30, "the watch to meet the outage")
+        assert watch.poll() is None, err_path.read_text()
         own_postgres.start()
         own_postgres.wait_ready()
         with psycopg.connect(url, autocommit=True) as c:  # the task ends (as a worker would end it)
             c.execute("UPDATE tasks SET state = 'cancelled', finished_at = 1 WHERE id = %s", (task_id,))
-        out, err = watch.communicate(timeout=60)
+        out, _ = watch.communicate(timeout=60)
     finally:
         if watch.poll() is None:
             watch.kill()
             watch.wait(10)
-    assert watch.returncode == 0, (out, err)
+    text = err_path.read_text()
+    assert watch.returncode == 0, (out, text)
     assert f"task {task_id} is cancelled" in out.decode()
-    text = err.decode()
-    assert text.count(f"watch {task_id}: a round on the store failed") == 1, text
+    assert text.count(failed) == 1, text
     assert "the store answers again" in text and "Traceback" not in text, text
