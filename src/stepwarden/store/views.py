@@ -76,18 +76,28 @@ def list_tasks(
 _IDS_PER_READ = 500  # well under SQLite's and PostgreSQL's limits on a statement's parameters
 
 
-def _steps_of(tx: Tx, task_ids: list[int]) -> list[Row]:
-    """The steps of exactly these tasks, read by id: a range between the first and the last
-    listed task read every step in between (``tasks --state error`` spans from the oldest error,
-    never pruned, to now: millions of rows for two tasks)."""
+def rows_by_ids(tx: Tx, select: str, column: str, ids: list[int], order: str) -> list[Row]:
+    """``select`` (``SELECT ... FROM table``) of the rows whose ``column`` is one of ``ids``, in
+    ``order``: by id, never a range between the lowest and the highest listed (a few ids far apart
+    read every row between them: millions of steps for two ``error`` tasks). Ids listed without a
+    gap are one range, the same rows in one statement; others go ``_IDS_PER_READ`` at a time."""
+    if not ids:
+        return []
+    lo, hi = min(ids), max(ids)
+    if hi - lo + 1 == len(set(ids)):
+        return tx.sql(f"{select} WHERE {column} BETWEEN ? AND ? ORDER BY {order}", (lo, hi))
     rows: list[Row] = []
-    for i in range(0, len(task_ids), _IDS_PER_READ):
-        ids = task_ids[i : i + _IDS_PER_READ]
-        marks = ", ".join("?" * len(ids))
-        rows += tx.sql(
-            f"SELECT {STEP_COLS} FROM steps WHERE task_id IN ({marks}) ORDER BY task_id, idx", tuple(ids)
-        )
+    for i in range(0, len(ids), _IDS_PER_READ):
+        chunk = ids[i : i + _IDS_PER_READ]
+        marks = ", ".join("?" * len(chunk))
+        rows += tx.sql(f"{select} WHERE {column} IN ({marks}) ORDER BY {order}", tuple(chunk))
     return rows
+
+
+def _steps_of(tx: Tx, task_ids: list[int]) -> list[Row]:
+    """The steps of exactly these tasks (``tasks --state error`` spans from the oldest error,
+    never pruned, to now)."""
+    return rows_by_ids(tx, f"SELECT {STEP_COLS} FROM steps", "task_id", task_ids, "task_id, idx")
 
 
 @read_only
@@ -230,27 +240,11 @@ def _alert_views(tx: Tx, rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def _deliveries_of(tx: Tx, alert_ids: list[int]) -> list[Row]:
-    """The deliveries of exactly these alerts, read by id, as :func:`_steps_of` reads steps: a
-    range between the first and the last listed alert (``alerts --unacked`` lists a few, far
-    apart) read every delivery in between, 594,002 rows for 200 in a store of 300,000 alerts.
-    Alerts listed without a gap (``alerts --json``, every one) are still read as one range: by id
-    in chunks of 500, 200,000 of them took 1.2 s on PostgreSQL against 0.35 s."""
+    """The deliveries of exactly these alerts: ``alerts --unacked`` lists a few, far apart, and a
+    range between them read 594,002 rows for 200 in a store of 300,000 alerts; ``alerts --json``
+    lists every one, one range (500 ids at a time took 1.2 s for 200,000 on PostgreSQL, not 0.35)."""
     columns = "sink, alert_id, attempts, next_attempt_at, delivered_at, gave_up_at, last_error, delivered_by"
-    lo, hi = min(alert_ids), max(alert_ids)
-    if hi - lo + 1 == len(set(alert_ids)):  # every alert between them listed (no filter): one range
-        return tx.sql(
-            f"SELECT {columns} FROM alert_deliveries WHERE alert_id BETWEEN ? AND ? ORDER BY alert_id, sink",
-            (lo, hi),
-        )
-    rows: list[Row] = []
-    for i in range(0, len(alert_ids), _IDS_PER_READ):
-        ids = alert_ids[i : i + _IDS_PER_READ]
-        marks = ", ".join("?" * len(ids))
-        rows += tx.sql(
-            f"SELECT {columns} FROM alert_deliveries WHERE alert_id IN ({marks}) ORDER BY alert_id, sink",
-            tuple(ids),
-        )
-    return rows
+    return rows_by_ids(tx, f"SELECT {columns} FROM alert_deliveries", "alert_id", alert_ids, "alert_id, sink")
 
 
 @read_only
