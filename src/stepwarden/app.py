@@ -206,14 +206,22 @@ class App:
         if self._store is None:
             # Looked up in a store that must exist already: opening the app's store would create
             # (and migrate) one at a mistyped path, for a submission that then writes nothing.
+            # The store opened to look is the app's from then on (its schema is current: an older
+            # one is refused, and opened below with its migration), not opened a second time.
             try:
-                open_existing(self._db, clock=self.clock).close()
+                probed = open_existing(self._db, clock=self.clock)
             except StoreMissing as e:
                 raise UnknownWorkflow(f"unknown workflow {name!r}: {e}") from None
             except StoreUnreachable:
                 raise  # waited for already: opening the app's store would wait as long again
             except StoreError:
                 pass  # an older schema, say: the app's own store upgrades it, as for any submit
+            else:
+                with self._store_lock:
+                    if self._store is None:
+                        self._store = probed
+                if self._store is not probed:  # another thread opened it meanwhile
+                    probed.close()
         try:
             return self.store.workflow_sync(name)
         except UnknownWorkflow:

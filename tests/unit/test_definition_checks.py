@@ -504,3 +504,28 @@ def test_submitting_an_unknown_workflow_to_a_store_that_does_not_exist_creates_n
         app.submit("nope", {})
     assert list(folder.iterdir()) == []
     app.close()
+
+
+def test_the_store_opened_to_look_up_an_unknown_workflow_is_the_apps_not_opened_twice(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look-up opens the store as it must exist (nothing created); that store is then the
+    app's. It was closed and the app's own opened again: twice the connections (on PostgreSQL a
+    pool and its threads) for one submission."""
+    import stepwarden.app as app_module
+    from stepwarden.errors import UnknownWorkflow
+    from stepwarden.store import open_store
+
+    url = f"sqlite:///{tmp_path / 'there.db'}"
+    open_store(url).close()
+    opened: list[str] = []
+    real = app_module.open_store
+    monkeypatch.setattr(app_module, "open_store", lambda *a, **k: opened.append("again") or real(*a, **k))
+    app = App(url)
+    with pytest.raises(UnknownWorkflow, match="no worker has registered it"):
+        app.submit("nope", {})
+    assert app._store is not None and opened == []
+    with pytest.raises(UnknownWorkflow):
+        app.submit("nope", {})
+    assert opened == []
+    app.close()
