@@ -519,8 +519,13 @@ def test_the_store_opened_to_look_up_an_unknown_workflow_is_the_apps_not_opened_
     url = f"sqlite:///{tmp_path / 'there.db'}"
     open_store(url).close()
     opened: list[str] = []
-    real = app_module.open_store
-    monkeypatch.setattr(app_module, "open_store", lambda *a, **k: opened.append("again") or real(*a, **k))
+    real = open_store
+
+    def counted(*a: Any, **k: Any) -> Any:
+        opened.append("again")
+        return real(*a, **k)
+
+    monkeypatch.setattr(app_module, "open_store", counted)
     app = App(url)
     with pytest.raises(UnknownWorkflow, match="no worker has registered it"):
         app.submit("nope", {})
