@@ -292,3 +292,34 @@ def test_a_store_opened_by_a_relative_path_is_the_same_file_after_a_chdir(
         assert "b.db" in (store.replaced() or "") and "deleted" in (store.replaced() or "")
     finally:
         store.close()
+
+
+def test_a_worker_stopped_while_it_waits_for_a_locked_store_exits_at_once_having_taken_nothing(
+    tmp_path: Path,
+) -> None:
+    """The wait at start (above) is cut by a stop: SIGTERM between two tries to open the store ends
+    the worker at once, exit 0, saying it stopped before it could start."""
+    import signal
+    import time
+
+    from harness import Cluster
+
+    db = tmp_path / "s.db"
+    cluster = Cluster(tmp_path, f"sqlite:///{db}")
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        w = cluster.start("w1", db=f"sqlite:///{db}?busy_timeout=0.5", wait=False)
+        deadline = time.monotonic() + 20
+        while "cannot open the store yet" not in w.log_text():
+            assert w.alive(), w.log_text()
+            assert time.monotonic() < deadline, w.log_text()
+            time.sleep(0.05)
+        code, took = w.stop(signal.SIGTERM, within=10)
+        assert code == 0, w.log_text()
+        assert took < 3, (took, w.log_text())
+        assert "before it could start" in w.log_text(), w.log_text()
+        assert cluster.sql("SELECT id FROM workers") == []  # it took nothing, registered nothing
+    finally:
+        holder.close()
+        cluster.close()
