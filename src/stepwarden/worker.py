@@ -42,6 +42,10 @@ HAND_BACK_BATCH = 500
 # Seconds between a starting worker's tries to record its workflows while the store fails.
 REGISTER_RETRY_MIN = 0.5
 REGISTER_RETRY_MAX = 10.0
+# A store that still cannot be opened is warned about again after this long, then as often: a
+# mistyped host or port waits for ever (as a database not up yet must), and the one warning at
+# the start had scrolled away.
+OPEN_STILL_FAILING_EVERY = 300.0
 
 if TYPE_CHECKING:
     from .app import App
@@ -346,6 +350,7 @@ class Worker:
             return None
         delay, since = REGISTER_RETRY_MIN, self.app.clock.monotonic()
         failed = 0
+        warn_again = since + OPEN_STILL_FAILING_EVERY
         while True:
             try:
                 opened = await unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
@@ -364,6 +369,17 @@ class Worker:
                         REGISTER_RETRY_MAX,
                         e,
                     )
+                elif self.app.clock.monotonic() >= warn_again:
+                    log.warning(
+                        "worker %s: still cannot open the store after %.0fs (%d tries), trying"
+                        " again every %gs: %s",
+                        self.identity,
+                        self.app.clock.monotonic() - since,
+                        failed,
+                        REGISTER_RETRY_MAX,
+                        e,
+                    )
+                    warn_again = self.app.clock.monotonic() + OPEN_STILL_FAILING_EVERY
                 else:
                     log.debug("worker %s: still cannot open the store: %s", self.identity, e)
                 await sleep_or_wake(self.app.clock, delay, stop)

@@ -213,3 +213,57 @@ def test_the_back_off_between_tries_to_record_the_workflows_waits_on_the_apps_cl
         assert ["in 0.5s" in said[0], "in 1s" in said[1], "in 2s" in said[2]] == [True] * 3, said
     finally:
         app.close()
+
+
+def test_a_store_that_still_cannot_be_opened_is_warned_about_again_every_few_minutes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker given a URL that never answers (a mistyped host or port) waits for ever, as one
+    started before its database must: one warning at the first failure, then silence, and an
+    operator reading the log later could not tell it was still waiting. It says so again after
+    ``OPEN_STILL_FAILING_EVERY`` on the app's clock, with how long and how many tries, and not
+    more often."""
+    from stepwarden import worker as worker_module
+    from stepwarden.errors import StoreUnreachable
+
+    caplog.set_level(logging.WARNING, logger="stepwarden")
+    clock = FakeClock()
+    app = App(f"sqlite:///{tmp_path / 'never.db'}", clock=clock)
+    tries: list[float] = []
+
+    def unreachable(self: Worker) -> Any:
+        tries.append(clock.monotonic())
+        raise StoreUnreachable("connection refused at 127.0.0.1:1")
+
+    monkeypatch.setattr(worker_module.Worker, "_open_store", unreachable)
+    every = worker_module.OPEN_STILL_FAILING_EVERY
+    start = clock.monotonic()
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "open the store" in r.getMessage()]
+
+    async def body() -> bool:
+        stop = asyncio.Event()
+        run = asyncio.create_task(app.worker(name="unreachable").run(stop))
+        # Drive the clock one back-off at a time (each try must have happened before the next
+        # advance) until past two reminder periods.
+        while clock.monotonic() - start < 2 * every + 5:
+            seen = len(tries)
+            await until(lambda: len(tries) > seen or run.done(), "the next try")
+            assert not run.done(), run.exception()
+            clock.advance(worker_module.REGISTER_RETRY_MAX)
+        stop.set()
+        return await asyncio.wait_for(run, 5)
+
+    try:
+        assert asyncio.run(body()) is False
+        said = warnings()
+        assert len(said) == 3, said
+        assert "cannot open the store yet" in said[0]
+        for text in said[1:]:
+            assert "still cannot open the store after" in text and "connection refused" in text, text
+        # Tries are 10 s apart here: the reminders come at the first try 300 s on, and 300 s later.
+        assert f"after {every:.0f}s" in said[1] and f"after {2 * every:.0f}s" in said[2], said
+        assert len(tries) > 50  # it kept trying all along, every 10 s
+    finally:
+        app.close()
