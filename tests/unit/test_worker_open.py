@@ -33,6 +33,10 @@ async def until(pred: Callable[[], bool], what: str, timeout: float = 15.0) -> N
         await asyncio.sleep(0.01)
 
 
+def _more_than(tries: list[float], seen: int, run: asyncio.Task[Any]) -> Callable[[], bool]:
+    return lambda: len(tries) > seen or run.done()
+
+
 def opening_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "stepwarden-open"]
 
@@ -248,8 +252,7 @@ def test_a_store_that_still_cannot_be_opened_is_warned_about_again_every_few_min
         # Drive the clock one back-off at a time (each try must have happened before the next
         # advance) until past two reminder periods.
         while clock.monotonic() - start < 2 * every + 5:
-            seen = len(tries)
-            await until(lambda: len(tries) > seen or run.done(), "the next try")
+            await until(_more_than(tries, len(tries), run), "the next try")
             assert not run.done(), run.exception()
             clock.advance(worker_module.REGISTER_RETRY_MAX)
         stop.set()
