@@ -11,12 +11,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import liveness
+from . import durations, liveness
 from .clock import SYSTEM_CLOCK, Clock
 from .leader import Leadership
 from .logs import log_raised
 from .policies import check_count, check_number, check_seconds
 from .store import Store, SweepResult, transitions
+from .store.base import Row
 
 log = logging.getLogger("stepwarden.supervisor")
 LEASE = "supervisor"
@@ -200,9 +201,14 @@ class Supervisor:
             return 0
         total = 0
         rounds = 0
+        unread: list[Row] = []
         while rounds < s.prune_rounds:
             rounds += 1
-            n = await self.store.transact(transitions.prune, self.me, LEASE, term, s.retention, s.prune_batch)
+            done: list[Row] = []  # this transaction's (a try run again sets it again)
+            n = await self.store.transact(
+                transitions.prune, self.me, LEASE, term, s.retention, s.prune_batch, done
+            )
+            unread += done
             total += n
             if leadership is not None:
                 leadership.progress()
@@ -212,10 +218,32 @@ class Supervisor:
                 break
         if total:
             log.info("supervisor %s (term %d) pruned %d finished task(s)", self.me, term, total)
+        self._warn_unread(unread, s.retention)
         self.pruned += total
         if rounds < s.prune_rounds:  # the task backlog is done: this call has rounds to spare
             await self._prune_records(term, s.retention, s.prune_rounds - rounds, leadership)
         return total
+
+    def _warn_unread(self, unread: list[Row], retention: float) -> None:
+        """One warning per named consumer that lost messages to this prune: documented (a consumer
+        that lags by more than the retention misses them), but its owner should hear of it."""
+        lost: dict[tuple[str, str], tuple[int, int]] = {}
+        for r in unread:
+            key = (str(r["queue"]), str(r["consumer"]))
+            n, _ = lost.get(key, (0, 0))
+            lost[key] = (n + int(r["n"]), int(r["position"]))
+        for (queue, consumer), (n, position) in sorted(lost.items()):
+            log.warning(
+                "supervisor %s pruned %d message(s) of reply queue %r that consumer %r had not read"
+                " (it acknowledged up to position %d): their tasks finished more than the retention"
+                " (%s) ago; read the queue more often, or raise the retention",
+                self.me,
+                n,
+                queue,
+                consumer,
+                position,
+                durations.short(retention),
+            )
 
     async def _prune_records(
         self, term: int, retention: float, rounds: int, leadership: Leadership | None

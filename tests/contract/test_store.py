@@ -1385,6 +1385,36 @@ def test_prune_deletes_finished_tasks_past_retention_with_all_their_rows_and_kee
     assert prune(store, term, retention=1800) == 0
 
 
+def test_a_prune_that_deletes_messages_a_named_consumer_has_not_read_says_so_once_per_consumer(
+    store: Store, clock: FakeClock, make_workflow: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Documented: a consumer that lags by more than the retention misses the pruned messages. It
+    was silent; the leader now warns, per consumer, with how many it lost. A consumer that read
+    them all, or a queue nobody follows by name, gives no warning."""
+    from stepwarden import replies
+
+    wf = make_workflow()
+    term = lease(store)
+    old = [finish(store, wf) for _ in range(2)]
+    store.transact_sync(replies.sequence, "app")
+    positions = [int(r["seq"]) for r in q(store, "SELECT seq FROM messages WHERE queue = 'app' ORDER BY seq")]
+    per_task = len(positions) // len(old)
+    assert per_task >= 3 and len(positions) == per_task * len(old)
+    store.transact_sync(replies.ack, "app", "slow", positions[1])  # read 2 of them
+    store.transact_sync(replies.ack, "app", "fast", positions[-1])  # read them all
+    clock.advance(3600)
+    caplog.set_level(logging.WARNING, logger="stepwarden")
+    sup = Supervisor(store, SUP, clock=clock, settings=SupervisorSettings(retention=1800, prune_batch=1))
+    assert run(sup.prune(term)) == 2  # one task per transaction: the counts add up over them
+    said = [r.getMessage() for r in caplog.records if "had not read" in r.getMessage()]
+    assert said == [
+        f"supervisor {SUP} pruned {len(positions) - 2} message(s) of reply queue 'app' that consumer"
+        f" 'slow' had not read (it acknowledged up to position {positions[1]}): their tasks finished"
+        " more than the retention (30.0m) ago; read the queue more often, or raise the retention"
+    ]
+    assert q(store, "SELECT count(*) AS n FROM messages")[0]["n"] == 0
+
+
 def test_a_reply_whose_task_was_pruned_meanwhile_is_deleted_not_left_behind(
     store: Store, clock: FakeClock, make_workflow: Factory
 ) -> None:

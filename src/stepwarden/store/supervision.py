@@ -170,11 +170,19 @@ def _rescue(
     out.escalated += what != "retry"
 
 
-def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) -> int:
+def prune(
+    tx: Tx, me: str, lease: str, term: int, retention: float, limit: int, unread: list[Row] | None = None
+) -> int:
     """Delete up to ``limit`` tasks finished more than ``retention`` seconds ago, with every row
     they own, so the hot tables stay the size of the live work. Leader-only and term-fenced, so
-    two supervisors never prune at once; bounded, so a large backlog is many small transactions."""
+    two supervisors never prune at once; bounded, so a large backlog is many small transactions.
+
+    ``unread`` (a list) gets, per named consumer of a reply queue, how many of the messages
+    deleted it had not read (``queue``, ``consumer``, ``position``, ``n``): a consumer that lags
+    by more than the retention loses them, and the leader says so rather than nobody."""
     leader_fence(tx, me, lease, term)
+    if unread is not None:
+        unread.clear()  # a transaction tried again reports its own try's, not the sum
     found = [int(r["id"]) for r in tx.all("prunable_tasks", retention=retention, limit=limit)]
     ids = found
     if found and tx.dialect == "postgres":  # SQLite's single writer holds no row locks to wait on
@@ -185,6 +193,8 @@ def prune(tx: Tx, me: str, lease: str, term: int, retention: float, limit: int) 
         for table in ("steps", "requests", "replies"):
             tx.put("prune_" + table, ids=text)
         _add_event_totals(tx, tx.all("prune_events", ids=text))
+        if unread is not None:
+            unread.extend(tx.all("prune_unread_messages", ids=text))
         for table in ("messages", "tasks"):
             tx.put("prune_" + table, ids=text)
     return len(ids)

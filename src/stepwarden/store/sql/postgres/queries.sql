@@ -210,6 +210,16 @@ WITH gone AS (
     RETURNING kind)
 SELECT kind, COUNT(*) AS n FROM gone GROUP BY kind;
 
+-- name: prune_unread_messages
+-- The messages about to be pruned that a named consumer of their reply queue has not read (past
+-- its cursor, or not yet given a position): what a consumer lagging by more than the retention
+-- loses, for the leader's warning.
+SELECT c.queue, c.consumer, c.position, COUNT(*) AS n FROM messages m
+JOIN reply_cursors c ON c.queue = m.queue
+WHERE m.task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)))
+  AND (m.seq IS NULL OR m.seq > c.position)
+GROUP BY c.queue, c.consumer, c.position ORDER BY c.queue, c.consumer;
+
 -- name: prune_messages
 DELETE FROM messages WHERE task_id = ANY (ARRAY(SELECT value::bigint FROM jsonb_array_elements_text(:ids::jsonb)));
 

@@ -98,6 +98,15 @@ DELETE FROM replies WHERE task_id IN (SELECT value FROM json_each(:ids));
 -- kind, to event_totals in the same transaction, so the metrics' totals never go down.
 DELETE FROM events WHERE task_id IN (SELECT value FROM json_each(:ids)) RETURNING kind, 1 AS n;
 
+-- name: prune_unread_messages
+-- The messages about to be pruned that a named consumer of their reply queue has not read (past
+-- its cursor, or not yet given a position): what a consumer lagging by more than the retention
+-- loses, for the leader's warning.
+SELECT c.queue, c.consumer, c.position, COUNT(*) AS n FROM messages m
+JOIN reply_cursors c ON c.queue = m.queue
+WHERE m.task_id IN (SELECT value FROM json_each(:ids)) AND (m.seq IS NULL OR m.seq > c.position)
+GROUP BY c.queue, c.consumer, c.position ORDER BY c.queue, c.consumer;
+
 -- name: prune_messages
 DELETE FROM messages WHERE task_id IN (SELECT value FROM json_each(:ids));
 
