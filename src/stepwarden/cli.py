@@ -42,7 +42,7 @@ from .cli_params import (
 from .cli_views import COMMANDS
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, StepwardenError, StoreError, UnknownWorkflow
-from .logs import safe_text
+from .logs import safe_text, said
 from .store.base import read_only, redact_url
 from .store.sqlite import SQLiteStore
 from .supervisor import SupervisorSettings
@@ -252,9 +252,10 @@ def worker(
                 raise InputError(f"{why}: {e.strerror}; give an address of this machine") from None
             fail(f"{why}: {e.strerror or e}")
         w.metrics = served.metrics
-        click.echo(f"worker metrics on {served.url}", err=True)
+        click.echo(said(f"worker metrics on {served.url}"), err=True)
         if not is_loopback(host):  # as the dashboard warns: these metrics ask for no token
-            click.echo(f"warning: metrics served on {shown}, beyond this machine, to anyone", err=True)
+            line = said(f"metrics served on {shown}, beyond this machine, to anyone", "warning")
+            click.echo(line, err=True)
     # Last, after the app has closed (the callbacks run in reverse), once the worker has run: the
     # stop signals stay ignored through the interpreter's own shutdown (which would set Python's
     # handlers back to the default: a signal then ended a stopped worker with 143 or 130) when
@@ -529,7 +530,8 @@ def demo(
     given = ctx.parent is not None and ctx.parent.get_parameter_source("db") == ParameterSource.COMMANDLINE
     db = demo_db or (ctx.obj["db"] if given else None)
     if db is None and os.environ.get("STEPWARDEN_DB"):
-        click.echo("note: the demo runs on a fresh SQLite file, not $STEPWARDEN_DB (--db chooses)", err=True)
+        note = said("the demo runs on a fresh SQLite file, not $STEPWARDEN_DB (--db chooses)", "note")
+        click.echo(note, err=True)
     opts = DemoOptions(
         db=db,
         orders=orders,
@@ -541,11 +543,11 @@ def demo(
     try:
         ok = run_demo(opts)
     except DemoStopped as e:  # SIGTERM or SIGHUP: every process it started is stopped
-        click.echo(f"error: {_one_line(str(e))}", err=True)
+        click.echo(said(_one_line(str(e)), "error"), err=True)
         ctx.exit(128 + e.signum)  # as a shell reports a process ended by that signal
     if not ok:
         # The summary (stdout) says what failed; stderr has its one line, as for every failure.
-        click.echo("error: the demo's ledger check failed: see the summary for what", err=True)
+        click.echo(said("the demo's ledger check failed: see the summary for what", "error"), err=True)
         ctx.exit(1)
     ctx.exit(0)
 
@@ -603,7 +605,7 @@ def _run(group: click.Group, argv: list[str] | None, prog_name: str) -> None:
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
             sys.exit(code)
     except click.exceptions.Abort:  # Ctrl-C (click turns KeyboardInterrupt into Abort)
-        click.echo("error: interrupted", err=True)
+        click.echo(said("interrupted", "error"), err=True)
         sys.exit(130)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
@@ -611,23 +613,23 @@ def _run(group: click.Group, argv: list[str] | None, prog_name: str) -> None:
         echo(e.ctx.get_help() if e.ctx is not None else e.format_message())
         sys.exit(0)
     except click.UsageError as e:
-        click.echo(f"error: {_one_line(e.format_message())}", err=True)
+        click.echo(said(_one_line(e.format_message()), "error"), err=True)
         sys.exit(2)
     except click.ClickException as e:
-        click.echo(f"error: {_one_line(e.format_message())}", err=True)
+        click.echo(said(_one_line(e.format_message()), "error"), err=True)
         sys.exit(e.exit_code)
     except (InputError, NotFound) as e:
-        click.echo(f"error: {_one_line(str(e))}", err=True)
+        click.echo(said(_one_line(str(e)), "error"), err=True)
         sys.exit(2)
     except StepwardenError as e:
-        click.echo(f"error: {_one_line(str(e))}", err=True)
+        click.echo(said(_one_line(str(e)), "error"), err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except ReaderGone:
         raise  # for run(): not an error
     except Exception as e:  # one line, never a traceback, for anything we did not foresee
-        click.echo(f"error: {_one_line(f'{type(e).__name__}: {e}')}", err=True)
+        click.echo(said(_one_line(f"{type(e).__name__}: {e}"), "error"), err=True)
         if os.environ.get("STEPWARDEN_DEBUG"):
             raise
         sys.exit(1)

@@ -97,6 +97,22 @@ def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | N
     root.addHandler(handler)
 
 
+_SAID_LEVELS = {"": logging.INFO, "note": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def said(text: str, kind: str = "") -> str:
+    """A line of a command's own for standard error (``dashboard on …``, ``warning: …``, the
+    ``error: …`` it exits with): as text, ``kind: text``; under ``--log-format json`` (the handler
+    :func:`configure_logging` installed), one JSON object like the log lines around it, ``kind``
+    as its level, whatever the log level: a log shipper reading the worker's or the dashboard's
+    standard error then parses every line, and still sees the line that said why it ended."""
+    handler = next((h for h in logging.getLogger().handlers if getattr(h, "_stepwarden", False)), None)
+    if handler is None or not isinstance(handler.formatter, JsonFormatter):
+        return f"{kind}: {text}" if kind else text
+    record = logging.LogRecord("stepwarden.cli", _SAID_LEVELS[kind], "", 0, text, None, None)
+    return handler.formatter.format(record)
+
+
 def log_raised(logger: logging.Logger, alerts: Iterable[Mapping[str, Any]]) -> None:
     """Each alert a role raised, once, in the log of the process that raised it, with the alert's
     fields for structured handlers. Delivery to the sinks is later and elsewhere (the ``alerts``

@@ -60,3 +60,53 @@ def test_the_metrics_listen_on_the_host_given(tmp_path: Path) -> None:
                 proc.kill()
                 proc.wait(timeout=10)
     assert proc.returncode == 0, log_path.read_text()
+
+
+def test_with_json_logs_every_line_of_a_worker_is_json_its_own_lines_and_its_last_error_too(
+    tmp_path: Path,
+) -> None:
+    """``--log-format json`` is for a log shipper that parses each line of standard error. The
+    command's own lines (``worker metrics on …``, the warning that they are served beyond the
+    machine) and the ``error:`` line it exits with were plain text among the JSON (left alone in
+    session 36); each is now one JSON object, its kind the level."""
+    import json
+
+    log_path = tmp_path / "worker.log"
+    db = tmp_path / "store.db"
+    cmd = [str(SW), "--log-format", "json", "--db", f"sqlite:///{db}", "worker", "--app", DEMO_APP]
+    cmd += ["--name", "js", "--metrics-port", "0", "--metrics-host", "0.0.0.0"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=tmp_path)
+        try:
+            wait_until(
+                lambda: "worker metrics on" in log_path.read_text() or proc.poll() is not None,
+                30,
+                "the worker's metrics line",
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+    assert proc.returncode == 0, log_path.read_text()
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    own = ("worker metrics on ", "metrics served on ")
+    said = {r["message"].split(" on ")[0]: r["level"] for r in records if r["message"].startswith(own)}
+    assert said == {"worker metrics": "INFO", "metrics served": "WARNING"}, records
+    assert any(r["message"].startswith("worker metrics on http://0.0.0.0:") for r in records), records
+
+    refused = subprocess.run(
+        [str(SW), "--log-format", "json", "--db", f"sqlite:///{db}", "worker", "--app", "no_such_module:app"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.splitlines()
+    assert len(lines) == 1, lines
+    error = json.loads(lines[0])
+    assert error["level"] == "ERROR" and "no_such_module" in error["message"], error

@@ -19,6 +19,7 @@ import click
 
 from ..cli_params import bracketed, is_loopback, missing_what
 from ..errors import InputError, StepwardenError
+from ..logs import said
 from ..store import open_existing
 from .hosts import LOOPBACK_NAMES, ip_literal
 from .tokens import configured_token, read_token_file, weak_token_warning
@@ -246,23 +247,29 @@ def dashboard(
     loopback = is_loopback(host)
     sock = bind(host, port)  # a host or port that cannot work is one error line, with no warning first
     for line in warnings:
-        click.echo(f"warning: {line}", err=True)
+        click.echo(said(line, "warning"), err=True)
     if not loopback:
         click.echo(
-            f"warning: listening on {host}, beyond this machine; "
-            + (
-                "the token travels in clear unless a TLS proxy is in front (see --public-origin)"
-                if token
-                else "it is read-only"
+            said(
+                f"listening on {host}, beyond this machine; "
+                + (
+                    "the token travels in clear unless a TLS proxy is in front (see --public-origin)"
+                    if token
+                    else "it is read-only"
+                ),
+                "warning",
             ),
             err=True,
         )
     hosts = host_allowlist(host, public_origin, allowed_hosts, loopback=loopback)
     if hosts is None:
         click.echo(
-            f"warning: any Host header is answered on {host}: a web page that rebinds its DNS name to"
-            " this address can read every page; name the hosts browsers use with --allowed-host NAME"
-            " (or --public-origin)",
+            said(
+                f"any Host header is answered on {host}: a web page that rebinds its DNS name to"
+                " this address can read every page; name the hosts browsers use with --allowed-host"
+                " NAME (or --public-origin)",
+                "warning",
+            ),
             err=True,
         )
     bound = sock.getsockname()[1]
@@ -282,9 +289,11 @@ def dashboard(
         timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
     )
     click.echo(
-        f"dashboard on http://{shown}:{bound}/ ("
-        + ("operator actions enabled" if token else "read-only: no --token")
-        + ")",
+        said(
+            f"dashboard on http://{shown}:{bound}/ ("
+            + ("operator actions enabled" if token else "read-only: no --token")
+            + ")"
+        ),
         err=True,
     )
     sys.stderr.flush()
