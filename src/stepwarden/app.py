@@ -79,6 +79,9 @@ class App:
         self.alert_sinks: list[AlertSink] = []
         self._store: Store | None = None
         self._store_lock = threading.Lock()
+        # Workflows whose operations were found on this app's agents: operations are only ever
+        # added, so a workflow that passed once passes for good, and a submission checks nothing.
+        self._operations_found: set[str] = set()
 
     # -- definitions ---------------------------------------------------------------------------
     def agent(
@@ -113,19 +116,35 @@ class App:
         (an agent defined first with its operations added later was refused, one defined after
         the workflow never checked, so ``payments.chrage`` went through and its requests waited,
         taken by no agent, until their complete-by). Agents the app does not define are other
-        workers' to run."""
+        workers' to run. A submission checks its own workflow the same way (:meth:`own_workflow`)."""
         for wf in self.workflows.values():
-            for s in wf.steps:
-                for ref in (s.operation, s.compensate):
-                    if ref is None:
-                        continue
-                    agent, op = ref.split(".", 1)
-                    if agent in self.agents and op not in self.agents[agent].operations:
-                        have = ", ".join(sorted(self.agents[agent].operations)) or "none"
-                        raise InputError(
-                            f"workflow {wf.name!r} step {s.name!r}: agent {agent!r} has no operation"
-                            f" {op!r} (it has: {have})"
-                        )
+            self._check_operations_of(wf)
+
+    def _check_operations_of(self, wf: Workflow) -> None:
+        if wf.name in self._operations_found:
+            return
+        for s in wf.steps:
+            for ref in (s.operation, s.compensate):
+                if ref is None:
+                    continue
+                agent, op = ref.split(".", 1)
+                if agent in self.agents and op not in self.agents[agent].operations:
+                    have = ", ".join(sorted(self.agents[agent].operations)) or "none"
+                    raise InputError(
+                        f"workflow {wf.name!r} step {s.name!r}: agent {agent!r} has no operation"
+                        f" {op!r} (it has: {have})"
+                    )
+        self._operations_found.add(wf.name)
+
+    def own_workflow(self, name: str) -> Workflow | None:
+        """This app's workflow ``name``, its operations checked (:class:`InputError` for one its
+        own agent lacks, before anything is written: a typo such as ``pay.chrage`` was written
+        and waited, taken by no worker, until a worker refused to start on the app); None if the
+        app does not define it (the store's definition, other workers' agents, is used then)."""
+        wf = self.workflows.get(name)
+        if wf is not None:
+            self._check_operations_of(wf)
+        return wf
 
     def alert_sink(self, sink: Any = None, *, name: str | None = None) -> Any:
         """Send operator alerts to ``sink`` (OPS4): a :class:`~stepwarden.alerts.LogSink`,
@@ -201,8 +220,9 @@ class App:
         }
 
     def _workflow(self, name: str) -> Workflow:
-        if name in self.workflows:
-            return self.workflows[name]
+        own = self.own_workflow(name)
+        if own is not None:
+            return own
         if self._store is None:
             # Looked up in a store that must exist already: opening the app's store would create
             # (and migrate) one at a mistyped path, for a submission that then writes nothing.
@@ -262,7 +282,7 @@ class App:
         reply_to: str | None = None,
     ) -> int:
         text, kw = self._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
-        wf = self.workflows.get(workflow)
+        wf = self.own_workflow(workflow)
         if wf is None:
             wf = await asyncio.to_thread(self._workflow, workflow)
         task_id, _ = await self.store.transact(transitions.submit, wf, text, **kw)

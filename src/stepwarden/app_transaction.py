@@ -144,7 +144,7 @@ class AppTransaction:
         text, kw = self.app._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
         if self._opened and not self._open_now():
             raise self._ended_error()  # ended on the connection itself: nothing written after it
-        wf = self.app.workflows.get(workflow)
+        wf = self.app.own_workflow(workflow)
         if wf is None:  # look it up inside this transaction: another connection would wait on our lock
             row = self._tx.one("get_workflow", name=workflow)
             if row is None:

@@ -488,6 +488,7 @@ def submit(
         # Refused before the store is opened: --app creates and migrates it, and bad input writes nothing.
         known = ", ".join(sorted(app.workflows)) or "none"
         raise UnknownWorkflow(f"unknown workflow {workflow!r}; this app defines: {known}")
+    app.own_workflow(workflow)  # its operations on the app's agents, before the store is opened
     app.use_store(open_for(ctx, create=app_ref is not None, app=app))
     echo(
         app.submit(

@@ -687,3 +687,22 @@ def test_submit_with_app_takes_that_apps_smaller_input_limit(tmp_path: Path) -> 
     line = assert_one_error_line(r)
     assert "over the limit of 1000 bytes" in line, line
     assert db.json("tasks", "--json") == before
+
+
+def test_submit_with_an_app_whose_workflow_names_an_operation_its_agent_lacks_is_refused(
+    tmp_path: Path,
+) -> None:
+    """SUB4, found by review: ``submit --app`` printed a task id for a workflow whose step names
+    ``pay.chrage`` on an app whose agent ``pay`` has only ``charge``; the worker then refused to
+    start on that app, and the task waited with no worker able to run it."""
+    (tmp_path / "typo_app.py").write_text(
+        "from stepwarden import App, Step\n"
+        "app = App()\n"
+        "pay = app.agent('pay')\n"
+        "@pay.operation\n"
+        "async def charge(req):\n"
+        "    return None\n"
+        "app.workflow('order', [Step('charge', 'pay.chrage')])\n"
+    )
+    line = refused_without_store(tmp_path, "submit", "order", "--input", "{}", "--app", "typo_app:app")
+    assert "agent 'pay' has no operation 'chrage' (it has: charge)" in line, line

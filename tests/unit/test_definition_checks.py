@@ -490,6 +490,43 @@ def test_an_operation_a_workflow_names_is_checked_when_a_worker_starts_whatever_
     assert not (tmp_path / "b.db").exists()  # refused before the store was opened
 
 
+def test_a_submission_of_a_workflow_naming_an_operation_its_own_agent_lacks_is_refused_writing_nothing(
+    tmp_path: Any,
+) -> None:
+    """SUB4, found by review: the typo was caught only when a worker started on the app, and by
+    then ``app.submit`` (every way in: plain, async, inside ``app.transaction()``) had written
+    tasks that no worker could start. Checked at submission now, before anything is written;
+    once the operation is defined (a module imported later), the same app submits."""
+    from stepwarden import Step
+
+    url = f"sqlite:///{tmp_path / 'typo.db'}"
+    app = App(url)
+    pay = app.agent("pay")
+    app.workflow("order", [Step("charge", "pay.chrage")])
+
+    @pay.operation
+    async def charge(req: Request) -> None:
+        return None
+
+    refused = r"workflow 'order' step 'charge': agent 'pay' has no operation 'chrage' \(it has: charge\)"
+    try:
+        with pytest.raises(InputError, match=refused):
+            app.submit("order", {})
+        with pytest.raises(InputError, match=refused):
+            asyncio.run(app.submit_async("order", {}))
+        with pytest.raises(InputError, match=refused), app.transaction() as tx:
+            tx.submit("order", {})
+        assert app.store.transact_sync(lambda tx: tx.sql("SELECT id FROM tasks")) == []
+
+        @pay.operation
+        async def chrage(req: Request) -> None:  # defined after all: the same app now submits
+            return None
+
+        assert app.submit("order", {}) == 1
+    finally:
+        app.close()
+
+
 def test_submitting_an_unknown_workflow_to_a_store_that_does_not_exist_creates_nothing(
     tmp_path: Any,
 ) -> None:
