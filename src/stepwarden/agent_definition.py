@@ -8,6 +8,7 @@ and each reads without the other. ``stepwarden.agent`` re-exports both.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -99,7 +100,32 @@ class Agent:
             op = check_ident("operation name", name if name is not None else f.__name__)
             if op in self.operations:
                 raise InputError(f"agent {self.name!r} already has an operation {op!r}")
+            _check_callable_with_a_request(self.name, op, f)
             self.operations[op] = f
             return f
 
         return register(fn) if fn is not None else register
+
+
+def _check_callable_with_a_request(agent: str, op: str, f: Callable[..., Any]) -> None:
+    """Refuse, at definition, an operation that cannot take the one :class:`Request` every call
+    passes, or that is a generator (its result would be a generator object, not a value): each
+    was accepted and failed in every attempt of every task, with a TypeError, at run time. A
+    callable whose signature Python cannot read (some built-ins) is taken as it is."""
+    where = f"agent {agent!r} operation {op!r}"
+    if inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f):
+        raise InputError(
+            f"{where}: is a generator function (it has yield); an operation returns its result"
+            " (or, async, returns it from a coroutine)"
+        )
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(object())
+    except TypeError as e:
+        raise InputError(
+            f"{where}: cannot be called with the request alone ({e}); define it as"
+            f" `def {op}(req)` or `async def {op}(req)`"
+        ) from None

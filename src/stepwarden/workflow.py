@@ -26,6 +26,11 @@ MAX_INPUT_LIMIT = 10**9
 MAX_JSON_DEPTH = 100
 MAX_KEY_LEN = 255
 MAX_COMPLETE_BY = 86400 * 7  # one attempt's budget, in seconds
+# The least budget an attempt can use: it covers the request's pickup by an agent (a few ms, more
+# on a busy machine), the call and the reply. Below it (0.005 s was accepted) no call was ever
+# made: the agent took the request with less than a try needs (MIN_TRY_LEFT), and the task ended
+# "passed complete-by", which reads as a service that hung.
+MIN_COMPLETE_BY = 0.1
 
 
 def check_name(kind: str, value: object) -> str:
@@ -247,12 +252,13 @@ class Step:
     """One step of a workflow: one agent operation with its deadline, retries and undo.
 
     ``complete_by`` is the budget in seconds for one attempt; the absolute complete-by is set by
-    the database clock when the attempt is dispatched: a number (not a bool), more than 0 and at
-    most 7 days. ``retry`` is the step's :class:`~stepwarden.policies.Retry`; ``None`` (or leaving
-    it out) means the default ``Retry()``, not "no retries": for a single try that is never
-    retried, give ``Retry(max_failures=1, tries=1)``. ``on_error`` says what a permanent error
-    does: ``"error"`` (task error + alert, an operator resubmits) or ``"compensate"``. A bad value
-    raises :class:`~stepwarden.errors.InputError` naming the step and the parameter.
+    the database clock when the attempt is dispatched: a number (not a bool), from 0.1 s (the
+    request's pickup, the call and the reply must fit in it) to 7 days. ``retry`` is the step's
+    :class:`~stepwarden.policies.Retry`; ``None`` (or leaving it out) means the default
+    ``Retry()``, not "no retries": for a single try that is never retried, give
+    ``Retry(max_failures=1, tries=1)``. ``on_error`` says what a permanent error does:
+    ``"error"`` (task error + alert, an operator resubmits) or ``"compensate"``. A bad value raises
+    :class:`~stepwarden.errors.InputError` naming the step and the parameter.
     """
 
     name: str
@@ -267,10 +273,11 @@ class Step:
         split_operation(self.operation)
         if self.compensate is not None:
             split_operation(self.compensate)
-        if not is_number(self.complete_by) or not 0 < self.complete_by <= MAX_COMPLETE_BY:
+        if not is_number(self.complete_by) or not MIN_COMPLETE_BY <= self.complete_by <= MAX_COMPLETE_BY:
             raise InputError(
-                f"step {self.name!r}: complete_by must be between 0 and 7 days, in seconds "
-                f"(more than 0, at most {MAX_COMPLETE_BY}), not {show(self.complete_by)}"
+                f"step {self.name!r}: complete_by must be between 0.1 seconds and 7 days, in seconds"
+                f" (at least {MIN_COMPLETE_BY}: it covers the request's pickup, the call and the"
+                f" reply; at most {MAX_COMPLETE_BY}), not {show(self.complete_by)}"
             )
         if self.retry is None:
             object.__setattr__(self, "retry", Retry())

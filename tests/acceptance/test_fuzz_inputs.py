@@ -542,7 +542,7 @@ def test_names_are_valid_or_refused_with_input_error(
     """Step, Workflow and Agent names (SUB4 "malformed names"): constructed, or InputError."""
     make, allowed, is_step = MAKERS[kind]
     ok = allowed(name) and (
-        not is_step or (0 < complete_by <= 7 * 86400 and on_error in ("error", "compensate"))
+        not is_step or (0.1 <= complete_by <= 7 * 86400 and on_error in ("error", "compensate"))
     )
     try:
         made = make(name, complete_by, on_error)

@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -297,7 +298,7 @@ def test_edge_values_are_accepted() -> None:
     assert retry.after_failure(1, "error").delay == 0
     assert Retry(max_failures=10**6, tries=10**4, escalation_wait=1e9).escalation_wait == 1e9
     step = Step("a", "svc.x", complete_by=7 * 86400, retry=retry)
-    assert Step("b", "svc.y", complete_by=0.001).complete_by == 0.001
+    assert Step("b", "svc.y", complete_by=0.1).complete_by == 0.1
     wf = Workflow.of("order", (s for s in [step]), version=MAX_INT)  # any iterable of steps
     assert wf.steps == (step,) and wf.version == MAX_INT
     assert Workflow("order", [step]).steps == (step,)  # type: ignore[arg-type]  # kept as a tuple
@@ -571,3 +572,60 @@ def test_the_store_opened_to_look_up_an_unknown_workflow_is_the_apps_not_opened_
         app.submit("nope", {})
     assert opened == []
     app.close()
+
+
+def _no_argument() -> None: ...
+
+
+def _two_arguments(req: Request, other: int) -> None: ...
+
+
+def _generator(req: Request) -> Any:
+    yield 1
+
+
+async def _async_generator(req: Request) -> Any:
+    yield 1
+
+
+@pytest.mark.parametrize(
+    ("fn", "says"),
+    [
+        (_no_argument, "cannot be called with the request alone (too many positional arguments)"),
+        (_two_arguments, "cannot be called with the request alone (missing a required argument: 'other')"),
+        (_generator, "is a generator function"),
+        (_async_generator, "is a generator function"),
+    ],
+)
+def test_an_operation_that_cannot_take_the_request_is_refused_at_definition(
+    fn: Callable[..., Any], says: str
+) -> None:
+    """Found by review: each was accepted and failed every attempt of every task at run time (a
+    TypeError; a generator object that is not JSON), so the task ended in error after its
+    retries. Now one InputError where the operation is defined, and the agent keeps nothing."""
+    agent = App("sqlite:///never-opened.db").agent("svc")
+    with pytest.raises(InputError, match=rf"agent 'svc' operation 'op': {re.escape(says)}"):
+        agent.operation(fn, name="op")
+    assert agent.operations == {}
+
+
+def test_operations_that_take_the_request_in_any_form_are_accepted() -> None:
+    agent = App("sqlite:///never-opened.db").agent("svc")
+
+    async def keyword_after(req: Request, *, dry_run: bool = False) -> None: ...
+
+    def anything(*args: Any, **kwargs: Any) -> None: ...
+
+    class Callable_:
+        def __call__(self, req: Request) -> None: ...
+
+    fns: list[Callable[..., Any]] = [
+        keyword_after,
+        anything,
+        Callable_(),
+        functools.partial(_two_arguments, other=2),
+    ]
+    for i, fn in enumerate(fns):
+        agent.operation(fn, name=f"op{i}")
+    agent.operation(print, name="builtin")  # no signature to read: taken as it is
+    assert len(agent.operations) == 5
