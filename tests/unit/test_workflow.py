@@ -263,3 +263,18 @@ def test_from_dict_validates_like_the_constructor() -> None:
 
 def test_step_from_dict_without_retry_gets_the_default_policy() -> None:
     assert Step.from_dict({"name": "a", "operation": "svc.x", "complete_by": 30}) == Step("a", "svc.x")
+
+
+def test_a_workflow_of_more_than_max_steps_is_refused_and_checking_many_is_quick() -> None:
+    """Found by review: any number of steps was accepted (a task's cost grows with the square of
+    its steps), and the duplicate check itself was quadratic: 40,000 steps took 25 s to define."""
+    from stepwarden.workflow import MAX_STEPS
+
+    steps = [Step(f"s{i}", "svc.x") for i in range(MAX_STEPS)]
+    assert len(Workflow.of("big", steps).steps) == MAX_STEPS
+    with pytest.raises(InputError, match=rf"has {MAX_STEPS + 1} steps, more than {MAX_STEPS}"):
+        Workflow.of("bigger", [*steps, Step("one_more", "svc.x")])
+    with pytest.raises(InputError, match="more than"):  # 40,000, each name 40 times: the count first
+        Workflow.of("huge", steps * 40)
+    with pytest.raises(InputError, match=r"duplicate step names: \['s1'\]"):
+        Workflow.of("dup", [*steps[:10], Step("s1", "svc.y")])
