@@ -16,7 +16,19 @@ import pytest
 
 from stepwarden.liveness import proc_start
 
-from .helpers import FINAL, SW, WORKFLOW, Db, Procs, clean_env, make_db, sw, wait_until
+from .helpers import (
+    FINAL,
+    SW,
+    WORKFLOW,
+    Db,
+    Procs,
+    clean_env,
+    make_db,
+    register_demo_workflows,
+    submit_in_process,
+    sw,
+    wait_until,
+)
 
 SUMMARY_KEYS = {
     "orders",
@@ -123,6 +135,36 @@ def test_the_demo_ignores_stepwarden_db_and_runs_on_a_fresh_file(tmp_path: Path)
     assert mine.snapshot() == before, "the demo wrote to the store named by $STEPWARDEN_DB"
 
 
+def test_the_demo_refuses_a_store_with_unfinished_tasks_and_writes_nothing(tmp_path: Path) -> None:
+    """Found by review: given a store where an interrupted demo had left orders pending, the
+    demo's workers finished them against this run's services and the ledger check failed on
+    "effects of no known order"; another application's pending task was taken by the demo's
+    scheduler (and, its worker stopped, later charged a failed attempt). Refused now, before
+    anything starts or is written, with one line that says what to do."""
+    db = make_db(tmp_path, "busy.db")
+    register_demo_workflows(db.url)
+    submit_in_process(db.url)
+    before = db.snapshot()
+    r = sw(
+        "demo",
+        "--db",
+        db.url,
+        "--orders",
+        "3",
+        "--no-chaos",
+        cwd=tmp_path,
+        env=clean_env(TMPDIR=str(tmp_path)),
+    )
+    assert r.returncode == 2, str(r)
+    assert r.stderr_lines == [
+        f"error: the store {db.url} has 1 unfinished task(s) (1 of {WORKFLOW}): the demo's workers would"
+        " run them, and its ledger check would count their effects; give the demo a store of its"
+        " own (leave out --db for a fresh one), or let the tasks finish first"
+    ], str(r)
+    assert db.snapshot() == before
+    assert not list(tmp_path.glob("stepwarden-demo-*")), "a refused demo made its work folder"
+
+
 def _stat(pid: int) -> tuple[int, str] | None:
     """``(parent pid, start time)`` of a process, from /proc (None: no such process). The start
     time tells a process from a later one that reuses its pid."""
@@ -225,7 +267,55 @@ def test_a_demo_stopped_by_a_signal_stops_every_process_it_started(
     demo = _Demo(tmp_path, "default")
     try:
         demo.wait_running()
+        # Its workers get the store from the environment: a URL on a command line (a PostgreSQL
+        # password) is there for every local user to read (found by review).
+        workers = [pid for pid in demo.seen if "worker" in _cmdline(pid)]
+        assert len(workers) == 3, {pid: _cmdline(pid) for pid in demo.seen}
+        for pid in workers:
+            assert "--db" not in _cmdline(pid) and "demo.db" not in " ".join(_cmdline(pid)), _cmdline(pid)
         demo.stopped_by(sig)
+    finally:
+        demo.end()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode() for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("what", ["services", "workers"])
+def test_a_demo_whose_services_or_workers_all_die_stops_at_once_saying_which(
+    tmp_path: Path, what: str
+) -> None:
+    """Found by review: with its services killed, the demo waited while every order failed, then
+    ended on "URLError: Connection refused" with no summary; with every worker killed, it waited
+    out its deadline (90 s) and reported the orders stuck. It now stops within a poll, one line
+    naming what exited, exit 1, and stops the rest of what it started."""
+    demo = _Demo(tmp_path, "default")
+    try:
+        demo.wait_running()
+        victims = [
+            pid for pid in demo.seen if ("stepwarden.demo.services" in _cmdline(pid)) == (what == "services")
+        ]
+        assert victims and len(victims) == (1 if what == "services" else 3), {
+            p: _cmdline(p) for p in demo.seen
+        }
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            code = demo.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the demo went on for 30 s without its " + what)
+        lines = [line for line in demo.err_path.read_text().splitlines() if line.strip()]
+        said = (
+            "the demo's services (pid" if what == "services" else "every worker the demo started has exited"
+        )
+        assert code == 1 and len(lines) == 1 and said in lines[0], (code, lines)
+        left = {pid for pid, started in demo.seen.items() if proc_start(pid) == started}
+        assert left == set(), f"still running after the demo exited: {sorted(left)}"
     finally:
         demo.end()
 

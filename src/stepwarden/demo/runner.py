@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ..errors import InputError, StepwardenError
 from ..logs import safe_text
 from ..store import FINAL_TASK_STATES, Store, open_store, views
 from ..store.base import redact_url
@@ -143,8 +144,6 @@ class _Procs:
                 sys.executable,
                 "-m",
                 "stepwarden",
-                "--db",
-                self.db,
                 "--log-level",
                 "WARNING",
                 "worker",
@@ -155,7 +154,9 @@ class _Procs:
             ],
             stdout=log,
             stderr=log,
-            env=self.env,
+            # The store in the environment, not on the command line, where every local user
+            # reads it (a PostgreSQL URL's password); the demo's app follows STEPWARDEN_DB.
+            env={**self.env, "STEPWARDEN_DB": self.db},
         )
         self.workers.append(p)
         return p
@@ -193,6 +194,12 @@ def run_demo(o: DemoOptions) -> bool:
     # A store named by --db is opened first: one that cannot be, fails before any folder or
     # process exists.
     given = open_store(o.db) if o.db else None
+    if given is not None:
+        try:
+            _refuse_unfinished(given)
+        except BaseException:
+            given.close()
+            raise
     workdir = tempfile.mkdtemp(prefix="stepwarden-demo-")
     db = o.db or f"sqlite:///{os.path.join(workdir, 'demo.db')}"
     store = given or open_store(db)
@@ -214,6 +221,32 @@ def run_demo(o: DemoOptions) -> bool:
         signals.restore()
     signals.check()  # one that came during the summary or the stop: still stopped by it
     return ok
+
+
+def _unfinished(tx: Any) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = tx.sql(
+        "SELECT workflow, COUNT(*) AS n FROM tasks WHERE state IN ('pending', 'processing', 'compensating')"
+        " GROUP BY workflow ORDER BY workflow"
+    )
+    return rows
+
+
+def _refuse_unfinished(store: Store) -> None:
+    """A store given with ``--db`` that holds unfinished tasks is refused before anything starts:
+    the demo's workers would run them (another application's steps, through the demo's agents,
+    or an interrupted demo's orders against this run's services, whose effects the ledger check
+    then counted as belonging to no order, and failed). Tasks in ``error`` wait for an operator
+    and are left alone."""
+    rows = store.transact_sync(_unfinished)
+    if not rows:
+        return
+    total = sum(int(r["n"]) for r in rows)
+    which = ", ".join(f"{int(r['n'])} of {safe_text(str(r['workflow']))}" for r in rows)
+    raise InputError(
+        f"the store {redact_url(store.url)} has {total} unfinished task(s) ({which}): the demo's"
+        " workers would run them, and its ledger check would count their effects; give the demo"
+        " a store of its own (leave out --db for a fresh one), or let the tasks finish first"
+    )
 
 
 def _run(
@@ -318,7 +351,12 @@ def _run(
             signals.check()
             counts = store.transact_sync(views.state_counts, prefix)
             final = sum(counts.get(s, 0) for s in FINAL_TASK_STATES)
-            if o.chaos and not killed and (final >= o.orders // 4 or time.monotonic() - t0 > 20):
+            _check_alive(procs, workdir)
+            # Mid-run: once steps are running (a few orders were all final before a worker had
+            # started, and the kill then rescued nothing), a quarter of the orders in.
+            running = counts.get("processing", 0) + counts.get("compensating", 0)
+            due = final >= o.orders // 4 or time.monotonic() - t0 > 20
+            if o.chaos and not killed and running and due:
                 chaos_log.append(_kill_one(store, procs))
                 procs.start_worker()
                 chaos_log.append(f"started a fresh worker (pid {procs.workers[-1].pid})")
@@ -342,6 +380,24 @@ def _run(
     return _summarise(o, store, url, prefix, first_event, elapsed, chaos_log, out, workdir)
 
 
+def _check_alive(procs: _Procs, workdir: str) -> None:
+    """The services and at least one worker still running, or a :class:`StepwardenError` that
+    says which ended: without them the orders cannot end, and the demo waited out its deadline
+    (90 s and more) to report them stuck, or failed reading a ledger that was gone."""
+    services = procs.services
+    if services is not None and services.poll() is not None:
+        raise StepwardenError(
+            f"the demo's services (pid {services.pid}) exited with code {services.returncode};"
+            f" the orders cannot complete (worker logs in {workdir})"
+        )
+    if procs.workers and all(p.poll() is not None for p in procs.workers):
+        codes = ", ".join(f"pid {p.pid}: {p.returncode}" for p in procs.workers)
+        raise StepwardenError(
+            f"every worker the demo started has exited ({codes}); the orders cannot complete:"
+            f" see the logs in {workdir}"
+        )
+
+
 def _kill_one(store: Any, procs: _Procs) -> str:
     """SIGKILL the current supervisor leader if it is ours (a leader change), else the first worker."""
     pids = {p.pid: p for p in procs.workers if p.poll() is None}
@@ -358,6 +414,11 @@ def _kill_one(store: Any, procs: _Procs) -> str:
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     return f"SIGKILLed worker pid {victim.pid}{' (the supervisor leader)' if was_leader else ''} mid-run"
+
+
+def _calls(effect: dict[str, object]) -> int:
+    calls = effect.get("calls", 0)
+    return calls if isinstance(calls, int) and not isinstance(calls, bool) else 0
 
 
 def _summarise(
@@ -393,7 +454,10 @@ def _summarise(
         "lost": lost,
         "duplicate_effects": report.duplicate_effects,
         "not_undone": report.not_undone,
+        # Attempts retried by the step's policy (after a failed reply or a rescue); the calls a
+        # service answered 503 and the agent tried again inside one attempt show in service_calls.
         "retries": ev.get("retry_scheduled", 0),
+        "service_calls": sum(_calls(e) for e in effects.values()),
         "rescued": ev.get("rescued", 0),
         "stale_replies": ev.get("stale_reply", 0),
         "compensations": ev.get("step_compensated", 0),
@@ -422,6 +486,7 @@ def _summarise(
         "lost",
         "duplicate_effects",
         "retries",
+        "service_calls",
         "rescued",
         "stale_replies",
         "compensations",
