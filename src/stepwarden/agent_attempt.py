@@ -22,8 +22,11 @@ sends the replies: what happens inside one call has rules enough of its own.
   ``SystemExit``, its own ``CancelledError``: they would otherwise end the worker or the request
   without a word), is judged by the agent's ``classify``; a classify that raises or answers
   anything but "transient"/"permanent" makes the failure permanent, naming the bad answer. Only
-  a stop of the role's own (a cancel of the call's task) and ``KeyboardInterrupt`` on the main
-  thread pass through.
+  a stop of the role's own (a cancel of the call's task) passes through. ``KeyboardInterrupt``
+  is the operation's too, also on the main thread: a real Ctrl-C reaches a worker as a signal
+  its loop handles (the command line's handler, ``asyncio.run``'s), not as an exception raised
+  inside a call, and one an async operation raised itself ended the worker, then every worker
+  that ran the step after it (found by review).
 """
 
 from __future__ import annotations
@@ -398,8 +401,6 @@ class Attempts:
                 # Complete-by, whatever the operation did with its cancellation (a Permanent
                 # raised in its handler of CancelledError, say): nothing is sent (AGT4).
                 raise Expired(True) from None
-            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
-                raise  # Ctrl-C in the worker's own thread: the process is being stopped
             raise Failed(e) from None
         if timeout.expired():
             raise Expired(True)  # it swallowed the cancellation of complete-by and returned

@@ -399,8 +399,11 @@ class Custom(BaseException):
         (SystemExit(3), "SystemExit: 3"),
         (Custom("odd"), "Custom: odd"),
         (asyncio.CancelledError("by itself"), "CancelledError: by itself"),
+        # Raised by an async operation on the main thread, it ended the worker (exit 130), then
+        # each worker that ran the step after it (found by review).
+        (KeyboardInterrupt("by itself"), "KeyboardInterrupt: by itself"),
     ],
-    ids=["system-exit", "custom", "own-cancel"],
+    ids=["system-exit", "custom", "own-cancel", "keyboard-interrupt"],
 )
 def test_a_base_exception_from_an_operation_is_a_permanent_error_reply(
     rt_store: Store, dispatch_requests: Dispatch, plain: bool, raised: BaseException, error: str
