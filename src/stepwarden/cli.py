@@ -282,6 +282,9 @@ def worker(
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
+        if _COMMAND:  # the process ends now: nothing an operation left running may hold it
+            _exit_within(EXIT_WITHIN)
+        await _end_left_tasks()
         return started
 
     started = asyncio.run(main())
@@ -292,6 +295,62 @@ def worker(
         # or not at all.
         _exit_now(0)
     _exit_despite_stuck_threads()
+
+
+# How long a stopped worker waits for the tasks and threads its operations left running.
+LEFT_RUNNING_JOIN = 1.0
+
+
+async def _end_left_tasks() -> None:
+    """Cancel the tasks still running once the worker has stopped, and wait for them a moment:
+    ``asyncio.run`` then cancels them too, but waits for them with no bound, and an async
+    operation that swallows its cancellation (``except BaseException: continue``) kept a worker
+    that had logged ``stopped`` alive, its stop signals ignored, until the operation chose to
+    end (found by review). Such a task left past the wait is named in a warning, and the process
+    exits at once, as for a thread that cannot be interrupted."""
+    me = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for t in left:
+        t.cancel()
+    if not left:
+        return
+    _, pending = await asyncio.wait(left, timeout=LEFT_RUNNING_JOIN)
+    if pending:
+        log.warning(
+            "exiting with %d task(s) still running that ignored their cancellation (%s); their"
+            " results are discarded",
+            len(pending),
+            ", ".join(sorted(t.get_name() for t in pending)[:5]),
+        )
+        _exit_now(0)
+
+
+# How long a stopped worker's process may take to end: closing the loop and the store, then the
+# interpreter's own exit (which joins every non-daemon thread, with no bound, and runs atexit).
+EXIT_WITHIN = 5.0
+
+
+def _exit_within(seconds: float) -> None:
+    """Watch the end of a stopped worker's process from a daemon thread: past ``seconds``, say
+    what holds it and exit at once, 0 (the stop itself had completed). A thread an operation
+    started (``threading.Thread``, its own ``ThreadPoolExecutor`` with a call running) kept a
+    worker that had logged ``stopped`` alive for good, its stop signals ignored, as the
+    interpreter waited to join it (found by review). A watch rather than an early exit: the
+    exit that ends in time still runs the atexit handlers (an OpenTelemetry exporter's flush)."""
+
+    def watch() -> None:
+        time.sleep(seconds)
+        held = sorted(
+            t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+        )
+        log.warning(
+            "the worker stopped %gs ago and its process has not ended, held by %s; exiting now",
+            seconds,
+            f"thread(s) {', '.join(held[:5])}" if held else "its shutdown",
+        )
+        _exit_now(0)
+
+    threading.Thread(target=watch, name="stepwarden-exit-watch", daemon=True).start()
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

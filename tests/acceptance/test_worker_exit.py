@@ -1,0 +1,119 @@
+"""A stopped worker's process ends, whatever its operations left running (DEP4, docs/cli.md: "it
+exits 0 in every case"). Found by review: a thread an operation started, or an async operation
+that swallows its cancellation, kept a worker that had logged ``stopped`` alive, its stop signals
+ignored from then on, so only SIGKILL ended it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+from pathlib import Path
+
+from stepwarden.cli import EXIT_WITHIN
+
+from .helpers import SW, clean_env, sw, wait_until
+
+APP = """
+import asyncio, threading, time
+from stepwarden import App, Step
+
+app = App()
+rw = app.agent("rw")
+
+
+@rw.operation
+def leak(req):
+    threading.Thread(target=time.sleep, args=(3600,), daemon=False, name="user-leak").start()
+
+
+@rw.operation
+async def stubborn(req):
+    open(req.input["mark"], "w").close()  # it runs: the test may stop the worker now
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        try:
+            await asyncio.sleep(0.2)
+        except BaseException:
+            continue
+
+
+app.workflow("leak", [Step("a", "rw.leak")])
+app.workflow("stubborn", [Step("a", "rw.stubborn", complete_by=300)])
+"""
+
+
+def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, str]:
+    (tmp_path / "exit_app.py").write_text(APP)
+    url = f"sqlite:///{tmp_path / 'exit.db'}"
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(SW), "--db", url, "worker", "--app", "exit_app:app", "--name", "exiting"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=clean_env(),
+            cwd=tmp_path,
+        )
+    wait_until(lambda: "leads with term" in log_path.read_text() or proc.poll() is not None, 30, "the worker")
+    assert proc.poll() is None, log_path.read_text()
+    return proc, log_path, url
+
+
+def _state(tmp_path: Path) -> str:
+    with sqlite3.connect(tmp_path / "exit.db") as conn:
+        return str(conn.execute("SELECT state FROM tasks WHERE id = 1").fetchone()[0])
+
+
+def _submit(tmp_path: Path, url: str, workflow: str, data: str = "{}") -> None:
+    r = sw("--db", url, "submit", workflow, "--input", data, "--app", "exit_app:app", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "1", str(r)
+
+
+def _ended(proc: subprocess.Popen[bytes], log_path: Path, within: float) -> str:
+    try:
+        code = proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"still running {within:g}s after its stop:\n{log_path.read_text()}") from None
+    text = log_path.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text, text
+    return text
+
+
+def test_a_thread_an_operation_left_running_does_not_keep_the_stopped_worker_alive(tmp_path: Path) -> None:
+    proc, log_path, url = _start(tmp_path)
+    try:
+        _submit(tmp_path, url, "leak")
+        wait_until(lambda: _state(tmp_path) == "processed", 30, "the task to be processed")
+        proc.send_signal(signal.SIGTERM)
+        text = _ended(proc, log_path, EXIT_WITHIN + 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "stopped" in text
+    assert "its process has not ended, held by thread(s) user-leak; exiting now" in text, text
+
+
+def test_an_async_operation_that_swallows_its_cancellation_does_not_keep_the_stopped_worker_alive(
+    tmp_path: Path,
+) -> None:
+    proc, log_path, url = _start(tmp_path)
+    try:
+        mark = tmp_path / "running"
+        _submit(tmp_path, url, "stubborn", json.dumps({"mark": str(mark)}))
+        wait_until(mark.exists, 30, "the call to be running")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "stopping gracefully" in log_path.read_text(), 10, "the first signal's line")
+        proc.send_signal(signal.SIGINT)  # the second: the call is cancelled now, and ignores it
+        text = _ended(proc, log_path, 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "cancelling 1 running call(s) now" in text, text
+    assert "exiting with 1 task(s) still running that ignored their cancellation (request-1)" in text, text
