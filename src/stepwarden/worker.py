@@ -46,6 +46,9 @@ REGISTER_RETRY_MAX = 10.0
 # mistyped host or port waits for ever (as a database not up yet must), and the one warning at
 # the start had scrolled away.
 OPEN_STILL_FAILING_EVERY = 300.0
+# A first try to open the store that has not returned after this long (wall clock: the driver's
+# own wait) is warned about while it goes on.
+OPEN_SLOW_AFTER = 2.0
 
 if TYPE_CHECKING:
     from .app import App
@@ -353,7 +356,22 @@ class Worker:
         warn_again = since + OPEN_STILL_FAILING_EVERY
         while True:
             try:
-                opened = await unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
+                opening = asyncio.ensure_future(
+                    unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
+                )
+                if failed == 0:
+                    await asyncio.wait({opening}, timeout=OPEN_SLOW_AFTER)
+                    if not opening.done():
+                        # A first try waits in the driver (SQLite's busy timeout, 30 s; a server's
+                        # connect timeout, 10 s) before it fails: silent until then, the worker
+                        # looked hung (found by review).
+                        log.warning(
+                            "worker %s: the store has not answered for %gs (another process holds"
+                            " the SQLite file's lock, or the server does not answer yet); still waiting",
+                            self.identity,
+                            OPEN_SLOW_AFTER,
+                        )
+                opened = await opening
             except StoreUnreachable as e:
                 # A server down or restarting, a file another process keeps locked: waited out
                 # with back-off, as every role waits out a failing store (REL3). Exiting, the

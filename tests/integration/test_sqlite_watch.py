@@ -275,6 +275,35 @@ def test_a_worker_started_while_its_store_stays_locked_waits_for_it_instead_of_e
         cluster.close()
 
 
+def test_a_worker_whose_first_try_to_open_the_store_waits_long_says_so_while_it_waits(
+    tmp_path: Path,
+) -> None:
+    """Found by review: with the file locked, the first try waits SQLite's busy timeout (30 s by
+    default) in the driver, and the worker said nothing until it failed. A warning now comes
+    after 2 s of that wait, while it goes on; the worker starts once the lock is gone."""
+    import time
+
+    from harness import Cluster
+
+    db = tmp_path / "s.db"
+    cluster = Cluster(tmp_path, f"sqlite:///{db}")
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        w = cluster.start("w1", db=f"sqlite:///{db}?busy_timeout=60", wait=False)
+        deadline = time.monotonic() + 20
+        while "the store has not answered for 2s" not in w.log_text():
+            assert w.alive(), w.log_text()
+            assert time.monotonic() < deadline, w.log_text()
+            time.sleep(0.05)
+        assert "cannot open the store yet" not in w.log_text()  # its first try still waits
+        holder.execute("ROLLBACK")
+        cluster.identity(w)  # it starts and registers once the lock is gone
+    finally:
+        holder.close()
+        cluster.close()
+
+
 def test_a_store_opened_by_a_relative_path_is_the_same_file_after_a_chdir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
