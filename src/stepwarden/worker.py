@@ -103,6 +103,12 @@ class WorkerSettings:
             raise InputError(f"unknown role(s) {shown}: choose from {', '.join(ROLES)}")
         if self.agents is not None and not self.agents:
             raise InputError("--agents names no agent: give a comma-separated list, or leave it out for all")
+        if self.agents is not None and "agent" not in self.roles:
+            # Ignored, it said the worker would run agents it did not (found by review).
+            raise InputError(
+                f"--agents {','.join(self.agents)} needs the agent role: add agent to --roles"
+                f" ({','.join(self.roles)}), or leave --agents out"
+            )
         if self.concurrency is not None:
             count = check_count("WorkerSettings.concurrency", self.concurrency, high=10_000)
             object.__setattr__(self, "concurrency", count)

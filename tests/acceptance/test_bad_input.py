@@ -128,6 +128,16 @@ CASES: dict[str, tuple[str, ...]] = {
     "worker-retention-inf": ("worker", "--app", DEMO_APP, "--retention", "inf"),
     "worker-concurrency-word": ("worker", "--app", DEMO_APP, "--concurrency", "many"),
     "worker-agents-unknown": ("worker", "--app", DEMO_APP, "--agents", "bogus"),
+    # Found by review: the agents named were ignored by a worker without the agent role.
+    "worker-agents-without-agent-role": (
+        "worker",
+        "--app",
+        DEMO_APP,
+        "--roles",
+        "scheduler",
+        "--agents",
+        "inventory",
+    ),
 }
 
 

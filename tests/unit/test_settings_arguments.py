@@ -265,6 +265,11 @@ def test_worker_settings_keep_what_they_took_before() -> None:
         lambda: WorkerSettings(roles=("scheduler", "schedular")),
         "unknown role(s) 'schedular': choose from scheduler, agent, supervisor",
     )
+    _raises(
+        lambda: WorkerSettings(roles=("scheduler", "supervisor"), agents=("billing",)),
+        "--agents billing needs the agent role: add agent to --roles (scheduler,supervisor), or leave"
+        " --agents out",
+    )
 
 
 def test_dead_after_is_at_least_twice_the_heartbeat_as_the_cli_says() -> None:
