@@ -23,6 +23,7 @@ from .agent import Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .clock import STOPPED, Outage, sleep_or_wake, unless_stopped
 from .errors import InputError, StoreError, StoreUnreachable
+from .fleet import FleetCheck
 from .leader import LeaseKeeper, LeaseSettings
 from .logs import log_raised
 from .policies import check_count, check_seconds, show
@@ -524,12 +525,14 @@ class Worker:
         # second through a pooler that answers at once).
         every = self.settings.heartbeat
         outage = Outage(log, f"worker {self.identity}: heartbeat", self.app.clock, every=every)
+        fleet = FleetCheck(self.app.store, self.app.clock, self.identity)
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=every)
             except TimeoutError:
                 try:
                     await self._beat()
+                    await fleet.maybe_check()
                 except Exception as e:
                     outage.failed(e)
                     self.stop_writes.failed()

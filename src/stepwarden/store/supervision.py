@@ -268,3 +268,19 @@ def take_lease(
 
 for _fn in (lease_holder, take_lease):
     setattr(_fn, "stepwarden_lane", "lease")  # noqa: B010 - read by Store.transact: never queue behind work
+
+
+@read_only
+def fleet_gaps(tx: Tx, silent: float, late: float) -> tuple[bool, bool]:
+    """Whether work waits on a role no live worker runs: (tasks ready more than ``late`` seconds
+    ago and no scheduler; attempts more than ``late`` seconds past their complete-by and no
+    supervisor). The work is read only when a role is missing: those reads may walk a backlog."""
+    roles = tx.one("fleet_roles", silent=silent, scheduler="%,scheduler,%", supervisor="%,supervisor,%")
+    assert roles is not None
+    unclaimed = not roles["scheduler"] and bool(_found(tx.one("fleet_unclaimed", late=late)))
+    overdue = not roles["supervisor"] and bool(_found(tx.one("fleet_overdue", late=late)))
+    return unclaimed, overdue
+
+
+def _found(row: Row | None) -> bool:
+    return row is not None and bool(row["found"])

@@ -309,3 +309,23 @@ WHERE created_at < {now} - :retention
   AND (acked_at IS NOT NULL
        OR (a.task_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = a.task_id)))
 ORDER BY created_at LIMIT :limit;
+
+-- name: fleet_roles
+-- Whether a live worker runs the scheduler role, and the supervisor role (the worker's fleet
+-- check: a fleet started without one waited in silence). The LIKE patterns are parameters: a
+-- percent sign in the text of a query is a placeholder's to psycopg.
+SELECT
+  EXISTS (SELECT 1 FROM workers WHERE stopped_at IS NULL AND heartbeat_at >= {now} - :silent
+          AND (',' || roles || ',') LIKE :scheduler) AS scheduler,
+  EXISTS (SELECT 1 FROM workers WHERE stopped_at IS NULL AND heartbeat_at >= {now} - :silent
+          AND (',' || roles || ',') LIKE :supervisor) AS supervisor;
+
+-- name: fleet_unclaimed
+-- A task ready more than :late seconds ago that no scheduler has claimed.
+SELECT EXISTS (SELECT 1 FROM tasks WHERE locked_by IS NULL AND state IN ('pending', 'compensating')
+               AND waiting = 0 AND run_at < {now} - :late) AS found;
+
+-- name: fleet_overdue
+-- An attempt more than :late seconds past its complete-by, which only a supervisor rescues.
+SELECT EXISTS (SELECT 1 FROM steps WHERE state IN ('running', 'compensating')
+               AND complete_by IS NOT NULL AND complete_by < {now} - :late) AS found;
