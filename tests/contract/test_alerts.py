@@ -269,6 +269,9 @@ def test_a_sink_gives_up_after_max_attempts(store: Store, clock: FakeClock) -> N
     assert len(calls) == 2
     [row] = deliveries(store)
     assert row["gave_up_at"] is not None and row["delivered_at"] is None
+    # No next attempt after the give-up (found by review: one later than the give-up was shown,
+    # which a script reads as a retry still coming); the past-max-age give-up already cleared it.
+    assert row["next_attempt_at"] is None and row["attempts"] == 2, row
 
 
 def test_an_alert_past_max_age_is_given_up_on_the_record_with_its_last_error(

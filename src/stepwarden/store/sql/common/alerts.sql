@@ -34,9 +34,12 @@ ON CONFLICT (sink, alert_id) DO UPDATE SET attempts = alert_deliveries.attempts 
     updated_at = excluded.updated_at;
 
 -- name: alert_failed
+-- A give-up has no next attempt (it showed one after the give-up, which a script read as a retry
+-- still coming).
 INSERT INTO alert_deliveries (sink, alert_id, attempts, next_attempt_at, gave_up_at, last_error,
                               delivered_by, updated_at)
-VALUES (:sink, :alert_id, 1, {now} + :delay, CASE WHEN :give_up THEN {now} END, :error, :me, {now})
+VALUES (:sink, :alert_id, 1, CASE WHEN :give_up THEN NULL ELSE {now} + :delay END,
+        CASE WHEN :give_up THEN {now} END, :error, :me, {now})
 ON CONFLICT (sink, alert_id) DO UPDATE SET attempts = alert_deliveries.attempts + 1,
     next_attempt_at = excluded.next_attempt_at, gave_up_at = excluded.gave_up_at,
     last_error = excluded.last_error, delivered_by = excluded.delivered_by,
