@@ -9,6 +9,7 @@ import contextlib
 import math
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
@@ -208,13 +209,20 @@ def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: 
     url = resolve_url(url)
     if url.startswith("sqlite:///"):
         path, options = _sqlite_url(url)
+        started = time.monotonic()
         try:
             return SQLiteStore(path, clock=clock, migrate=migrate, **options)
         except sqlite3.Error as e:  # sqlite3 names neither the file nor what to do about it
             locked = primary_code(e) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
             kind = StoreUnreachable if locked else StoreError  # locked: another process's, for now
             where = shorten(repr(path))
-            raise kind(f"cannot open the SQLite store {where}: {_sqlite_why(path, e)}") from None
+            waited = (
+                f" (another process kept it locked for {time.monotonic() - started:.1f} s, the busy"
+                " timeout; the URL's busy_timeout=SECONDS sets it)"
+                if locked
+                else ""
+            )
+            raise kind(f"cannot open the SQLite store {where}: {_sqlite_why(path, e)}{waited}") from None
     if url.startswith(("postgresql://", "postgres://")):
         from .postgres import PostgresStore
 
