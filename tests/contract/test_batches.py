@@ -279,7 +279,7 @@ def test_the_set_based_forms_reach_their_rows_by_index_not_by_a_scan(
             if k in ("steps_of_tasks", "new_replies_with_tasks", "steps_of_new_replies")
             or (k.startswith("prune_") and k.removeprefix("prune_") not in AGED_RECORDS)
         }
-        assert len(by_ids) == 12
+        assert len(by_ids) == 13  # prune_unread_messages among them: the prune warns of unread messages
         queries.update(by_ids)
         rows = json.dumps([dict(one, task_id=7 + i, id=7 + i, request_id=7 + i) for i in range(8)])
         ids = json.dumps([7 + i for i in range(8)])
