@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from stepwarden.errors import MigrationError
-from stepwarden.store import Store, open_store
+from stepwarden.store import Store, StoreMissing, open_existing, open_store
 from stepwarden.store import sql as store_sql
 from stepwarden.store.sql import load_migrations
 
@@ -396,6 +396,10 @@ def test_a_database_with_a_table_of_one_of_our_names_is_refused_whole(store_url:
 
     with pytest.raises(MigrationError, match=r"already has table\(s\) named events, which"):
         open_store(url)
+    # A read command (open_existing) says the same, not "run init", which would refuse it (found
+    # by review: its hint led nowhere).
+    with pytest.raises(StoreMissing, match=r"no stepwarden schema, and has table\(s\) named events, which"):
+        open_existing(url)
 
     assert tables_of(url) == {"events", "orders"}, "nothing of stepwarden's was created"
     assert raw(url, "SELECT id, what FROM events") == [(7, "signup")]

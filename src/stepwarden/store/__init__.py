@@ -28,7 +28,7 @@ from .base import (
     shorten,
 )
 from .core import Store
-from .sql import pending_migrations, schema_version
+from .sql import our_tables, pending_migrations, schema_version
 from .sqlite import SQLiteStore
 from .sqlite_files import primary_code, refuse_foreign_read
 from .sqlite_files import sqlite_why as _sqlite_why
@@ -78,11 +78,11 @@ def open_existing(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK) -> Sto
         if not os.path.isfile(path):
             raise StoreMissing(f"no stepwarden store at {where}: {_create_hint(url)}")
         refuse_foreign_read(path)  # before the probe's connection, which would create files
-        _check_version(_sqlite_version(path, where), "sqlite", url, where)
+        _check_version(*_sqlite_version(path, where), "sqlite", url, where)
         return open_store(url, clock=clock, migrate=False)
     store = open_store(url, clock=clock, migrate=False)
     try:
-        _check_version(store.transact_sync(_pg_version), "postgres", url, "the database")
+        _check_version(*store.transact_sync(_pg_version), "postgres", url, "the database")
     except BaseException:
         store.close()
         raise
@@ -97,8 +97,16 @@ def _create_hint(url: str) -> str:
     return f"run {_init_command(url)}, or start a worker, to create one"
 
 
-def _check_version(version: int | None, dialect: str, url: str, where: str) -> None:
-    """A store this code can read as it is, or :class:`StoreMissing` / :class:`MigrationError`."""
+def _check_version(version: int | None, clash: list[str], dialect: str, url: str, where: str) -> None:
+    """A store this code can read as it is, or :class:`StoreMissing` / :class:`MigrationError`.
+    ``clash``: the tables of the database named as stepwarden's, when it has no schema of ours."""
+    if not version and clash:
+        # `init` would refuse it (check_history): its hint led nowhere (found by review).
+        raise StoreMissing(
+            f"{where} holds no stepwarden schema, and has table(s) named {', '.join(clash)}, which"
+            " stepwarden's own tables are called: give stepwarden a database of its own, or rename"
+            " yours"
+        )
     if not version:  # no table of migrations, or an empty one: nothing was ever migrated
         raise StoreMissing(f"{where} holds no stepwarden schema: {_create_hint(url)}")
     todo = pending_migrations(dialect, version)  # raises for a schema newer than this code
@@ -109,7 +117,7 @@ def _check_version(version: int | None, dialect: str, url: str, where: str) -> N
         )
 
 
-def _sqlite_version(path: str, where: str) -> int | None:
+def _sqlite_version(path: str, where: str) -> tuple[int | None, list[str]]:
     """The schema version, read through a read-only connection: opening the store itself would
     set the journal mode, writing to a file that may be anything.
 
@@ -136,15 +144,18 @@ def _sqlite_version(path: str, where: str) -> int | None:
                     tidy.close()
 
 
-def _read_sqlite_version(path: str, where: str) -> int | None:
+def _read_sqlite_version(path: str, where: str) -> tuple[int | None, list[str]]:
     try:
         conn = sqlite3.connect(Path(path).absolute().as_uri() + "?mode=ro", uri=True)
     except sqlite3.Error as e:
         raise StoreError(f"cannot open the SQLite store {where}: {_sqlite_why(path, e)}") from None
     try:
-        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_migrations'").fetchone() is None:
-            return None
-        return schema_version("sqlite", lambda q: [tuple(r) for r in conn.execute(q).fetchall()])
+        names = {
+            str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
+        }
+        if "schema_migrations" not in names:
+            return None, [t for t in our_tables("sqlite") if t in names]
+        return schema_version("sqlite", lambda q: [tuple(r) for r in conn.execute(q).fetchall()]), []
     except sqlite3.OperationalError as e:
         if primary_code(e) in (sqlite3.SQLITE_ERROR, None):
             raise StoreError(f"{where} is not a stepwarden store: {e}") from None
@@ -155,10 +166,16 @@ def _read_sqlite_version(path: str, where: str) -> int | None:
         conn.close()
 
 
-def _pg_version(tx: Tx) -> int | None:
+def _pg_version(tx: Tx) -> tuple[int | None, list[str]]:
     if not tx.sql("SELECT to_regclass('schema_migrations') IS NOT NULL AS present")[0]["present"]:
-        return None
-    return schema_version("postgres", lambda q: [tuple(r.values()) for r in tx.sql(q)])
+        ours = our_tables("postgres")
+        found = tx.sql(
+            "SELECT n FROM unnest(CAST(? AS text[])) AS n WHERE to_regclass(quote_ident(n)) IS NOT NULL",
+            (ours,),
+        )
+        present = {str(r["n"]) for r in found}
+        return None, [t for t in ours if t in present]
+    return schema_version("postgres", lambda q: [tuple(r.values()) for r in tx.sql(q)]), []
 
 
 MAX_BUSY_TIMEOUT = 86400.0
