@@ -280,7 +280,7 @@ def _run(
         )
     if not o.as_json:
         out.print(
-            f"[bold]stepwarden demo[/]: {o.orders} orders, {o.workers} workers,"
+            f"[bold]stepwarden demo[/]: {_count(o.orders, 'order')}, {_count(o.workers, 'worker')},"
             f" store {redact_url(store.url)}",
             soft_wrap=True,
         )
@@ -414,6 +414,10 @@ def _kill_one(store: Any, procs: _Procs) -> str:
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     return f"SIGKILLed worker pid {victim.pid}{' (the supervisor leader)' if was_leader else ''} mid-run"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def _calls(effect: dict[str, object]) -> int:
