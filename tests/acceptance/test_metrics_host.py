@@ -53,12 +53,7 @@ def test_the_metrics_listen_on_the_host_given(tmp_path: Path) -> None:
             with pytest.raises(httpx.ConnectError):  # not on the default address
                 httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            _stop(proc)
     assert proc.returncode == 0, log_path.read_text()
 
 
@@ -84,12 +79,7 @@ def test_with_json_logs_every_line_of_a_worker_is_json_its_own_lines_and_its_las
                 "the worker's metrics line",
             )
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            _stop(proc)
     assert proc.returncode == 0, log_path.read_text()
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     own = ("worker metrics on ", "metrics served on ")
@@ -110,3 +100,13 @@ def test_with_json_logs_every_line_of_a_worker_is_json_its_own_lines_and_its_las
     assert len(lines) == 1, lines
     error = json.loads(lines[0])
     assert error["level"] == "ERROR" and "no_such_module" in error["message"], error
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, as an operator stops a worker; SIGKILL if it is still running 30 s later."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,19 +250,7 @@ def test_a_worker_started_while_its_store_stays_locked_waits_for_it_instead_of_e
     waits on, with one warning, and starts once the store answers."""
     import time
 
-    from harness import Cluster
-
-    db = tmp_path / "s.db"
-    cluster = Cluster(tmp_path, f"sqlite:///{db}")
-    holder = sqlite3.connect(db, isolation_level=None)
-    try:
-        holder.execute("BEGIN EXCLUSIVE")  # another process's long write
-        w = cluster.start("w1", db=f"sqlite:///{db}?busy_timeout=0.5", wait=False)
-        deadline = time.monotonic() + 20
-        while "cannot open the store yet" not in w.log_text():
-            assert w.alive(), w.log_text()
-            assert time.monotonic() < deadline, w.log_text()
-            time.sleep(0.05)
+    with _worker_on_a_locked_store(tmp_path, 0.5, "cannot open the store yet") as (cluster, holder, w):
         time.sleep(2.0)  # several tries, each refused after the busy timeout: the worker waits on
         assert w.alive(), w.log_text()
         holder.execute("ROLLBACK")
@@ -270,9 +258,6 @@ def test_a_worker_started_while_its_store_stays_locked_waits_for_it_instead_of_e
         text = w.log_text()
         assert text.count("cannot open the store yet") == 1, text
         assert "the store answers, opened after" in text, text
-    finally:
-        holder.close()
-        cluster.close()
 
 
 def test_a_worker_whose_first_try_to_open_the_store_waits_long_says_so_while_it_waits(
@@ -281,27 +266,10 @@ def test_a_worker_whose_first_try_to_open_the_store_waits_long_says_so_while_it_
     """Found by review: with the file locked, the first try waits SQLite's busy timeout (30 s by
     default) in the driver, and the worker said nothing until it failed. A warning now comes
     after 2 s of that wait, while it goes on; the worker starts once the lock is gone."""
-    import time
-
-    from harness import Cluster
-
-    db = tmp_path / "s.db"
-    cluster = Cluster(tmp_path, f"sqlite:///{db}")
-    holder = sqlite3.connect(db, isolation_level=None)
-    try:
-        holder.execute("BEGIN EXCLUSIVE")
-        w = cluster.start("w1", db=f"sqlite:///{db}?busy_timeout=60", wait=False)
-        deadline = time.monotonic() + 20
-        while "the store has not answered for 2s" not in w.log_text():
-            assert w.alive(), w.log_text()
-            assert time.monotonic() < deadline, w.log_text()
-            time.sleep(0.05)
+    with _worker_on_a_locked_store(tmp_path, 60, "the store has not answered for 2s") as (cluster, holder, w):
         assert "cannot open the store yet" not in w.log_text()  # its first try still waits
         holder.execute("ROLLBACK")
         cluster.identity(w)  # it starts and registers once the lock is gone
-    finally:
-        holder.close()
-        cluster.close()
 
 
 def test_a_store_opened_by_a_relative_path_is_the_same_file_after_a_chdir(
@@ -329,6 +297,21 @@ def test_a_worker_stopped_while_it_waits_for_a_locked_store_exits_at_once_having
     """The wait at start (above) is cut by a stop: SIGTERM between two tries to open the store ends
     the worker at once, exit 0, saying it stopped before it could start."""
     import signal
+
+    with _worker_on_a_locked_store(tmp_path, 0.5, "cannot open the store yet") as (cluster, _holder, w):
+        code, took = w.stop(signal.SIGTERM, within=10)
+        assert code == 0, w.log_text()
+        assert took < 3, (took, w.log_text())
+        assert "before it could start" in w.log_text(), w.log_text()
+        assert cluster.sql("SELECT id FROM workers") == []  # it took nothing, registered nothing
+
+
+@contextlib.contextmanager
+def _worker_on_a_locked_store(
+    tmp_path: Path, busy_timeout: float, says: str
+) -> Iterator[tuple[Any, sqlite3.Connection, Any]]:
+    """A worker started on a store another connection keeps locked (``holder``, in an exclusive
+    transaction: another process's long write), once its log ``says`` the line; stopped after."""
     import time
 
     from harness import Cluster
@@ -338,17 +321,13 @@ def test_a_worker_stopped_while_it_waits_for_a_locked_store_exits_at_once_having
     holder = sqlite3.connect(db, isolation_level=None)
     try:
         holder.execute("BEGIN EXCLUSIVE")
-        w = cluster.start("w1", db=f"sqlite:///{db}?busy_timeout=0.5", wait=False)
+        w = cluster.start("w1", db=f"sqlite:///{db}?busy_timeout={busy_timeout:g}", wait=False)
         deadline = time.monotonic() + 20
-        while "cannot open the store yet" not in w.log_text():
+        while says not in w.log_text():
             assert w.alive(), w.log_text()
             assert time.monotonic() < deadline, w.log_text()
             time.sleep(0.05)
-        code, took = w.stop(signal.SIGTERM, within=10)
-        assert code == 0, w.log_text()
-        assert took < 3, (took, w.log_text())
-        assert "before it could start" in w.log_text(), w.log_text()
-        assert cluster.sql("SELECT id FROM workers") == []  # it took nothing, registered nothing
+        yield cluster, holder, w
     finally:
         holder.close()
         cluster.close()
