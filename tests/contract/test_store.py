@@ -1608,3 +1608,29 @@ def test_of_two_candidates_taking_a_dead_holders_lease_exactly_one_wins(store: S
     ]
     with pytest.raises(LostOwnership):  # the old term's writes are refused from now on
         sweep(store, term, me="dead:1:aaa")
+
+
+def test_a_renewal_or_resignation_of_an_earlier_term_by_the_same_holder_changes_nothing(
+    store: Store, clock: FakeClock
+) -> None:
+    """LEAD1: a term is the fencing token, also against the same holder. A process that resigned
+    term 1 and took term 2 (its leader loop restarted) may still have term 1's renewal or
+    resignation in flight: matched by holder alone (found by mutation), the stale resignation
+    expired the new term at once, and a stale renewal extended it as if term 1 were alive."""
+    me = "sup-1:1:ccc"
+    first = lease(store, holder=me, ttl=10.0)
+    run(store.resign_lease("supervisor", me, first))
+    second = lease(store, holder=me, ttl=10.0)
+    assert second == first + 1
+
+    def expires() -> float:
+        return float(q(store, "SELECT expires_at FROM leases WHERE name = 'supervisor'")[0]["expires_at"])
+
+    before = expires()
+    clock.advance(2.0)
+    assert run(store.renew_lease("supervisor", me, first, 10.0)) is False
+    assert expires() == before, "a renewal naming the ended term extended the new one"
+    run(store.resign_lease("supervisor", me, first))
+    assert expires() == before, "a resignation naming the ended term ended the new one"
+    assert run(store.renew_lease("supervisor", me, second, 10.0)) is True
+    assert expires() > before
