@@ -1179,6 +1179,43 @@ def test_retry_task_refuses_bad_states_and_steps(
     assert step(store, failed, "a")["state"] == "running"
 
 
+def test_a_retry_from_an_earlier_step_runs_it_and_every_later_step_again_with_fresh_budgets(
+    store: Store, make_workflow: Factory
+) -> None:
+    """OPS2, found by mutation: a retry that reset only the step it names (not the steps after
+    it) left b ``completed`` and c ``failed``, so the task went on from a state that was no longer
+    true; and the request of a step run again must carry only the results of steps completed
+    before it (SCH3), not those of the later steps of the first run."""
+    task_id = submit(store, make_workflow())
+    claim(store)
+    complete(store, task_id, "a", {"a": 1})
+    claim(store)
+    complete(store, task_id, "b", {"b": 2})
+    claim(store)
+    reply(store, task_id, "c", "error", error="bad sku")
+    apply(store)
+    assert states(store, task_id) == ("error", ["completed", "completed", "failed"])
+    used = {s["name"]: s["failure_count"] for s in steps(store, task_id)}
+
+    assert store.transact_sync(t.retry_task, task_id, "a", "operator") == "pending"
+    assert states(store, task_id) == ("pending", ["pending", "pending", "pending"])
+    for s in steps(store, task_id):  # each failure budget starts again from what it had used
+        assert s["failure_offset"] == used[s["name"]], s
+    for name, result in (("a", {"a": 10}), ("b", {"b": 20})):
+        claim(store)
+        payload = json.loads(last_request(store, task_id, name)["payload"])
+        before = {"a": {}, "b": {"a": {"a": 10}}}[name]
+        assert payload["results"] == before, payload  # nothing of the first run's later steps
+        complete(store, task_id, name, result)
+    claim(store)
+    assert json.loads(last_request(store, task_id, "c")["payload"])["results"] == {
+        "a": {"a": 10},
+        "b": {"b": 20},
+    }
+    complete(store, task_id, "c")
+    assert states(store, task_id) == ("processed", ["completed", "completed", "completed"])
+
+
 @pytest.mark.parametrize("end", ["cancelled", "compensated"])
 def test_retry_of_an_undone_task_is_refused_and_writes_nothing(
     store: Store, make_workflow: Factory, end: str
