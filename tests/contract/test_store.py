@@ -1367,6 +1367,31 @@ def test_a_worker_that_beats_again_after_its_verdict_is_not_rescued_nor_its_leas
     assert store.transact_sync(t.take_lease, other, SUP, AGENT, int(held["term"]), 10.0, 3.0) is not None
 
 
+def test_a_step_rescued_from_a_dead_worker_is_retried_at_once_without_back_off(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """Found by mutation: a dead worker's step is rescued without waiting for its complete-by and
+    counted as a failure, but retried at once: the service did nothing wrong, so there is nothing
+    to spare it from. With the step's back-off (10 s in make_workflow's policy) the rescue's
+    head start was lost."""
+    term = lease(store)
+    task_id = submit(store, make_workflow())
+    claim(store)
+    run(store.worker_beat(AGENT, ["agent"], ["svc"]))
+    assert len(take(store)) == 1  # AGENT holds the step, then dies
+    clock.advance(3.5)
+    rescue = store.transact_sync(
+        t.rescue_orphans, SUP, "supervisor", term, AGENT, "process gone", 10, random.Random(0), 3.0
+    )
+    assert rescue.rescued == 1 and step(store, task_id, "a")["failure_count"] == 1
+    row = task(store, task_id)
+    assert row["state"] == "pending" and row["waiting"] == 0
+    assert row["run_at"] == pytest.approx(clock.wall()), (row["run_at"], clock.wall())
+    [retry] = q(store, "SELECT detail FROM events WHERE task_id = ? AND kind = 'retry_scheduled'", task_id)
+    assert json.loads(retry["detail"])["delay"] == 0, retry
+    assert claim(store) == 1  # claimable now, not 10 s later
+
+
 # -- pruning finished tasks (the leader keeps the hot tables small) ----------------------------------
 
 
