@@ -1179,6 +1179,25 @@ def test_retry_task_refuses_bad_states_and_steps(
     assert step(store, failed, "a")["state"] == "running"
 
 
+def test_a_reply_received_exactly_at_complete_by_is_accepted_and_one_just_after_is_stale(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """SCH4's boundary: "arrives before complete-by" includes the instant itself (the sweep
+    expires an attempt only once complete_by < now). Found by mutation: `<=` made `<` was
+    caught only by the randomised model test, after minutes of shrinking."""
+    on_time = submit(store, make_workflow(budget=10.0))
+    late = submit(store, make_workflow(budget=10.0))
+    claim(store)
+    clock.advance(10.0)
+    reply(store, on_time, "a", "ok", {"n": 1})
+    clock.advance(0.001)
+    reply(store, late, "a", "ok", {"n": 2})
+    r = apply(store)
+    assert (r.accepted, r.stale) == (1, 1), r
+    assert step(store, on_time, "a")["state"] == "completed"
+    assert step(store, late, "a")["state"] == "running"  # the supervisor's, once it sweeps
+
+
 def test_a_retry_from_an_earlier_step_runs_it_and_every_later_step_again_with_fresh_budgets(
     store: Store, make_workflow: Factory
 ) -> None:
