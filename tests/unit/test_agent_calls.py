@@ -349,6 +349,28 @@ def test_a_retry_with_too_little_time_left_is_not_started_and_the_attempt_replie
     assert rep["received_at"] < rep["complete_by"]
 
 
+def test_a_back_off_longer_than_the_time_left_is_not_slept_the_attempt_replies_retry_at_once(
+    rt_store: Store, dispatch_requests: Dispatch
+) -> None:
+    """AGT2 ("never past complete-by"), found by mutation: without the check of the back-off
+    against the time left, the attempt slept its 5 s back-off past a 1 s complete-by and ended
+    silent, its step waiting for the supervisor instead of being retried now."""
+    dispatch_requests(rt_store, budget=1.0, tries=3, backoff=Backoff(initial=5.0, maximum=5.0, jitter=0.0))
+    agent = Agent("svc", breaker_threshold=100)
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(1)
+        raise ConnectionResetError("reset")
+
+    run_requests(rt_store, agent)
+    assert calls == [1]
+    [rep] = timed_replies(rt_store)
+    assert rep["outcome"] == "retry" and rep["error"] == "transient: ConnectionResetError: reset"
+    assert rep["received_at"] < rep["complete_by"] - 0.5, rep  # at once, not after a sleep
+
+
 # -- results and failures the store must be able to keep (AGT5) ------------------------------------------
 
 
