@@ -458,6 +458,35 @@ def test_a_renewal_still_in_flight_when_trust_ends_does_not_extend_it(
     run(body())
 
 
+def test_after_a_slow_renewal_trust_counts_from_when_it_was_sent_not_from_its_answer(
+    tracked_store: Any, clock: FakeClock, fake_time: Any
+) -> None:
+    """LEAD2, found by mutation: trust counted from the renewal's answer grows by its round trip,
+    and the database's expiry counts from when the renewal reached it, which may be as late as
+    the answer; counted from the send, it can only be shorter. A renewal sent at +2 that answers
+    at +2.5, then renewals that hang: the work stops at +2 + TTL - margin = +6, not +6.5."""
+
+    async def body() -> None:
+        ks = Keepers(fake_time)
+        wa = Work(clock)
+        slow = Flaky(tracked_store, clock)
+        a = LeaseKeeper(slow, LEASE, "A", wa, settings=S, clock=clock)  # type: ignore[arg-type]
+        try:
+            ks.start(a)
+            await fake_time.settle()
+            await fake_time.run_for(1.5)  # renewed at +1
+            slow.renew_delay = 0.5  # the renewal sent at +2 answers at +2.5
+            await fake_time.run_for(1.25)  # +2.75
+            assert slow.renewals == 2
+            slow.hang = True  # every renewal from now on is lost
+            await fake_time.run_for(4.0)  # +6.75
+            assert wa.cancelled == [(1, 1006.0)], wa.cancelled
+        finally:
+            await ks.close()
+
+    run(body())
+
+
 def test_a_hung_renewal_stops_the_work_when_the_trust_window_ends(
     tracked_store: Any, clock: FakeClock, fake_time: Any
 ) -> None:
