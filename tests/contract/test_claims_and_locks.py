@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
+from pg_threads import ends_before_it_waits, in_thread
 
 from stepwarden.clock import FakeClock
 from stepwarden.errors import InputError
@@ -62,36 +62,6 @@ def _q(store: Store, sql: str, *params: Any) -> list[Row]:
     return store.transact_sync(lambda tx: tx.sql(sql, params))
 
 
-def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """``fn()`` started on a thread of its own; its result (or exception) lands in the list."""
-    out: list[Any] = []
-
-    def call() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:
-            out.append(e)
-
-    th = threading.Thread(target=call, daemon=True)
-    th.start()
-    return th, out
-
-
-def _ends_before_it_waits(pg_url: str, th: threading.Thread, within: float = 10.0) -> bool:
-    """Wait until ``th`` has ended (True) or a session of the database waits on a lock (False)."""
-    end = time.monotonic() + within
-    with psycopg.connect(pg_url, autocommit=True) as watch:
-        while th.is_alive():
-            if watch.execute(
-                "SELECT 1 FROM pg_stat_activity"
-                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            ).fetchone():
-                return False
-            assert time.monotonic() < end, "the transaction neither ended nor waited on a lock"
-            th.join(0.01)
-    return True
-
-
 class _Paused:
     """One of the store's transactions, run on a thread of its own and paused after ``work``
     returned, before it commits: the rows it locked stay held until :meth:`commit`."""
@@ -105,7 +75,7 @@ class _Paused:
             assert self.go.wait(20), "never released"
             return done
 
-        self.thread, self.out = _in_thread(lambda: store.transact_sync(paused))
+        self.thread, self.out = in_thread(lambda: store.transact_sync(paused))
         assert self.holding.wait(10), f"the transaction never reached its pause: {self.out}"
 
     def commit(self) -> Any:
@@ -152,7 +122,7 @@ def test_a_reply_applied_between_the_sweeps_scan_and_its_lock_is_not_overridden(
                     (taken.id, task_id, AGENT, complete_by - 1),
                 )
                 agent.execute("UPDATE requests SET state = 'replied' WHERE id = %s", (taken.id,))
-            th, out = _in_thread(lambda: store.transact_sync(t.apply_replies, SCHED, 50, random.Random(0)))
+            th, out = in_thread(lambda: store.transact_sync(t.apply_replies, SCHED, 50, random.Random(0)))
             th.join(15)
             assert not th.is_alive(), "the scheduler's apply waited on the sweep"
             applied.extend(out)
@@ -212,7 +182,7 @@ def test_a_cancel_waits_for_a_reply_being_applied_and_then_sees_the_task_finishe
         asyncio.run(store.send_reply(AGENT, taken.id, "ok", {"paid": True}, None))
 
         sched = _Paused(store, lambda tx: t.apply_replies(tx, SCHED, 50, random.Random(0)))
-        cancel, out = _in_thread(lambda: store.transact_sync(t.cancel_task, task_id, "operator"))
+        cancel, out = in_thread(lambda: store.transact_sync(t.cancel_task, task_id, "operator"))
         wait_for_lock_waiter(pg_url)  # the cancel waits for the task the scheduler holds
         assert cancel.is_alive() and out == [], "the cancel did not wait for the scheduler"
         assert sched.commit().accepted == 1
@@ -256,7 +226,7 @@ def test_of_two_operators_retrying_one_task_at_once_the_second_is_told_it_is_pen
         ]
 
         first = _Paused(store, lambda tx: t.retry_task(tx, task_id, None, "alice"))
-        second, out = _in_thread(lambda: store.transact_sync(t.retry_task, task_id, None, "bob"))
+        second, out = in_thread(lambda: store.transact_sync(t.retry_task, task_id, None, "bob"))
         wait_for_lock_waiter(pg_url)  # bob's retry waits for the task alice's retry holds
         assert second.is_alive() and out == [], "the second retry did not wait for the first"
         assert first.commit() == "pending"
@@ -303,8 +273,8 @@ def test_a_claim_takes_the_next_task_at_once_when_another_session_holds_the_firs
         assert [r["waiting"] for r in waiting] == [int(kind == "due")] * 2
         with psycopg.connect(pg_url) as other:
             other.execute("SELECT id FROM tasks WHERE id = %s FOR UPDATE", (held,))
-            claim, out = _in_thread(lambda: store.transact_sync(t.claim_and_dispatch, SCHED, 1))
-            ended = _ends_before_it_waits(pg_url, claim)
+            claim, out = in_thread(lambda: store.transact_sync(t.claim_and_dispatch, SCHED, 1))
+            ended = ends_before_it_waits(pg_url, claim)
             other.rollback()  # lets a claim that waited go on, so that the test ends promptly
             claim.join(15)
             assert ended, "the claim waited for the task another session holds"

@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from pg_threads import ends_before_it_waits, in_thread
 
 from stepwarden.clock import FakeClock
 from stepwarden.errors import MigrationError
@@ -497,7 +498,7 @@ def test_migration_9_lets_reads_of_tasks_go_on_while_it_waits_for_a_writer(pg_ur
     try:
         assert store.migrate(target=8) == 8  # the schema as the previous release left it
         writer.execute("LOCK TABLE tasks IN ROW EXCLUSIVE MODE")  # a writer's transaction, held
-        th, out = _in_thread(store.migrate)
+        th, out = in_thread(store.migrate)
         wait_for_lock_waiter(pg_url)  # the migration waits for the writer
         with psycopg.connect(pg_url, autocommit=True) as reader:
             reader.execute("SET statement_timeout = '2s'")
@@ -516,43 +517,13 @@ def test_migration_9_lets_reads_of_tasks_go_on_while_it_waits_for_a_writer(pg_ur
         store.close()
 
 
-def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
-    """``fn()`` started on a thread of its own; its result (or exception) lands in the list."""
-    out: list[Any] = []
-
-    def call() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:
-            out.append(e)
-
-    th = threading.Thread(target=call, daemon=True)
-    th.start()
-    return th, out
-
-
-def _ends_before_it_waits(pg_url: str, th: threading.Thread, within: float = 10.0) -> bool:
-    """Wait until ``th`` has ended (True) or a session of the database waits on a lock (False)."""
-    end = time.monotonic() + within
-    with psycopg.connect(pg_url, autocommit=True) as watch:
-        while th.is_alive():
-            if watch.execute(
-                "SELECT 1 FROM pg_stat_activity"
-                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            ).fetchone():
-                return False
-            assert time.monotonic() < end, "the transaction neither ended nor waited on a lock"
-            th.join(0.01)
-    return True
-
-
 def _lease_work_is_prompt(store: Any, term: int) -> None:
     """The leader's renewal and its process's heartbeat each answer within 2 s."""
     for what, call in (
         ("renewal", lambda: asyncio.run(store.renew_lease("supervisor", SUP, term, 1e6))),
         ("heartbeat", lambda: asyncio.run(store.worker_beat(SUP, ["supervisor"], []))),
     ):
-        th, out = _in_thread(call)
+        th, out = in_thread(call)
         th.join(2.0)
         assert not th.is_alive(), f"the leader's {what} waited for its own fenced transaction"
         assert not isinstance(out[0], BaseException), out
@@ -600,8 +571,8 @@ def test_a_reply_being_recorded_holds_up_neither_the_sweep_nor_the_leader_s_rene
         ids, term, first, _ = _two_taken_attempts(store, clock, make_workflow("a", budget=5))
         with psycopg.connect(pg_url) as agent:
             agent.execute(REPLIED, (first.id,))
-            th, out = _in_thread(lambda: store.transact_sync(_rescue(kind, term)))
-            ended = _ends_before_it_waits(pg_url, th)
+            th, out = in_thread(lambda: store.transact_sync(_rescue(kind, term)))
+            ended = ends_before_it_waits(pg_url, th)
             _lease_work_is_prompt(store, term)
             assert ended, "the rescue waited for the request row an agent holds"
             [done] = out
@@ -637,10 +608,10 @@ def test_a_reply_received_in_time_and_committed_during_the_sweep_is_accepted_not
                 (first.id, ids[0], AGENT, complete_by - 1),
             )
             agent.execute(REPLIED, (first.id,))
-            th, out = _in_thread(
+            th, out = in_thread(
                 lambda: store.transact_sync(t.sweep_expired, SUP, "supervisor", term, 10, random.Random(0))
             )
-            _ends_before_it_waits(pg_url, th)
+            ends_before_it_waits(pg_url, th)
             agent.commit()  # while the sweep runs, or once it has passed the attempt by
             th.join(15)
         assert not isinstance(out[0], BaseException), out
@@ -744,8 +715,8 @@ def test_prune_skips_a_task_whose_messages_a_reply_queue_reader_holds(
         clock.advance(100)
         with psycopg.connect(pg_url) as reader:
             reader.execute("UPDATE messages SET seq = id WHERE task_id = %s", (ids[0],))
-            th, out = _in_thread(lambda: store.transact_sync(t.prune, SUP, "supervisor", term, 10.0, 100))
-            ended = _ends_before_it_waits(pg_url, th)
+            th, out = in_thread(lambda: store.transact_sync(t.prune, SUP, "supervisor", term, 10.0, 100))
+            ended = ends_before_it_waits(pg_url, th)
             _lease_work_is_prompt(store, term)
             assert ended, "the prune waited for the messages a reader holds"
             assert out == [1]
@@ -779,7 +750,7 @@ def test_a_lock_wait_left_in_a_leader_s_transaction_is_cut_at_a_second(
             prune.execute("SELECT id FROM alerts WHERE id = %s FOR UPDATE", (made["id"],))
             started = time.monotonic()
             record = lambda: store.transact_sync(record_delivered, "pager", made["id"], SUP, fence)  # noqa: E731
-            th, out = _in_thread(record)
+            th, out = in_thread(record)
             th.join(4.0)
             assert not th.is_alive(), "the record still waits for the alert the prune holds"
             assert 0.9 < time.monotonic() - started < 4.0
@@ -832,17 +803,17 @@ def test_a_reply_recorded_while_the_sweep_runs_locks_its_request_before_it_is_st
         term, _ = asyncio.run(store.acquire_lease("supervisor", SUP, 1e6)) or (0, 0.0)
         asyncio.run(store.worker_beat(SUP, ["supervisor"], []))
         clock.advance(4)  # the reply arrives a second before complete-by
-        th, replied = _in_thread(
+        th, replied = in_thread(
             lambda: asyncio.run(store.send_replies(AGENT, [(taken.id, "ok", {"paid": True}, None)]))
         )
         threads.append(th)
         assert first_sent.wait(15)
         clock.advance(2)  # the sweep runs past complete-by, between the reply's two statements
-        sweep, swept = _in_thread(
+        sweep, swept = in_thread(
             lambda: store.transact_sync(t.sweep_expired, SUP, "supervisor", term, 10, random.Random(0))
         )
         threads.append(sweep)
-        assert _ends_before_it_waits(pg_url, sweep), "the sweep waited for the reply's transaction"
+        assert ends_before_it_waits(pg_url, sweep), "the sweep waited for the reply's transaction"
         go.set()
         th.join(15)
         assert not isinstance(replied[0], BaseException), replied
