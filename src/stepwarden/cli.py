@@ -43,6 +43,7 @@ from .cli_views import COMMANDS
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import InputError, NotFound, StepwardenError, StoreError, UnknownWorkflow
 from .logs import safe_text, said
+from .parent import die_with_parent
 from .store.base import read_only, redact_url
 from .store.sqlite import SQLiteStore
 from .supervisor import SupervisorSettings
@@ -274,6 +275,7 @@ def worker(
         # opening waits in a thread, this loop free to run the handler).
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, signals.received, sig.name)
+        die_with_parent()  # started by the demo: its SIGKILL is this worker's SIGTERM
         started = await w.run(stop)
         # Stopped: what is left is closing the loop and the store (which lets a stop write past
         # its bound finish in its thread). A signal now (a second one, late, or GNU timeout's

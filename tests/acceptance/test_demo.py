@@ -278,6 +278,24 @@ def test_a_demo_stopped_by_a_signal_stops_every_process_it_started(
         demo.end()
 
 
+def test_a_demo_killed_by_sigkill_leaves_none_of_its_processes_running(tmp_path: Path) -> None:
+    """Found by review: SIGKILL, which the demo cannot see, left its workers and services
+    running as children of init, polling its store and listening on its port. They now ask the
+    kernel for SIGTERM when their parent dies (Linux), and stop as on an operator's SIGTERM."""
+    demo = _Demo(tmp_path, "default")
+    try:
+        demo.wait_running()
+        demo.proc.kill()
+        demo.proc.wait(timeout=10)
+
+        def all_gone() -> bool:
+            return not any(proc_start(pid) == started for pid, started in demo.seen.items())
+
+        wait_until(all_gone, 30, "every process the killed demo had started to end")
+    finally:
+        demo.end()
+
+
 def _cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

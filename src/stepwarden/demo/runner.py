@@ -25,6 +25,7 @@ from rich.text import Text
 
 from ..errors import InputError, StepwardenError
 from ..logs import safe_text
+from ..parent import PARENT_PID
 from ..store import FINAL_TASK_STATES, Store, open_store, views
 from ..store.base import redact_url
 from ..store.core import _register
@@ -108,7 +109,8 @@ class _Procs:
 
     def start_services(self, o: DemoOptions) -> str:
         self.services = subprocess.Popen(
-            [
+            env=self.env,
+            args=[
                 sys.executable,
                 "-m",
                 "stepwarden.demo.services",
@@ -206,6 +208,7 @@ def run_demo(o: DemoOptions) -> bool:
     out = Console(stderr=o.as_json)
     show_live = not o.as_json or sys.stderr.isatty()
     env = dict(os.environ)
+    env[PARENT_PID] = str(os.getpid())  # its workers and services end with it, even on SIGKILL
     procs = _Procs(workdir, env, db)
     signals = _Signals(workdir)
     signals.install()

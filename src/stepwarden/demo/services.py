@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any, Literal, NoReturn
 
+from ..parent import die_with_parent
+
 __all__ = ["SERVICE_OPS", "FakeServices", "Reply", "main", "serve_in_thread"]
 
 #: service name -> (forward op, undo op)
@@ -404,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, on_signal)
+    die_with_parent()  # the demo that started it, killed by SIGKILL: stop too (its handler is set)
     try:
         bound_host, bound_port = server.server_address[:2]
         print(f"listening on http://{bound_host!s}:{bound_port}", flush=True)
