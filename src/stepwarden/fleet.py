@@ -9,9 +9,10 @@ roles; the one that runs the missing role is the one that is not there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-from .clock import Clock
+from .clock import Clock, sleep_or_wake
 from .liveness import SILENT_AFTER
 from .store import Store
 from .store.supervision import fleet_gaps
@@ -40,7 +41,8 @@ _SAID = {
 
 
 class FleetCheck:
-    """Called at every heartbeat; reads the store at most every :data:`CHECK_EVERY`."""
+    """Reads the store every :data:`CHECK_EVERY` (:meth:`run`), on the roles' lane of the store:
+    never in the heartbeat's loop, which must not wait behind the roles' work."""
 
     def __init__(self, store: Store, clock: Clock, me: str) -> None:
         self.store = store
@@ -48,6 +50,19 @@ class FleetCheck:
         self.me = me
         self._next = clock.monotonic() + CHECK_EVERY  # a fleet starting up is given its first minute
         self._warned: dict[str, float] = {}  # a missing role -> when it was last warned about
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: a look every :data:`CHECK_EVERY` on the clock. A look that fails (the
+        store down: the roles log that outage) is skipped, not raised."""
+        while not stop.is_set():
+            await sleep_or_wake(self.clock, max(0.0, self._next - self.clock.monotonic()), stop)
+            if stop.is_set():
+                return
+            try:
+                await self.maybe_check()
+            except Exception as e:
+                log.debug("worker %s: the fleet check failed: %r", self.me, e)
+                self._next = self.clock.monotonic() + CHECK_EVERY
 
     async def maybe_check(self) -> None:
         now = self.clock.monotonic()

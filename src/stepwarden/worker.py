@@ -305,6 +305,11 @@ class Worker:
         jobs.append(asyncio.create_task(_bound_lock_waits(store, stop), name="stop-waits"))
         if isinstance(store, SQLiteStore):
             jobs.append(asyncio.create_task(_watch_store_file(store, stop, s.heartbeat), name="store-file"))
+        # Its own task, not the heartbeat's: its reads wait on the roles' lane of the store, and
+        # a beat held behind them made a busy worker look dead (found by review).
+        jobs.append(
+            asyncio.create_task(FleetCheck(store, self.app.clock, self.identity).run(stop), name="fleet")
+        )
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -525,14 +530,12 @@ class Worker:
         # second through a pooler that answers at once).
         every = self.settings.heartbeat
         outage = Outage(log, f"worker {self.identity}: heartbeat", self.app.clock, every=every)
-        fleet = FleetCheck(self.app.store, self.app.clock, self.identity)
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=every)
             except TimeoutError:
                 try:
                     await self._beat()
-                    await fleet.maybe_check()
                 except Exception as e:
                     outage.failed(e)
                     self.stop_writes.failed()

@@ -95,3 +95,59 @@ def test_a_gap_is_warned_about_once_then_every_ten_minutes_and_its_end_said_once
     assert [m for level, m in said if level == "INFO"] == [
         "worker w:1:a: no work waits on a missing scheduler any more"
     ]
+
+
+def test_a_task_whose_back_off_ended_counts_as_waiting_on_a_missing_scheduler(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """Found by review: only a scheduler clears a task's waiting mark once its back-off ends, so
+    the check that read ready tasks alone missed every task that was backing off when the last
+    scheduler left."""
+    beat(store, "agents-1:1:aaa", ["agent"])
+    task_id, _ = store.transact_sync(t.submit, make_workflow("a"), encode_input({}), **OPTS)
+    due = clock.wall() + 10.0
+    store.transact_sync(
+        lambda tx: tx.sql("UPDATE tasks SET waiting = 1, run_at = ? WHERE id = ?", (due, task_id))
+    )
+    clock.advance(10 + LATE - 1)
+    beat(store, "agents-1:1:aaa", ["agent"])
+    assert gaps(store) == (False, False)  # its back-off ended less than LATE ago
+    clock.advance(2)
+    beat(store, "agents-1:1:aaa", ["agent"])
+    assert gaps(store) == (True, False)
+
+
+def test_the_check_runs_as_a_task_of_its_own_and_a_failed_look_is_skipped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It runs beside the heartbeat, never in its loop (found by review: its reads wait on the
+    roles' lane, and a beat held behind them made a busy worker look dead); a look that fails is
+    the store's outage, logged by the roles, and the next look comes a minute later."""
+    caplog.set_level(logging.WARNING, logger="stepwarden")
+    clock = FakeClock()
+
+    class Failing(_Scripted):
+        async def transact(self, fn: Any, *args: Any) -> tuple[bool, bool]:
+            self.reads += 1
+            if self.reads == 1:
+                raise ConnectionError("the store is down")
+            return (True, False)
+
+    store = Failing([])
+    check = FleetCheck(store, clock, "w:1:a")  # type: ignore[arg-type]
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(check.run(stop))
+        for reads in (1, 2):
+            clock.advance(CHECK_EVERY)
+            for _ in range(200):  # until the look has happened: the task runs on the loop
+                if store.reads >= reads:
+                    break
+                await asyncio.sleep(0.005)
+            assert store.reads == reads
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(run())
+    assert [r.getMessage()[:40] for r in caplog.records] == ["worker w:1:a: no live worker runs the sc"]

@@ -321,9 +321,12 @@ SELECT
           AND (',' || roles || ',') LIKE :supervisor) AS supervisor;
 
 -- name: fleet_unclaimed
--- A task ready more than :late seconds ago that no scheduler has claimed.
-SELECT EXISTS (SELECT 1 FROM tasks WHERE locked_by IS NULL AND state IN ('pending', 'compensating')
-               AND waiting = 0 AND run_at < {now} - :late) AS found;
+-- A task ready more than :late seconds ago that no scheduler has claimed: a ready one, or one
+-- whose back-off ended (only a scheduler clears its waiting mark), each read by its own index.
+SELECT (EXISTS (SELECT 1 FROM tasks WHERE locked_by IS NULL AND state IN ('pending', 'compensating')
+                AND waiting = 0 AND run_at < {now} - :late)
+     OR EXISTS (SELECT 1 FROM tasks WHERE locked_by IS NULL AND state IN ('pending', 'compensating')
+                AND waiting = 1 AND run_at < {now} - :late)) AS found;
 
 -- name: fleet_overdue
 -- An attempt more than :late seconds past its complete-by, which only a supervisor rescues.
