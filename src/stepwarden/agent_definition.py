@@ -119,7 +119,9 @@ def _check_callable_with_a_request(agent: str, op: str, f: Callable[..., Any]) -
             " (or, async, returns it from a coroutine)"
         )
     try:
-        signature = inspect.signature(f)
+        # The callable's own signature, not the one functools.wraps copied from what it wraps: a
+        # decorator that supplies an argument (``wrapper(req)`` calling ``f(req, db)``) was refused.
+        signature = inspect.signature(f, follow_wrapped=False)
     except (TypeError, ValueError):
         return
     try:

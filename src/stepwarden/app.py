@@ -118,9 +118,14 @@ class App:
         taken by no agent, until their complete-by). Agents the app does not define are other
         workers' to run. A submission checks its own workflow the same way (:meth:`own_workflow`)."""
         for wf in self.workflows.values():
-            self._check_operations_of(wf)
+            self._check_operations_of(wf, strict=True)
 
-    def _check_operations_of(self, wf: Workflow) -> None:
+    def _check_operations_of(self, wf: Workflow, *, strict: bool = False) -> None:
+        """``strict`` (a worker, which runs the app's agents): every agent the app defines. Else
+        (a submission) only the agents with operations in this process: code that submits may
+        import the definitions without the module of an agent's operations, which only its
+        workers import (refused, found by review), while a typo beside the operations it does
+        have is still caught."""
         if wf.name in self._operations_found:
             return
         for s in wf.steps:
@@ -128,13 +133,15 @@ class App:
                 if ref is None:
                     continue
                 agent, op = ref.split(".", 1)
-                if agent in self.agents and op not in self.agents[agent].operations:
-                    have = ", ".join(sorted(self.agents[agent].operations)) or "none"
-                    raise InputError(
-                        f"workflow {wf.name!r} step {s.name!r}: agent {agent!r} has no operation"
-                        f" {op!r} (it has: {have})"
-                    )
-        self._operations_found.add(wf.name)
+                have = self.agents[agent].operations if agent in self.agents else None
+                if have is None or op in have or (not have and not strict):
+                    continue
+                raise InputError(
+                    f"workflow {wf.name!r} step {s.name!r}: agent {agent!r} has no operation"
+                    f" {op!r} (it has: {', '.join(sorted(have)) or 'none'})"
+                )
+        if strict or all(self.agents[a].operations for a in _agents_of(wf) if a in self.agents):
+            self._operations_found.add(wf.name)  # else checked again: its operations may come later
 
     def own_workflow(self, name: str) -> Workflow | None:
         """This app's workflow ``name``, its operations checked (:class:`InputError` for one its
@@ -473,3 +480,7 @@ def _seconds(name: str, value: object) -> float:
     """A finite, non-negative number of seconds: nan would never time out, a string is a slip.
     No upper bound: a long timeout only means "wait"."""
     return check_number(name, value, unit=" of seconds")
+
+
+def _agents_of(wf: Workflow) -> set[str]:
+    return {ref.split(".", 1)[0] for s in wf.steps for ref in (s.operation, s.compensate) if ref}

@@ -528,6 +528,32 @@ def test_a_submission_of_a_workflow_naming_an_operation_its_own_agent_lacks_is_r
         app.close()
 
 
+def test_code_that_submits_without_importing_an_agents_operations_may_submit(tmp_path: Any) -> None:
+    """Found by review of the check above: a web tier imports the definitions (the app, its
+    agents, its workflows) but not the module of the operations, which only the workers import.
+    Its agent has no operations in that process: a submission is not refused for it, and the
+    worker, which imports them, checks them all when it starts."""
+    from stepwarden import Step, Worker
+
+    url = f"sqlite:///{tmp_path / 'web.db'}"
+    app = App(url)
+    pay = app.agent("pay")
+    app.workflow("order", [Step("charge", "pay.charge")])
+    try:
+        assert app.submit("order", {}) == 1  # the web tier: no operation of `pay` here
+        with pytest.raises(InputError, match="agent 'pay' has no operation 'charge' \\(it has: none\\)"):
+            Worker(app)  # a worker that did not import them either: it could never take the step
+
+        @pay.operation
+        async def charge(req: Request) -> None:  # the workers' module, imported
+            return None
+
+        Worker(app)
+        assert app.submit("order", {}) == 2
+    finally:
+        app.close()
+
+
 def test_submitting_an_unknown_workflow_to_a_store_that_does_not_exist_creates_nothing(
     tmp_path: Any,
 ) -> None:
@@ -619,13 +645,21 @@ def test_operations_that_take_the_request_in_any_form_are_accepted() -> None:
     class Callable_:
         def __call__(self, req: Request) -> None: ...
 
+    def with_db(f: Callable[..., Any]) -> Callable[..., Any]:  # a decorator that supplies an argument
+        @functools.wraps(f)
+        def wrapper(req: Request) -> Any:
+            return f(req, 2)
+
+        return wrapper
+
     fns: list[Callable[..., Any]] = [
         keyword_after,
         anything,
         Callable_(),
         functools.partial(_two_arguments, other=2),
+        with_db(_two_arguments),  # found by review: refused, its signature read through __wrapped__
     ]
     for i, fn in enumerate(fns):
         agent.operation(fn, name=f"op{i}")
     agent.operation(print, name="builtin")  # no signature to read: taken as it is
-    assert len(agent.operations) == 5
+    assert len(agent.operations) == 6
