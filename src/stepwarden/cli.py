@@ -276,20 +276,30 @@ def worker(
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, signals.received, sig.name)
         die_with_parent()  # started by the demo: its SIGKILL is this worker's SIGTERM
-        started = await w.run(stop)
-        # Stopped: what is left is closing the loop and the store (which lets a stop write past
-        # its bound finish in its thread). A signal now (a second one, late, or GNU timeout's
-        # repeat) fell on the default handlers once the loop closed, and the stop that had
-        # completed exited 143 or 130: from here on the stop signals are ignored.
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
-        if _COMMAND:  # the process ends now: nothing an operation left running may hold it
-            _exit_within(EXIT_WITHIN)
-        await _end_left_tasks()
-        return started
+        failure: BaseException | None = None
+        try:
+            return await w.run(stop)
+        except BaseException as e:
+            failure = e
+            raise
+        finally:
+            # Stopped: what is left is closing the loop and the store (which lets a stop write
+            # past its bound finish in its thread). A signal now (a second one, late, or GNU
+            # timeout's repeat) fell on the default handlers once the loop closed, and the stop
+            # that had completed exited 143 or 130: from here on the stop signals are ignored.
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
+            # The process ends now, stopped or failed: nothing an operation left may hold it.
+            if _COMMAND:
+                watch.start(0 if failure is None else 1)
+            await _end_left_tasks(failure)
 
-    started = asyncio.run(main())
+    watch = _ExitWatch()
+    try:
+        started = asyncio.run(main())
+    finally:
+        watch.loop_closed.set()
     ran.append(True)
     if not started:
         # Stopped while it opened the store or recorded its workflows (it says so): that may
@@ -303,13 +313,14 @@ def worker(
 LEFT_RUNNING_JOIN = 1.0
 
 
-async def _end_left_tasks() -> None:
+async def _end_left_tasks(failure: BaseException | None) -> None:
     """Cancel the tasks still running once the worker has stopped, and wait for them a moment:
     ``asyncio.run`` then cancels them too, but waits for them with no bound, and an async
     operation that swallows its cancellation (``except BaseException: continue``) kept a worker
     that had logged ``stopped`` alive, its stop signals ignored, until the operation chose to
     end (found by review). Such a task left past the wait is named in a warning, and the process
-    exits at once, as for a thread that cannot be interrupted."""
+    exits at once, as for a thread that cannot be interrupted: 0, or after ``failure``'s one
+    error line, 1 (2 for bad input), as the command would have."""
     me = asyncio.current_task()
     left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
     for t in left:
@@ -317,42 +328,61 @@ async def _end_left_tasks() -> None:
     if not left:
         return
     _, pending = await asyncio.wait(left, timeout=LEFT_RUNNING_JOIN)
-    if pending:
-        log.warning(
-            "exiting with %d task(s) still running that ignored their cancellation (%s); their"
-            " results are discarded",
-            len(pending),
-            ", ".join(sorted(t.get_name() for t in pending)[:5]),
-        )
+    if not pending or not _COMMAND:
+        return
+    log.warning(
+        "exiting with %d task(s) still running that ignored their cancellation (%s); their"
+        " results are discarded",
+        len(pending),
+        ", ".join(sorted(t.get_name() for t in pending)[:5]),
+    )
+    if failure is None:
         _exit_now(0)
+    bad_input = isinstance(failure, InputError | NotFound)
+    text = str(failure) if isinstance(failure, StepwardenError) else f"{type(failure).__name__}: {failure}"
+    click.echo(said(_one_line(text), "error"), err=True)
+    _exit_now(2 if bad_input else 1)
 
 
-# How long a stopped worker's process may take to end: closing the loop and the store, then the
-# interpreter's own exit (which joins every non-daemon thread, with no bound, and runs atexit).
+# How long a stopped worker's process may take to end before a watch says what holds it and ends
+# it: held by a thread (an operation's) or by its event loop's tasks, EXIT_WITHIN; held by the
+# interpreter's own shutdown (atexit handlers, an OpenTelemetry exporter's flush), EXIT_SHUTDOWN.
 EXIT_WITHIN = 5.0
+EXIT_SHUTDOWN = 60.0
 
 
-def _exit_within(seconds: float) -> None:
-    """Watch the end of a stopped worker's process from a daemon thread: past ``seconds``, say
-    what holds it and exit at once, 0 (the stop itself had completed). A thread an operation
-    started (``threading.Thread``, its own ``ThreadPoolExecutor`` with a call running) kept a
-    worker that had logged ``stopped`` alive for good, its stop signals ignored, as the
-    interpreter waited to join it (found by review). A watch rather than an early exit: the
-    exit that ends in time still runs the atexit handlers (an OpenTelemetry exporter's flush)."""
+class _ExitWatch:
+    """Watch the end of a stopped (or failed) worker's process from a daemon thread. A thread an
+    operation started (``threading.Thread``, its own ``ThreadPoolExecutor`` with a call running)
+    kept a worker that had logged ``stopped`` alive for good, its stop signals ignored, as the
+    interpreter waited to join it (found by review). Past :data:`EXIT_WITHIN`, such a thread, or
+    a loop that has not closed, is named and the process exits with ``code``; an exit held by
+    the interpreter's shutdown alone (an atexit handler flushing spans) is given until
+    :data:`EXIT_SHUTDOWN`, so that a flush that takes a few seconds still happens."""
 
-    def watch() -> None:
-        time.sleep(seconds)
+    def __init__(self) -> None:
+        self.loop_closed = threading.Event()
+
+    def start(self, code: int) -> None:
+        threading.Thread(target=self._watch, args=(code,), name="stepwarden-exit-watch", daemon=True).start()
+
+    def _watch(self, code: int) -> None:
+        time.sleep(EXIT_WITHIN)
         held = sorted(
             t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
         )
-        log.warning(
-            "the worker stopped %gs ago and its process has not ended, held by %s; exiting now",
-            seconds,
-            f"thread(s) {', '.join(held[:5])}" if held else "its shutdown",
-        )
-        _exit_now(0)
+        if held or not self.loop_closed.is_set():
+            what = f"thread(s) {', '.join(held[:5])}" if held else "its event loop's tasks"
+            self._exit(EXIT_WITHIN, what, code)
+        time.sleep(EXIT_SHUTDOWN - EXIT_WITHIN)
+        self._exit(EXIT_SHUTDOWN, "its shutdown (an atexit handler)", code)
 
-    threading.Thread(target=watch, name="stepwarden-exit-watch", daemon=True).start()
+    @staticmethod
+    def _exit(after: float, what: str, code: int) -> None:
+        log.warning(
+            "the worker stopped %gs ago and its process has not ended, held by %s; exiting now", after, what
+        )
+        _exit_now(code)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

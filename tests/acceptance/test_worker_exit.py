@@ -39,12 +39,24 @@ async def stubborn(req):
             continue
 
 
+@rw.operation
+def flush_at_exit(req):  # as an exporter of spans does: a flush at exit that takes a few seconds
+    import atexit, os
+
+    def flush():
+        time.sleep(7)
+        open(os.environ["FLUSHED"], "w").close()
+
+    atexit.register(flush)
+
+
 app.workflow("leak", [Step("a", "rw.leak")])
+app.workflow("flush", [Step("a", "rw.flush_at_exit")])
 app.workflow("stubborn", [Step("a", "rw.stubborn", complete_by=300)])
 """
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, str]:
+def _start(tmp_path: Path, **env: str) -> tuple[subprocess.Popen[bytes], Path, str]:
     (tmp_path / "exit_app.py").write_text(APP)
     url = f"sqlite:///{tmp_path / 'exit.db'}"
     log_path = tmp_path / "worker.log"
@@ -53,7 +65,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, str]:
             [str(SW), "--db", url, "worker", "--app", "exit_app:app", "--name", "exiting"],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=clean_env(),
+            env=clean_env(**env),
             cwd=tmp_path,
         )
     wait_until(lambda: "leads with term" in log_path.read_text() or proc.poll() is not None, 30, "the worker")
@@ -117,3 +129,45 @@ def test_an_async_operation_that_swallows_its_cancellation_does_not_keep_the_sto
             proc.wait()
     assert "cancelling 1 running call(s) now" in text, text
     assert "exiting with 1 task(s) still running that ignored their cancellation (request-1)" in text, text
+
+
+def test_a_flush_at_exit_that_takes_a_few_seconds_still_happens(tmp_path: Path) -> None:
+    """Found by review of the exit watch: it ended the process 5 s after the stop, cutting an
+    atexit flush (an OpenTelemetry exporter's) that the interpreter was running. An exit held by
+    its own shutdown, with no thread of an operation's alive, is given a minute."""
+    flushed = tmp_path / "flushed"
+    proc, log_path, url = _start(tmp_path, FLUSHED=str(flushed))
+    try:
+        _submit(tmp_path, url, "flush")
+        wait_until(lambda: _state(tmp_path) == "processed", 30, "the task to be processed")
+        proc.send_signal(signal.SIGTERM)
+        text = _ended(proc, log_path, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert flushed.exists(), text
+    assert "has not ended" not in text, text
+
+
+def test_a_worker_that_fails_with_a_thread_left_running_exits_1_with_its_error_line(tmp_path: Path) -> None:
+    """Found by review of the exit watch: it ran only after a stop, and a worker that failed (its
+    SQLite file deleted) with a thread an operation left running waited for that thread (18 s
+    here, for ever for one that never ends) before its exit 1."""
+    proc, log_path, url = _start(tmp_path)
+    try:
+        _submit(tmp_path, url, "leak")
+        wait_until(lambda: _state(tmp_path) == "processed", 30, "the task to be processed")
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{tmp_path / 'exit.db'}{suffix}").unlink(missing_ok=True)
+        try:
+            code = proc.wait(timeout=EXIT_WITHIN + 15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after its failure:\n{log_path.read_text()}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert code == 1, text
+    assert "was deleted" in text and "held by thread(s) user-leak" in text, text
