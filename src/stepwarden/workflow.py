@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Set
@@ -26,6 +27,8 @@ MAX_INPUT_LIMIT = 10**9
 # round fail with RecursionError, holding up every other task with it.
 MAX_JSON_DEPTH = 100
 MAX_KEY_LEN = 255
+log = logging.getLogger("stepwarden.workflow")
+
 MAX_COMPLETE_BY = 86400 * 7  # one attempt's budget, in seconds
 # The least budget an attempt can use: it covers the request's pickup by an agent (a few ms, more
 # on a busy machine), the call and the reply. Below it (0.005 s was accepted) no call was ever
@@ -309,10 +312,23 @@ class Step:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Step:
+        """A step of a definition read back from the store. A budget under today's floor, which
+        an older version registered, is read as the floor, with a warning, as a stored policy's
+        refused value is (found by review: submission by name was refused)."""
+        complete_by = float(d["complete_by"])
+        if 0 < complete_by < MIN_COMPLETE_BY:
+            log.warning(
+                "step %r: its stored complete_by %g is under %g s, the least a step may have now; read as %g",
+                d["name"],
+                complete_by,
+                MIN_COMPLETE_BY,
+                MIN_COMPLETE_BY,
+            )
+            complete_by = MIN_COMPLETE_BY
         return cls(
             name=d["name"],
             operation=d["operation"],
-            complete_by=float(d["complete_by"]),
+            complete_by=complete_by,
             retry=Retry.from_dict(dict(d.get("retry") or {})),
             compensate=d.get("compensate"),
             on_error=d.get("on_error", "error"),
@@ -341,12 +357,6 @@ class Workflow:
             if not isinstance(s, Step):
                 hint = " (build it with Step(name, operation, ...))" if isinstance(s, Mapping) else ""
                 raise InputError(f"workflow {self.name!r}: step {i} must be a Step, not {show(s)}{hint}")
-        if len(self.steps) > MAX_STEPS:
-            raise InputError(
-                f"workflow {self.name!r} has {len(self.steps)} steps, more than {MAX_STEPS}: each"
-                " request carries the results of the steps before it, so a task's cost grows with"
-                " the square of its steps; split it into workflows that submit one another"
-            )
         dup = {n for n, k in Counter(s.name for s in self.steps).items() if k > 1}
         if dup:
             raise InputError(f"workflow {self.name!r} has duplicate step names: {sorted(dup)}")
@@ -371,8 +381,17 @@ class Workflow:
 
     @classmethod
     def of(cls, name: str, steps: Iterable[Step], version: int = 1) -> Workflow:
+        """A definition (``app.workflow``): checked as any Workflow, and for its number of steps,
+        which a definition an older version registered may exceed (read back by ``from_dict``)."""
         check_name("workflow name", name)
-        return cls(name=name, steps=_steps_of(name, steps), version=version)
+        listed = _steps_of(name, steps)
+        if len(listed) > MAX_STEPS:
+            raise InputError(
+                f"workflow {name!r} has {len(listed)} steps, more than {MAX_STEPS}: each request"
+                " carries the results of the steps before it, so a task's cost grows with the"
+                " square of its steps; split it into workflows that submit one another"
+            )
+        return cls(name=name, steps=listed, version=version)
 
 
 def _steps_of(workflow: object, steps: object) -> tuple[Step, ...]:

@@ -278,3 +278,24 @@ def test_a_workflow_of_more_than_max_steps_is_refused_and_checking_many_is_quick
         Workflow.of("huge", steps * 40)
     with pytest.raises(InputError, match=r"duplicate step names: \['s1'\]"):
         Workflow.of("dup", [*steps[:10], Step("s1", "svc.y")])
+
+
+def test_a_definition_an_older_version_stored_is_read_back_within_todays_limits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a definition registered before today's limits (a 0.05 s budget, more than
+    1,000 steps) was refused when read back, so `submit` by name failed on it. As a stored
+    policy's refused value is, the budget is read as the floor, with a warning; the step limit is
+    a definition's (``app.workflow``), not a stored one's."""
+    import logging
+
+    from stepwarden.workflow import MAX_STEPS, MIN_COMPLETE_BY
+
+    caplog.set_level(logging.WARNING, logger="stepwarden")
+    steps = [{"name": f"s{i}", "operation": "svc.x", "complete_by": 30.0} for i in range(MAX_STEPS + 1)]
+    steps[0]["complete_by"] = 0.05
+    wf = Workflow.from_dict({"name": "old", "version": 3, "steps": steps})
+    assert len(wf.steps) == MAX_STEPS + 1 and wf.steps[0].complete_by == MIN_COMPLETE_BY
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 's0': its stored complete_by 0.05 is under 0.1 s, the least a step may have now; read as 0.1"
+    ]
