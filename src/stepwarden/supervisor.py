@@ -19,6 +19,9 @@ from .policies import check_count, check_number, check_seconds
 from .store import Store, SweepResult, transitions
 from .store.base import Row
 
+# The least time between two warnings about one reply-queue consumer's unread, pruned messages.
+UNREAD_WARN_EVERY = 3600.0
+
 log = logging.getLogger("stepwarden.supervisor")
 LEASE = "supervisor"
 
@@ -98,6 +101,8 @@ class Supervisor:
         self.rescued = 0
         self.pruned = 0
         self._next_prune = 0.0
+        # Per (queue, consumer): messages pruned unread since its last warning, and when that was.
+        self._unread: dict[tuple[str, str], tuple[int, int, float | None]] = {}
         # Since when (monotonic) the store has answered this supervisor without a break; None:
         # not since its last failure or the start of its term (see HEARTBEATS_SETTLE). A sweep
         # called outside lead() (a test, a tool) judges heartbeats at once, as before.
@@ -225,14 +230,18 @@ class Supervisor:
         return total
 
     def _warn_unread(self, unread: list[Row], retention: float) -> None:
-        """One warning per named consumer that lost messages to this prune: documented (a consumer
-        that lags by more than the retention misses them), but its owner should hear of it."""
-        lost: dict[tuple[str, str], tuple[int, int]] = {}
+        """A warning per named consumer that lost messages to the prune: documented (a consumer
+        that lags by more than the retention misses them), but its owner should hear of it. At
+        most once per :data:`UNREAD_WARN_EVERY` per consumer, with the count since the last one:
+        an abandoned consumer (nothing removes its cursor) was warned about at every prune."""
+        now = self.clock.monotonic()
         for r in unread:
             key = (str(r["queue"]), str(r["consumer"]))
-            n, _ = lost.get(key, (0, 0))
-            lost[key] = (n + int(r["n"]), int(r["position"]))
-        for (queue, consumer), (n, position) in sorted(lost.items()):
+            n, _, said = self._unread.get(key, (0, 0, None))
+            self._unread[key] = (n + int(r["n"]), int(r["position"]), said)
+        for (queue, consumer), (n, position, said) in sorted(self._unread.items()):
+            if n == 0 or (said is not None and now - said < UNREAD_WARN_EVERY):
+                continue
             log.warning(
                 "supervisor %s pruned %d message(s) of reply queue %r that consumer %r had not read"
                 " (it acknowledged up to position %d): their tasks finished more than the retention"
@@ -244,6 +253,7 @@ class Supervisor:
                 position,
                 durations.short(retention),
             )
+            self._unread[(queue, consumer)] = (0, position, now)
 
     async def _prune_records(
         self, term: int, retention: float, rounds: int, leadership: Leadership | None

@@ -1495,6 +1495,24 @@ def test_a_prune_that_deletes_messages_a_named_consumer_has_not_read_says_so_onc
     ]
     assert q(store, "SELECT count(*) AS n FROM messages")[0]["n"] == 0
 
+    # An abandoned consumer (nothing removes its cursor) is not warned about at every prune (found
+    # by review): at most once an hour, with the count since the last warning.
+    def prune_more(tasks: int, after: float) -> list[str]:
+        for _ in range(tasks):
+            finish(store, wf)
+        store.transact_sync(replies.sequence, "app")
+        clock.advance(after)
+        caplog.clear()
+        run(sup.prune(term))
+        return [r.getMessage() for r in caplog.records if "had not read" in r.getMessage()]
+
+    # Half an hour on (past the retention): 'fast' has not read the new task's messages either (its first warning);
+    # 'slow''s are counted, not said.
+    [first] = prune_more(1, 1801)
+    assert f"pruned {per_task} message(s) of reply queue 'app' that consumer 'fast'" in first, first
+    [again] = prune_more(1, 1801)  # an hour after its warning: 'slow' again, with both tasks'
+    assert f"pruned {2 * per_task} message(s) of reply queue 'app' that consumer 'slow'" in again, again
+
 
 def test_a_reply_whose_task_was_pruned_meanwhile_is_deleted_not_left_behind(
     store: Store, clock: FakeClock, make_workflow: Factory
