@@ -1506,8 +1506,8 @@ def test_a_prune_that_deletes_messages_a_named_consumer_has_not_read_says_so_onc
         run(sup.prune(term))
         return [r.getMessage() for r in caplog.records if "had not read" in r.getMessage()]
 
-    # Half an hour on (past the retention): 'fast' has not read the new task's messages either (its first warning);
-    # 'slow''s are counted, not said.
+    # Half an hour on (past the retention): 'fast' has not read the new task's messages either
+    # (its first warning); 'slow''s are counted, not said.
     [first] = prune_more(1, 1801)
     assert f"pruned {per_task} message(s) of reply queue 'app' that consumer 'fast'" in first, first
     [again] = prune_more(1, 1801)  # an hour after its warning: 'slow' again, with both tasks'
