@@ -371,19 +371,27 @@ class Worker:
                 opening = asyncio.ensure_future(
                     unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
                 )
-                if failed == 0:
-                    await asyncio.wait({opening}, timeout=OPEN_SLOW_AFTER)
+                try:
+                    if failed == 0:
+                        await asyncio.wait({opening}, timeout=OPEN_SLOW_AFTER)
+                        if not opening.done():
+                            # A first try waits in the driver (SQLite's busy timeout, 30 s; a
+                            # server's connect timeout, 10 s) before it fails: silent until then,
+                            # the worker looked hung (found by review).
+                            log.warning(
+                                "worker %s: the store has not answered for %gs (another process"
+                                " holds the SQLite file's lock, or the server does not answer yet);"
+                                " still waiting",
+                                self.identity,
+                                OPEN_SLOW_AFTER,
+                            )
+                    opened = await opening
+                except BaseException:
+                    # Cancelled itself (``run`` under a caller's timeout): the try is abandoned
+                    # with it, not left to fail later as a task nobody awaits.
                     if not opening.done():
-                        # A first try waits in the driver (SQLite's busy timeout, 30 s; a server's
-                        # connect timeout, 10 s) before it fails: silent until then, the worker
-                        # looked hung (found by review).
-                        log.warning(
-                            "worker %s: the store has not answered for %gs (another process holds"
-                            " the SQLite file's lock, or the server does not answer yet); still waiting",
-                            self.identity,
-                            OPEN_SLOW_AFTER,
-                        )
-                opened = await opening
+                        opening.cancel()
+                    raise
             except StoreUnreachable as e:
                 # A server down or restarting, a file another process keeps locked: waited out
                 # with back-off, as every role waits out a failing store (REL3). Exiting, the

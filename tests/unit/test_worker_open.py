@@ -270,3 +270,38 @@ def test_a_store_that_still_cannot_be_opened_is_warned_about_again_every_few_min
         assert len(tries) > 50  # it kept trying all along, every 10 s
     finally:
         app.close()
+
+
+def test_a_run_cancelled_while_it_opens_the_store_leaves_no_try_behind(
+    tmp_path: Path, noop_app: Callable[..., App], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: ``run`` cancelled by its caller (``asyncio.wait_for``) while its first
+    try to open a locked store waited left that try running as a task nobody awaited, which
+    failed a second later with "Task exception was never retrieved" and a traceback."""
+    import gc
+
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    path = tmp_path / "locked.db"
+    url = f"sqlite:///{path}?busy_timeout=1"
+    open_store(url).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    app = noop_app(url)
+
+    async def body() -> list[str]:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(app.worker(name="cancelled").run(asyncio.Event()), 0.3)
+        await asyncio.sleep(1.5)  # past the busy timeout: an abandoned try has failed by now
+        gc.collect()
+        await asyncio.sleep(0.05)
+        return [t.get_name() for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        assert asyncio.run(body()) == []
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        for t in opening_threads():
+            t.join(10)
+        app.close()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
