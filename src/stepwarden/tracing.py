@@ -28,8 +28,12 @@ link to the previous attempt's span.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from .logs import safe_text
 
 try:
     from opentelemetry import trace as _trace
@@ -42,6 +46,25 @@ if TYPE_CHECKING:
 ENABLED = _trace is not None
 TRACER_NAME = "stepwarden"
 _REMEMBER = 10_000  # previous attempts' span contexts kept per process, for links
+log = logging.getLogger("stepwarden.tracing")
+_warned = False
+
+
+def _guarded(what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or None if the tracing SDK raised: tracing is observation, and a span processor
+    or exporter that raises (the SDK does not catch what ``on_start``/``on_end`` raise) stopped
+    every attempt before its operation was called, which then ended as if the service had hung
+    (found by review). Warned about once per process, then at debug level."""
+    global _warned
+    try:
+        return fn()
+    except Exception as e:
+        if not _warned:
+            _warned = True
+            log.warning("tracing failed (%s), work goes on without that span: %r", what, e)
+        else:
+            log.debug("tracing failed (%s): %r", what, e)
+        return None
 
 
 def _digest(task_id: int, store_id: str) -> bytes:
@@ -105,6 +128,12 @@ class AttemptSpan:
         self._finished = False
 
     def __enter__(self) -> AttemptSpan:
+        if _guarded("starting an attempt's span", self._start) is None:
+            self.span = None  # the attempt runs on without it
+            self._use = None
+        return self
+
+    def _start(self) -> bool:
         assert _trace is not None
         msg = self.msg
         step = msg.idempotency_key.split(":", 1)[1]
@@ -137,25 +166,36 @@ class AttemptSpan:
         self.tracer.remember(key, self.span.get_span_context())
         self._use = _trace.use_span(self.span, end_on_exit=False)
         self._use.__enter__()
-        return self
+        return True
 
     def __exit__(self, *exc: object) -> None:
         if self._use is not None:
-            self._use.__exit__(*exc)
-        if self.span is not None and self.span.is_recording():
+            _guarded("leaving an attempt's span", lambda: self._use.__exit__(*exc))
+        if self.span is not None:
+            _guarded("ending an attempt's span", lambda: self._end(bool(exc and exc[0])))
+
+    def _end(self, raised: bool) -> None:
+        if self.span.is_recording():
             if not self._finished:  # cancelled (worker stopping) or failed before an outcome
-                self.span.set_attribute("stepwarden.outcome", "cancelled" if exc and exc[0] else "none")
+                self.span.set_attribute("stepwarden.outcome", "cancelled" if raised else "none")
             self.span.end()
 
     def try_failed(self, n: int, error: str) -> None:
-        self.span.add_event("try_failed", {"stepwarden.try": n, "error": error[:500]})
+        if self.span is not None:
+            event = {"stepwarden.try": n, "error": safe_text(error[:500])}
+            _guarded("recording a failed try", lambda: self.span.add_event("try_failed", event))
 
     def finish(self, outcome: str, error: str | None = None) -> None:
-        assert _trace is not None
         self._finished = True
+        if self.span is not None:
+            _guarded("recording an attempt's outcome", lambda: self._outcome(outcome, error))
+
+    def _outcome(self, outcome: str, error: str | None) -> None:
+        assert _trace is not None
         self.span.set_attribute("stepwarden.outcome", outcome)
         if outcome in ("error", "retry"):
-            self.span.set_status(_trace.Status(_trace.StatusCode.ERROR, (error or outcome)[:500]))
+            text = safe_text((error or outcome)[:500])  # a service's text: no control characters
+            self.span.set_status(_trace.Status(_trace.StatusCode.ERROR, text))
         elif outcome == "silent":
             self.span.set_status(_trace.Status(_trace.StatusCode.ERROR, "complete-by passed: no reply"))
         elif outcome == "ok":
@@ -203,9 +243,11 @@ class Tracer:
 
     def applied(self, result: ApplyResult) -> None:
         """Replies applied by this process: a span for each task they finished."""
+        if result.finished and self.wants_workflows:
+            _guarded("recording finished tasks", lambda: self._finished_tasks(result))
+
+    def _finished_tasks(self, result: ApplyResult) -> None:
         assert _trace is not None
-        if not result.finished or not self.wants_workflows:
-            return
         for task_id, state in result.finished:
             root = _task_context(task_id, self.store_id)
             parent = _trace.set_span_in_context(_trace.NonRecordingSpan(root))

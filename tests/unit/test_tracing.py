@@ -295,3 +295,78 @@ def test_attempts_taken_for_the_workers_own_slots_carry_their_workflow(
     assert all(
         s.attributes is not None and s.attributes.get("stepwarden.workflow") == "checkout" for s in spans
     )
+
+
+class _Raising(SimpleSpanProcessor):
+    """A span processor that raises while ``on``: the SDK passes what ``on_start``/``on_end``
+    raise on to the caller (``SynchronousMultiSpanProcessor`` catches nothing)."""
+
+    on = False
+
+    def __init__(self) -> None:
+        super().__init__(InMemorySpanExporter())
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if _Raising.on:
+            raise RuntimeError("processor on_start boom")
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if _Raising.on:
+            raise RuntimeError("processor on_end boom")
+
+
+def test_a_tracing_sdk_that_raises_does_not_stop_the_work_and_is_warned_about_once(
+    store: Store,
+    clock: FakeClock,
+    make_workflow: Callable[..., Workflow],
+    exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a span processor that raised stopped every attempt before its operation
+    was called; no reply was sent, and the task ended in error as if the service had hung.
+    Tracing is observation: the work goes on without the span, with one warning."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="stepwarden")
+    monkeypatch.setattr(tracing, "_warned", False)  # once per process: this test's process
+    provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    provider.add_span_processor(_Raising())
+    wf = make_workflow("s", budget=60.0, compensate=False)
+    ids = [
+        store.transact_sync(
+            t.submit,
+            wf,
+            encode_input({"n": n}),
+            correlation_id=None,
+            idempotency_key=None,
+            priority=0,
+            reply_to=None,
+        )[0]
+        for n in range(2)
+    ]
+    agent = Agent("svc")
+    calls: list[int] = []
+
+    @agent.operation
+    async def do_s(req: Request) -> str:
+        calls.append(req.task_id)
+        return "done"
+
+    async def body() -> None:
+        role = AgentRole(store, {"svc": agent}, ME, clock=clock, settings=AgentSettings(apply_replies=True))
+        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2
+        assert await role.pull() == 2
+        await finish(role)
+
+    _Raising.on = True
+    try:
+        asyncio.run(body())
+    finally:
+        _Raising.on = False
+    assert sorted(calls) == ids
+    states = store.transact_sync(lambda tx: tx.sql("SELECT state FROM tasks ORDER BY id"))
+    assert [r["state"] for r in states] == ["processed", "processed"]
+    said = [r.getMessage() for r in caplog.records if r.name == "stepwarden.tracing"]
+    assert len(said) == 1 and "work goes on without that span" in said[0] and "boom" in said[0], said
