@@ -120,10 +120,7 @@ class Supervisor:
             await self._rescue_orphans(term, total, leadership)
             while True:
                 r = await self.store.sweep_expired(self.me, LEASE, term, self.settings.batch)
-                total.rescued += r.rescued
-                total.escalated += r.escalated
-                total.examined += r.examined
-                total.alerts.extend(r.alerts)
+                total.add(r)
                 if leadership is not None:
                     leadership.progress()
                 if not self._more(r):
@@ -172,10 +169,7 @@ class Supervisor:
                     self.store.rng,
                     verdict.silent_for,
                 )
-                total.rescued += r.rescued
-                total.escalated += r.escalated
-                total.examined += r.examined
-                total.alerts.extend(r.alerts)
+                total.add(r)
                 if leadership is not None:
                     leadership.progress()
                 if r.rescued:

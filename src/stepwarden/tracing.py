@@ -41,7 +41,7 @@ except ImportError:  # the `otel` extra is not installed: every hook below is a 
     _trace = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from .store import ApplyResult, RequestMsg, Store
+    from .store import ApplyResult, RequestMsg, Store, SweepResult
 
 ENABLED = _trace is not None
 TRACER_NAME = "stepwarden"
@@ -109,7 +109,7 @@ class NoTracer:
     def attempt(self, msg: RequestMsg, workflow: str | None = None) -> NoAttempt:
         return NO_ATTEMPT
 
-    def applied(self, result: ApplyResult) -> None:
+    def applied(self, result: ApplyResult | SweepResult) -> None:
         return None
 
 
@@ -241,14 +241,14 @@ class Tracer:
     def attempt(self, msg: RequestMsg, workflow: str | None = None) -> AttemptSpan | NoAttempt:
         return AttemptSpan(self, msg, workflow) if self.wants_workflows else NO_ATTEMPT
 
-    def applied(self, result: ApplyResult) -> None:
-        """Replies applied by this process: a span for each task they finished."""
+    def applied(self, result: ApplyResult | SweepResult) -> None:
+        """Replies applied, or a sweep, by this process: a span for each task they finished."""
         if result.finished and self.wants_workflows:
-            _guarded("recording finished tasks", lambda: self._finished_tasks(result))
+            _guarded("recording finished tasks", lambda: self._finished_tasks(result.finished))
 
-    def _finished_tasks(self, result: ApplyResult) -> None:
+    def _finished_tasks(self, finished: list[tuple[int, str]]) -> None:
         assert _trace is not None
-        for task_id, state in result.finished:
+        for task_id, state in finished:
             root = _task_context(task_id, self.store_id)
             parent = _trace.set_span_in_context(_trace.NonRecordingSpan(root))
             span = self.otel.start_span(

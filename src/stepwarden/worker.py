@@ -29,7 +29,7 @@ from .logs import log_raised
 from .policies import check_count, check_seconds, show
 from .scheduler import SchedulerRole, SchedulerSettings
 from .stop_writes import StopWrites
-from .store import ApplyResult, SQLiteStore, Store, open_store
+from .store import ApplyResult, SQLiteStore, Store, SweepResult, open_store
 from .store.agents import hand_back_dispatched
 from .store.base import WORK_CHANNELS, redact_url
 from .supervisor import LEASE, Supervisor, SupervisorSettings
@@ -268,7 +268,7 @@ class Worker:
                 self.scheduler.local = self.agent_role  # rounds hand requests to our own agents
         if "supervisor" in s.roles:
             self.supervisor = Supervisor(
-                store, self.identity, clock=clock, settings=s.supervisor, on_sweep=m.swept if m else None
+                store, self.identity, clock=clock, settings=s.supervisor, on_sweep=self._swept
             )
             self.keeper = LeaseKeeper(
                 store,
@@ -525,6 +525,13 @@ class Worker:
         self._spans.applied(result)
         if self.metrics is not None:
             self.metrics.applied(result)
+
+    def _swept(self, result: SweepResult, seconds: float) -> None:
+        """A sweep of this process's supervisor: the task spans of the tasks it ended (an attempt
+        past complete-by that used up its retries; they had none, found by review) and its metrics."""
+        self._spans.applied(result)
+        if self.metrics is not None:
+            self.metrics.swept(result, seconds)
 
     def _woken(self, channel: str) -> None:
         """A database notification: new work may be waiting, so poll now instead of at the next tick."""

@@ -1386,6 +1386,23 @@ def test_a_worker_that_beats_again_after_its_verdict_is_not_rescued_nor_its_leas
     assert store.transact_sync(t.take_lease, other, SUP, AGENT, int(held["term"]), 10.0, 3.0) is not None
 
 
+def test_a_sweep_that_ends_a_task_says_which_for_the_processs_metrics_and_spans(
+    store: Store, clock: FakeClock, make_workflow: Factory
+) -> None:
+    """Found by review: a task ended by the supervisor (its last attempt past complete-by) was
+    counted by no worker's metrics and had no task span, as a task ended by a reply has; the
+    sweep's result now names it."""
+    term = lease(store)
+    once = make_workflow("a", budget=10.0, retry=Retry(max_failures=1))
+    twice = make_workflow("a", name="twice", budget=10.0)
+    ended, retried = submit(store, once), submit(store, twice)
+    claim(store)
+    clock.advance(10.5)
+    r = sweep(store, term)
+    assert (r.rescued, r.finished) == (2, [(ended, "error")]), r
+    assert task(store, ended)["state"] == "error" and task(store, retried)["state"] == "pending"
+
+
 def test_a_step_rescued_from_a_dead_worker_is_retried_at_once_without_back_off(
     store: Store, clock: FakeClock, make_workflow: Factory
 ) -> None:

@@ -166,7 +166,7 @@ def test_worker_metrics_endpoint(scene: Scene) -> None:
                 accepted=2, finished=[(1, "processed"), (2, "error")], alerts=[{"kind": "task_error"}]
             )
         )
-        m.swept(SweepResult(rescued=3), seconds=0.02)
+        m.swept(SweepResult(rescued=3, finished=[(3, "error")]), seconds=0.02)  # a task a sweep ended
         m.lease_changed("acquired", 7)
         m.attempt_finished("inventory", "ok", 0.15)
         w.agent_role = AgentRole(scene.store, {}, w.identity)  # as run() makes it
@@ -179,6 +179,8 @@ def test_worker_metrics_endpoint(scene: Scene) -> None:
         demo_app._store = None
     assert value(got, "stepwarden_worker_info", worker=w.identity, roles="scheduler,agent,supervisor") == 1
     assert value(got, "stepwarden_worker_tasks_finished_total", state="processed") == 1
+    # one by a reply, one by a sweep (found by review: a sweep's were counted nowhere)
+    assert value(got, "stepwarden_worker_tasks_finished_total", state="error") == 2
     assert value(got, "stepwarden_worker_replies_applied_total", status="accepted") == 2
     assert value(got, "stepwarden_worker_alerts_total", kind="task_error") == 1
     assert value(got, "stepwarden_worker_sweeps_total") == 1

@@ -370,3 +370,23 @@ def test_a_tracing_sdk_that_raises_does_not_stop_the_work_and_is_warned_about_on
     assert [r["state"] for r in states] == ["processed", "processed"]
     said = [r.getMessage() for r in caplog.records if r.name == "stepwarden.tracing"]
     assert len(said) == 1 and "work goes on without that span" in said[0] and "boom" in said[0], said
+
+
+def test_a_task_a_sweep_ended_gets_its_task_span(store: Store, exporter: InMemorySpanExporter) -> None:
+    """Found by review: only tasks ended by a reply had a ``stepwarden.task`` span; one whose last
+    attempt passed complete-by (ended by the supervisor's sweep) had none, so a search on the
+    task state missed exactly those. The worker hands its sweeps to the tracer too."""
+    from stepwarden import App
+    from stepwarden.store.base import SweepResult
+    from stepwarden.worker import Worker
+
+    exporter.clear()
+    app = App()
+    app.use_store(store)
+    w = Worker(app)
+    w._spans = tracing.tracer(w.identity, store)  # as run() sets it, once the store is open
+    store.identity_sync()  # read before any span, as a worker does when it registers
+    w._swept(SweepResult(rescued=1, finished=[(41, "error")]), 0.01)
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "stepwarden.task"]
+    assert span.attributes is not None and span.attributes["stepwarden.task.state"] == "error"
+    assert span.context.trace_id == tracing.task_trace_id(41, store.identity_sync())

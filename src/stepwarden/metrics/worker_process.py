@@ -73,6 +73,8 @@ class WorkerMetrics(Collector):
         with self._lock:
             self._sweeps += 1
             self._sweep_rescued += result.rescued
+            for _, state in result.finished:  # the tasks a sweep ended are this process's too
+                self._finished[state] += 1
             for a in result.alerts:
                 self._alerts[str(a.get("kind"))] += 1
 

@@ -215,3 +215,14 @@ class SweepResult:
     # Candidates the batch read, those it skipped (held by another transaction) too: a batch that
     # read its limit may have left more behind, however few it rescued (SUP6).
     examined: int = 0
+    # Tasks the sweep ended (an attempt past complete-by that used up the step's retries), with
+    # their final state: as ApplyResult.finished, for the metrics and task spans of the process.
+    finished: list[tuple[int, str]] = field(default_factory=list)
+
+    def add(self, batch: SweepResult) -> None:
+        """Count one batch's result in a sweep's."""
+        self.rescued += batch.rescued
+        self.escalated += batch.escalated
+        self.examined += batch.examined
+        self.alerts.extend(batch.alerts)
+        self.finished.extend(batch.finished)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import LostOwnership
 from ..liveness import SILENT_AFTER
-from .base import Row, SweepResult, Tx, read_only
+from .base import FINAL_TASK_STATES, Row, SweepResult, Tx, read_only
 from .records import event
 from .transitions import fail_attempt
 
@@ -168,6 +168,8 @@ def _rescue(
     )
     out.rescued += 1
     out.escalated += what != "retry"
+    if task["state"] in FINAL_TASK_STATES:
+        out.finished.append((int(task["id"]), str(task["state"])))
 
 
 def prune(
