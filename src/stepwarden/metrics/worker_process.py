@@ -208,10 +208,10 @@ def start_worker_metrics(worker: Worker, port: int, host: str = "127.0.0.1") -> 
     Port 0 picks a free port (see the returned ``url``). The hooks of the returned
     ``.metrics`` are for the worker to pass to its roles (see docs/dashboard.md).
     """
-    from prometheus_client import start_http_server
+    from .http_server import serve_metrics
 
     metrics = WorkerMetrics(worker)
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    server = serve_metrics(metrics.registry, host, port)
     bound = server.server_address[1]
     shown = bracketed(host)
     return MetricsServer(metrics, f"http://{shown}:{bound}/metrics", server)
