@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -95,6 +96,22 @@ def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | N
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     handler._stepwarden = True  # type: ignore[attr-defined]
     root.addHandler(handler)
+    if fmt == "json":
+        # What Python itself writes to stderr, a warning or a thread's uncaught exception, as
+        # records too: under json they were raw lines, a traceback over several, among the JSON
+        # (found by review).
+        logging.captureWarnings(True)
+        threading.excepthook = _thread_exception_logged
+
+
+def _thread_exception_logged(args: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook`` under the json format: a thread's uncaught exception as one
+    record (its traceback in the record's ``exc`` field), as ``threading`` would print it."""
+    if args.exc_type is SystemExit:
+        return  # threading ignores it too
+    name = args.thread.name if args.thread is not None else "?"
+    error = args.exc_value if args.exc_value is not None else args.exc_type()
+    logging.getLogger("stepwarden.threads").error("exception in thread %s", name, exc_info=error)
 
 
 _SAID_LEVELS = {"": logging.INFO, "note": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

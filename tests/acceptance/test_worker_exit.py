@@ -50,19 +50,31 @@ def flush_at_exit(req):  # as an exporter of spans does: a flush at exit that ta
     atexit.register(flush)
 
 
+@rw.operation
+def noisy(req):  # what Python writes to stderr by itself: a warning, a thread's uncaught exception
+    import warnings
+
+    warnings.warn("an old API", DeprecationWarning, stacklevel=1)
+    warnings.warn("something odd", UserWarning, stacklevel=1)
+    t = threading.Thread(target=lambda: 1 / 0, name="user-thread")
+    t.start()
+    t.join()
+
+
 app.workflow("leak", [Step("a", "rw.leak")])
+app.workflow("noisy", [Step("a", "rw.noisy")])
 app.workflow("flush", [Step("a", "rw.flush_at_exit")])
 app.workflow("stubborn", [Step("a", "rw.stubborn", complete_by=300)])
 """
 
 
-def _start(tmp_path: Path, **env: str) -> tuple[subprocess.Popen[bytes], Path, str]:
+def _start(tmp_path: Path, *first: str, **env: str) -> tuple[subprocess.Popen[bytes], Path, str]:
     (tmp_path / "exit_app.py").write_text(APP)
     url = f"sqlite:///{tmp_path / 'exit.db'}"
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [str(SW), "--db", url, "worker", "--app", "exit_app:app", "--name", "exiting"],
+            [str(SW), *first, "--db", url, "worker", "--app", "exit_app:app", "--name", "exiting"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=clean_env(**env),
@@ -83,7 +95,7 @@ def _submit(tmp_path: Path, url: str, workflow: str, data: str = "{}") -> None:
     assert r.returncode == 0 and r.stdout.strip() == "1", str(r)
 
 
-def _ended(proc: subprocess.Popen[bytes], log_path: Path, within: float) -> str:
+def _ended(proc: subprocess.Popen[bytes], log_path: Path, within: float, *, traceback: bool = False) -> str:
     try:
         code = proc.wait(timeout=within)
     except subprocess.TimeoutExpired:
@@ -92,7 +104,7 @@ def _ended(proc: subprocess.Popen[bytes], log_path: Path, within: float) -> str:
         raise AssertionError(f"still running {within:g}s after its stop:\n{log_path.read_text()}") from None
     text = log_path.read_text()
     assert code == 0, text
-    assert "Traceback" not in text, text
+    assert traceback or "Traceback" not in text, text
     return text
 
 
@@ -171,3 +183,26 @@ def test_a_worker_that_fails_with_a_thread_left_running_exits_1_with_its_error_l
     text = log_path.read_text()
     assert code == 1, text
     assert "was deleted" in text and "held by thread(s) user-leak" in text, text
+
+
+def test_under_json_logs_a_warning_and_a_threads_uncaught_exception_are_json_records(tmp_path: Path) -> None:
+    """Found by review: Python's own writes to stderr (``warnings.warn``, a thread's uncaught
+    exception, its traceback over several lines) were raw text among the JSON lines."""
+    proc, log_path, url = _start(tmp_path, "--log-format", "json", PYTHONWARNINGS="always")
+    try:
+        _submit(tmp_path, url, "noisy")
+        wait_until(lambda: _state(tmp_path) == "processed", 30, "the task to be processed")
+        wait_until(lambda: "ZeroDivisionError" in log_path.read_text(), 10, "the thread's exception")
+        proc.send_signal(signal.SIGTERM)
+        text = _ended(proc, log_path, 30, traceback=True)  # the thread's, in a record's exc field
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    warned = [r["message"] for r in records if r["logger"] == "py.warnings"]
+    assert any("UserWarning: something odd" in m for m in warned), warned
+    [thread] = [r for r in records if r["logger"] == "stepwarden.threads"]
+    assert (
+        thread["message"] == "exception in thread user-thread" and thread["exc_type"] == "ZeroDivisionError"
+    )
