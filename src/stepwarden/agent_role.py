@@ -164,6 +164,9 @@ class AgentRole:
         # Set by a stop (drain): the sender tries no reply after this moment (local monotonic),
         # whatever time its request has left; the stop waits that long for it and no longer.
         self._send_by: float | None = None
+        # How long the last reply transaction that went through took: what a try needs once the
+        # store answers again (see _send_tries).
+        self._send_took = MIN_TRY_LEFT
         self.rng = random.Random()  # the jitter of the reply sender's back-off
         self._replied: set[int] = set()  # request ids whose reply is queued or sent
         # Request ids whose reply committed while their call's task still runs (waiting for its
@@ -508,7 +511,8 @@ class AgentRole:
         sends nothing then; the attempt is the supervisor's), and so is every reply once a stop's
         bound passes (``_send_by``); the others go on. A try after a failure needs as much time
         to spare as the failed try took (``MIN_TRY_LEFT`` at least), as a retry of the operation
-        does: one started in the last instant would commit after complete-by. In the common
+        does: one started in the last instant would commit after complete-by; after a failure for
+        want of the store, as much as the last try that went through took. In the common
         case, one try that commits, this costs a look at each reply's deadline and one clock
         read: no task, no round trip.
 
@@ -525,9 +529,15 @@ class AgentRole:
             n += 1
             began = self.clock.monotonic()
             error = await self._send_batch(left, n)
+            took = self.clock.monotonic() - began
             if error is None:
+                self._send_took = max(MIN_TRY_LEFT, took)
                 return
-            spare = max(MIN_TRY_LEFT, self.clock.monotonic() - began)
+            # A try that failed for want of the store spent its time waiting for a connection (a
+            # pool's 5 s), not sending: asked of the next try, that wait dropped replies with
+            # seconds still left once the store was back, and their steps ran again (found by
+            # review). The next try needs what a try took when the store answered.
+            spare = max(MIN_TRY_LEFT, self._send_took if _store_down(error) else took)
             if not _store_down(error):
                 refused += 1
                 if refused >= SEND_TRIES:

@@ -107,6 +107,34 @@ def test_a_reply_is_tried_until_the_store_answers_within_complete_by(
     assert request_states(rt_store) == ["replied"]
 
 
+def test_a_reply_whose_failed_try_waited_long_for_the_store_is_still_sent_when_it_is_back(
+    rt_store: Store, dispatch_requests: Dispatch
+) -> None:
+    """Found by review on PostgreSQL: a 5.6 s outage, complete-by 10 s. The failed try had waited
+    5 s for a connection (the pool's timeout), and the next try was asked for as much time to
+    spare: with 4.7 s still left once the server was back, the reply was dropped ("complete-by
+    passed"), and the step ran a second time. A try that failed for want of the store needs what
+    a try took when the store answered, not its own wait."""
+    dispatch_requests(rt_store, 1, budget=10.0)
+    clock = Sleeps()
+
+    def waits_for_a_connection(*args: Any, **kw: Any) -> bool:
+        clock.advance(5.0)  # this try waited out the pool's timeout, then failed
+        return True
+
+    lossy = LostCommits(rt_store, "send_replies", fail=1, when=waits_for_a_connection)
+
+    async def body() -> None:
+        role = make_role(lossy, at_once(), clock=clock)  # type: ignore[arg-type]
+        assert await role.pull() == 1
+        await drive(clock, lambda: not role.tasks)
+        assert lossy.calls == 2  # the one that waited and failed, then the one that went through
+
+    asyncio.run(body())
+    assert [(r["outcome"], r["result"]) for r in replies(rt_store)] == [("ok", '{"n":0}')]
+    assert request_states(rt_store) == ["replied"]
+
+
 def test_a_batch_drops_the_replies_past_complete_by_and_keeps_trying_the_others(
     rt_store: Store, dispatch_requests: Dispatch
 ) -> None:
