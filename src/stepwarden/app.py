@@ -276,7 +276,8 @@ class App:
         key; :class:`~stepwarden.errors.InputError` if a task of another workflow holds the key)."""
         text, kw = self._prepare(workflow, input, correlation_id, idempotency_key, priority, reply_to)
         wf = self._workflow(workflow)
-        return self.store.transact_sync(transitions.submit, wf, text, **kw)[0]
+        with _outage_said("submit", writes=True):
+            return self.store.transact_sync(transitions.submit, wf, text, **kw)[0]
 
     async def submit_async(
         self,
@@ -292,7 +293,8 @@ class App:
         wf = self.own_workflow(workflow)
         if wf is None:
             wf = await asyncio.to_thread(self._workflow, workflow)
-        task_id, _ = await self.store.transact(transitions.submit, wf, text, **kw)
+        with _outage_said("submit", writes=True):
+            task_id, _ = await self.store.transact(transitions.submit, wf, text, **kw)
         return task_id
 
     @contextmanager
@@ -373,7 +375,9 @@ class App:
 
     # -- results -------------------------------------------------------------------------------
     def task(self, task_id: int) -> dict[str, Any]:
-        return self.store.transact_sync(views.show_task, _task_id(task_id))
+        task_id = _task_id(task_id)
+        with _outage_said("task", writes=False):
+            return self.store.transact_sync(views.show_task, task_id)
 
     def wait(self, task_id: int, timeout: float = 30.0, poll: float = 0.05) -> dict[str, Any]:
         """Block until the task is final; returns its view. Raises TimeoutError otherwise."""
@@ -435,14 +439,16 @@ class App:
     # -- alerts --------------------------------------------------------------------------------
     def alerts(self, unacked: bool = False) -> list[dict[str, Any]]:
         """Operator alerts, oldest first, as ``stepwarden alerts --json`` prints them."""
-        return self.store.transact_sync(views.list_alerts, not unacked)
+        with _outage_said("alerts", writes=False):
+            return self.store.transact_sync(views.list_alerts, not unacked)
 
     def ack_alert(self, alert_id: int, by: str = "api") -> dict[str, Any]:
         """Acknowledge an alert (idempotent: a second acknowledgement keeps the first); returns it.
         ``alert_id`` is a positive int, ``by`` 1-255 printable characters: else InputError."""
         alert_id = check_id("alert id", alert_id)
         check_key("acknowledged-by name", by)
-        return self.store.transact_sync(ack_alert, alert_id, by)[0]
+        with _outage_said("ack_alert", writes=False):  # idempotent: simply done again
+            return self.store.transact_sync(ack_alert, alert_id, by)[0]
 
     # -- leadership ------------------------------------------------------------------------------
     async def run_while_leader(
@@ -484,3 +490,37 @@ def _seconds(name: str, value: object) -> float:
 
 def _agents_of(wf: Workflow) -> set[str]:
     return {ref.split(".", 1)[0] for s in wf.steps for ref in (s.operation, s.compensate) if ref}
+
+
+@contextmanager
+def _outage_said(what: str, *, writes: bool) -> Iterator[None]:
+    """The driver's errors of a store that does not answer (psycopg's OperationalError and
+    InterfaceError, its pool's PoolTimeout), raised by a call of the app API, as one
+    :class:`StoreError` that says what it means for the caller: the API raised them as they
+    came, and code that caught StoreError, as documented, crashed on them (found by review). A
+    write that never got a connection wrote nothing; one whose connection was lost may have
+    committed. Other errors go on as they came."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except Exception as e:
+        if not _driver_outage(e):
+            raise
+        if not writes:
+            said = "try again once it answers"
+        elif type(e).__name__ == "PoolTimeout":
+            said = "no connection was had, so nothing was written"
+        else:
+            said = (
+                "the connection was lost, so it may have been written: submit it again with the"
+                " same idempotency key, which returns the task if it was"
+            )
+        raise StoreError(f"{what}: the store did not answer ({type(e).__name__}: {e}); {said}") from e
+
+
+def _driver_outage(e: BaseException) -> bool:
+    return any(
+        c.__name__ in ("OperationalError", "InterfaceError") and c.__module__.startswith("psycopg")
+        for c in type(e).__mro__
+    )

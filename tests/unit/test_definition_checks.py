@@ -663,3 +663,60 @@ def test_operations_that_take_the_request_in_any_form_are_accepted() -> None:
         agent.operation(fn, name=f"op{i}")
     agent.operation(print, name="builtin")  # no signature to read: taken as it is
     assert len(agent.operations) == 6
+
+
+def test_the_app_api_says_a_store_that_does_not_answer_as_a_store_error(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review on PostgreSQL: with the server down, ``app.submit`` raised psycopg_pool's
+    PoolTimeout and ``app.task`` psycopg's OperationalError as they came, so code that caught
+    StoreError, as documented, crashed on them. Each is now a StoreError that says whether the
+    submission may have been written; an error that is no outage goes on as it came."""
+    import psycopg
+    import psycopg_pool
+
+    from stepwarden import Step
+    from stepwarden.errors import StoreError
+
+    app = App(f"sqlite:///{tmp_path / 'api.db'}")
+    app.workflow("order", [Step("a", "svc.do_a")])
+    store = app.store
+
+    def failing(error: BaseException) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise error
+
+        return call
+
+    try:
+        monkeypatch.setattr(store, "transact_sync", failing(psycopg_pool.PoolTimeout("no connection in 5 s")))
+        with pytest.raises(
+            StoreError,
+            match=r"submit: the store did not answer \(PoolTimeout: no connection in 5 s\); no connection was"
+            r" had, so nothing was written",
+        ):
+            app.submit("order", {})
+        monkeypatch.setattr(
+            store, "transact_sync", failing(psycopg.OperationalError("server closed the connection"))
+        )
+        with pytest.raises(
+            StoreError, match="it may have been written: submit it again with the same idempotency key"
+        ):
+            app.submit("order", {})
+        with pytest.raises(StoreError, match=r"task: the store did not answer .*; try again once it answers"):
+            app.task(1)
+        with pytest.raises(StoreError, match="alerts: the store did not answer"):
+            app.alerts()
+
+        async def down(*args: Any, **kwargs: Any) -> Any:
+            raise psycopg.OperationalError("server closed the connection")
+
+        monkeypatch.setattr(store, "transact", down)
+        with pytest.raises(StoreError, match="submit: the store did not answer"):
+            asyncio.run(app.submit_async("order", {}))
+        monkeypatch.setattr(store, "transact_sync", failing(RuntimeError("a bug")))
+        with pytest.raises(RuntimeError, match="a bug"):  # not an outage: as it came
+            app.submit("order", {})
+    finally:
+        monkeypatch.undo()
+        app.close()
