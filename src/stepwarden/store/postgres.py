@@ -244,7 +244,7 @@ class PostgresStore(Store):
         except psycopg.OperationalError as e:
             if stage[0] == "commit" or not _connection_lost(e):
                 raise
-            log.info("connection lost before commit; retrying the transaction on a fresh connection")
+            log.debug("connection lost before commit; retrying the transaction on a fresh connection")
             self._pool_for(fn).check()  # the other idle connections likely died with it: replace them now
             return self._transact_once(stage, fn, *args, **kwargs)
 
