@@ -230,7 +230,11 @@ class Worker:
         if not await self._register_workflows(store, stop):
             self._not_started("recording its workflows in the store")
             return False
-        await _safe(self._beat(), "record its heartbeat")
+        try:
+            await self._beat()
+        except Exception as e:
+            _refuse_if_it_may_not_write(self.identity, e)
+            log.warning("worker: could not %s: %r", "record its heartbeat", e)
         log.info(
             "worker %s starting: roles=%s agents=%s store=%s",
             self.identity,
@@ -461,6 +465,7 @@ class Worker:
             try:
                 done = await unless_stopped(recording, stop)
             except Exception as e:
+                _refuse_if_it_may_not_write(self.identity, e)
                 log.warning(
                     "worker %s: cannot record its workflows in the store yet, trying again in %gs: %s",
                     self.identity,
@@ -622,6 +627,24 @@ async def _watch_store_file(store: SQLiteStore, stop: asyncio.Event, every: floa
                 f"{why}: this worker's connections are still on the old file, where no other"
                 " process looks; it stops (start it again to work on the file now at the path)"
             )
+
+
+def _refuse_if_it_may_not_write(me: str, e: BaseException) -> None:
+    """A :class:`StoreError` (the worker exits 1, one line) for a database role that may not write
+    (PostgreSQL's insufficient privilege, 42501): waited out as an outage, it warned every 10 s
+    for ever, and a worker without the grants never did any work (found by review)."""
+    current: BaseException | None = e
+    for _ in range(5):
+        if current is None:
+            return
+        if getattr(current, "sqlstate", None) == "42501":
+            raise StoreError(
+                f"worker {me}: the store's database role may not write ({current}); a worker needs"
+                " SELECT, INSERT, UPDATE and DELETE on the tables and USAGE, SELECT on the"
+                " sequences (see deploying.md, least privilege)"
+            ) from e
+        current = current.__cause__ or current.__context__
+    return
 
 
 async def _safe(coro: object, what: str) -> bool:

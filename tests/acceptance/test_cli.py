@@ -416,6 +416,37 @@ def test_a_read_only_postgres_role_can_run_the_read_commands(make_pg_db: Any, tm
             admin.execute(f"DROP ROLE {role}")
 
 
+@pytest.mark.parametrize("roles", ["scheduler,agent,supervisor", "scheduler,supervisor"])
+def test_a_worker_whose_postgres_role_may_only_read_exits_1_with_one_line(
+    make_pg_db: Any, tmp_path: Path, roles: str
+) -> None:
+    """Found by review: such a worker warned "cannot record its workflows in the store yet ...
+    permission denied" every 10 s for ever (without --app, it started and warned on every
+    heartbeat); it never did any work. Permission denied is no outage: exit 1, one line."""
+    import uuid
+
+    import psycopg
+
+    url = make_pg_db()
+    make_db(tmp_path, pg=url)
+    role = f"sw_ro_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    try:
+        parts = urlsplit(url)
+        ro_url = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
+        app = ("--app", DEMO_APP) if "agent" in roles else ()
+        r = sw("--db", ro_url, "worker", *app, "--roles", roles, cwd=tmp_path, timeout=60)
+        errors = [line for line in r.stderr_lines if line.startswith("error: ")]
+        assert r.returncode == 1 and len(errors) == 1, str(r)
+        assert "may not write" in errors[0] and "permission denied" in errors[0], errors
+    finally:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")
+
+
 def test_a_postgres_role_without_create_rights_runs_workers_and_submits_on_a_migrated_schema(
     make_pg_db: Any, tmp_path: Path, procs: Procs
 ) -> None:
