@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -328,3 +329,43 @@ def test_a_take_of_any_operation_also_goes_by_priority(store: Store, make_workfl
     assert taken.task_id == high
     [rest] = asyncio.run(store.claim_requests(AGENT, ["svc"], 1))
     assert rest.task_id == low
+
+
+def test_the_listen_session_survives_an_idle_session_timeout_set_on_the_database(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: with ``idle_session_timeout`` set on the role or the database (a DBA's
+    guard against forgotten sessions), the LISTEN connection, idle by design between
+    notifications, was ended every few seconds: a warning each time, and wake-ups lost between.
+    Its own session turns the limit off."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="stepwarden")
+    dbname = pg_url.rsplit("/", 1)[1].split("?")[0]
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(f"ALTER DATABASE \"{dbname}\" SET idle_session_timeout = '1s'")
+    store = open_store(pg_url)
+    woken: list[str] = []
+
+    async def body() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(store.listen(woken.append, stop, ["stepwarden_tasks"]))
+        deadline = time.monotonic() + 10
+        while not woken:  # the first wake-up: listening now
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        woken.clear()
+        await asyncio.sleep(2.5)  # idle past the database's limit
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute("NOTIFY stepwarden_tasks")
+        while not woken:
+            assert time.monotonic() < deadline, "the notification sent after the idle time was lost"
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(body())
+    finally:
+        store.close()
+    assert not [r for r in caplog.records if "LISTEN connection lost" in r.getMessage()], caplog.text

@@ -479,6 +479,11 @@ class PostgresStore(Store):
             try:
                 aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
                 async with aconn:
+                    if aconn.info.server_version >= 140000:
+                        # Idle by design between notifications: a role's or database's
+                        # idle_session_timeout ended it every few seconds, a warning each time
+                        # (found by review). Its own session only; PostgreSQL 14 and later.
+                        await aconn.execute("SET idle_session_timeout = 0")
                     for ch in wanted:
                         await aconn.execute(f"LISTEN {ch}")
                     delay = 0.2
