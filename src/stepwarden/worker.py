@@ -382,12 +382,17 @@ class Worker:
                             # A first try waits in the driver (SQLite's busy timeout, 30 s; a
                             # server's connect timeout, 10 s) before it fails: silent until then,
                             # the worker looked hung (found by review).
+                            url = self.db or self.app.url
+                            why = (
+                                "another process holds the SQLite file's lock"
+                                if url.startswith("sqlite:")
+                                else "the server does not answer yet"
+                            )
                             log.warning(
-                                "worker %s: the store has not answered for %gs (another process"
-                                " holds the SQLite file's lock, or the server does not answer yet);"
-                                " still waiting",
+                                "worker %s: the store has not answered for %gs (%s); still waiting",
                                 self.identity,
                                 OPEN_SLOW_AFTER,
+                                why,
                             )
                     opened = await opening
                 except BaseException:
