@@ -99,7 +99,8 @@ def test_constructor_arguments_override_the_url() -> None:
         ("prepare=maybe", "prepare='maybe': expected on or off"),
         ("listen=sometimes", "listen='sometimes': expected on or off"),
         ("pool_size=many", "expected a whole number"),
-        ("pool_size=0", "expected at least 1"),
+        ("pool_size=0", "expected from 1 to 1000"),
+        ("pool_size=100000", "expected from 1 to 1000"),  # found by review: accepted
     ],
 )
 def test_bad_options_are_refused_with_a_reason(query: str, message: str) -> None:

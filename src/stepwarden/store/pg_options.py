@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     psycopg = None  # type: ignore[assignment]
 
 URL_OPTIONS = ("listen", "pool_size", "prepare", "pooler")
+MAX_POOL_SIZE = 1000
 # A partition (packets dropped, not refused) gives a socket no error: a statement waits for an
 # answer that never comes, a LISTEN connection for notifications, for as long as the kernel keeps
 # the connection: about 15 minutes of retransmissions while data is unacknowledged, else until
@@ -119,8 +120,10 @@ def pg_options(
         size = pool_size or int(opts.get("pool_size", "4"))
     except ValueError:
         raise InputError(f"URL option pool_size={opts['pool_size']!r}: expected a whole number") from None
-    if size < 1:
-        raise InputError(f"URL option pool_size={size}: expected at least 1")
+    if not 1 <= size <= MAX_POOL_SIZE:
+        # Above it, the connections of one process would exhaust any server's max_connections
+        # (100 by default): pool_size=100000 was accepted (found by review).
+        raise InputError(f"URL option pool_size={size}: expected from 1 to {MAX_POOL_SIZE}")
     return PgOptions(
         conninfo=conninfo,
         listen=listen_on,
