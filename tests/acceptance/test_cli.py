@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sqlite3
@@ -379,24 +380,12 @@ def test_read_commands_do_not_upgrade_an_older_schema_and_say_how(old_store: Db)
 
 def test_a_read_only_postgres_role_can_run_the_read_commands(make_pg_db: Any, tmp_path: Path) -> None:
     """Reading needs no right to create: opening a store for a read command writes nothing."""
-    import uuid
-
-    import psycopg
 
     url = make_pg_db()
     db = make_db(tmp_path, pg=url)
     tid = db.submit(order("ro-1"), "--correlation-id", "ro-1")
-    role = f"sw_ro_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(url, autocommit=True) as admin:
-        admin.execute(f"CREATE ROLE {role} LOGIN")
-        admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
-    try:
-        parts = urlsplit(url)
-        reader = Db(
-            tmp_path / "unused.db",
-            tmp_path,
-            urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}")),
-        )
+    with _select_only_role(url) as ro_url:
+        reader = Db(tmp_path / "unused.db", tmp_path, ro_url)
         assert [t["id"] for t in reader.json("tasks", "--json")] == [tid]
         assert reader.json("task", "show", str(tid), "--json")["correlation_id"] == "ro-1"
         assert isinstance(reader.json("leases", "--json"), list)
@@ -410,10 +399,6 @@ def test_a_read_only_postgres_role_can_run_the_read_commands(make_pg_db: Any, tm
         line = assert_one_error_line(r, code=1)
         assert "reply queue ro-q" in line and "not only SELECT" in line, line
         assert time.monotonic() - started < 15, "it waited for the store as for an outage"
-    finally:
-        with psycopg.connect(url, autocommit=True) as admin:
-            admin.execute(f"DROP OWNED BY {role}")
-            admin.execute(f"DROP ROLE {role}")
 
 
 @pytest.mark.parametrize("roles", ["scheduler,agent,supervisor", "scheduler,supervisor"])
@@ -423,24 +408,31 @@ def test_a_worker_whose_postgres_role_may_only_read_exits_1_with_one_line(
     """Found by review: such a worker warned "cannot record its workflows in the store yet ...
     permission denied" every 10 s for ever (without --app, it started and warned on every
     heartbeat); it never did any work. Permission denied is no outage: exit 1, one line."""
+
+    url = make_pg_db()
+    make_db(tmp_path, pg=url)
+    with _select_only_role(url) as ro_url:
+        app = ("--app", DEMO_APP) if "agent" in roles else ()
+        r = sw("--db", ro_url, "worker", *app, "--roles", roles, cwd=tmp_path, timeout=60)
+    errors = [line for line in r.stderr_lines if line.startswith("error: ")]
+    assert r.returncode == 1 and len(errors) == 1, str(r)
+    assert "may not write" in errors[0] and "permission denied" in errors[0], errors
+
+
+@contextlib.contextmanager
+def _select_only_role(url: str) -> Iterator[str]:
+    """The URL of a new login role that may only read the store's tables; dropped after."""
     import uuid
 
     import psycopg
 
-    url = make_pg_db()
-    make_db(tmp_path, pg=url)
     role = f"sw_ro_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(url, autocommit=True) as admin:
         admin.execute(f"CREATE ROLE {role} LOGIN")
         admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
     try:
         parts = urlsplit(url)
-        ro_url = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
-        app = ("--app", DEMO_APP) if "agent" in roles else ()
-        r = sw("--db", ro_url, "worker", *app, "--roles", roles, cwd=tmp_path, timeout=60)
-        errors = [line for line in r.stderr_lines if line.startswith("error: ")]
-        assert r.returncode == 1 and len(errors) == 1, str(r)
-        assert "may not write" in errors[0] and "permission denied" in errors[0], errors
+        yield urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
     finally:
         with psycopg.connect(url, autocommit=True) as admin:
             admin.execute(f"DROP OWNED BY {role}")
