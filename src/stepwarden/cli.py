@@ -338,10 +338,15 @@ async def _end_left_tasks(failure: BaseException | None) -> None:
     )
     if failure is None:
         _exit_now(0)
-    bad_input = isinstance(failure, InputError | NotFound)
-    text = str(failure) if isinstance(failure, StepwardenError) else f"{type(failure).__name__}: {failure}"
+    _exit_now(_say_error(failure))
+
+
+def _say_error(e: BaseException) -> int:
+    """The one ``error:`` line of an error the command ends with; its exit code: 2 for bad input,
+    1 for anything else (one that is not ours shows its type, never a traceback)."""
+    text = str(e) if isinstance(e, StepwardenError) else f"{type(e).__name__}: {e}"
     click.echo(said(_one_line(text), "error"), err=True)
-    _exit_now(2 if bad_input else 1)
+    return 2 if isinstance(e, InputError | NotFound) else 1
 
 
 # How long a stopped worker's process may take to end before a watch says what holds it and ends
@@ -710,18 +715,14 @@ def _run(group: click.Group, argv: list[str] | None, prog_name: str) -> None:
     except click.ClickException as e:
         click.echo(said(_one_line(e.format_message()), "error"), err=True)
         sys.exit(e.exit_code)
-    except (InputError, NotFound) as e:
-        click.echo(said(_one_line(str(e)), "error"), err=True)
-        sys.exit(2)
     except StepwardenError as e:
-        click.echo(said(_one_line(str(e)), "error"), err=True)
-        sys.exit(1)
+        sys.exit(_say_error(e))
     except KeyboardInterrupt:
         sys.exit(130)
     except ReaderGone:
         raise  # for run(): not an error
     except Exception as e:  # one line, never a traceback, for anything we did not foresee
-        click.echo(said(_one_line(f"{type(e).__name__}: {e}"), "error"), err=True)
+        code = _say_error(e)
         if os.environ.get("STEPWARDEN_DEBUG"):
             raise
-        sys.exit(1)
+        sys.exit(code)
