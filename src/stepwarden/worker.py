@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 from . import tracing
 from .agent import Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
-from .clock import STOPPED, Outage, sleep_or_wake, unless_stopped
+from .clock import STOPPED, Outage, Stopped, sleep_or_wake, unless_stopped
 from .errors import InputError, StoreError, StoreUnreachable
 from .fleet import FleetCheck
 from .leader import LeaseKeeper, LeaseSettings
@@ -372,35 +372,7 @@ class Worker:
         warn_again = since + OPEN_STILL_FAILING_EVERY
         while True:
             try:
-                opening = asyncio.ensure_future(
-                    unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
-                )
-                try:
-                    if failed == 0:
-                        await asyncio.wait({opening}, timeout=OPEN_SLOW_AFTER)
-                        if not opening.done():
-                            # A first try waits in the driver (SQLite's busy timeout, 30 s; a
-                            # server's connect timeout, 10 s) before it fails: silent until then,
-                            # the worker looked hung (found by review).
-                            url = self.db or self.app.url
-                            why = (
-                                "another process holds the SQLite file's lock"
-                                if url.startswith("sqlite:")
-                                else "the server does not answer yet"
-                            )
-                            log.warning(
-                                "worker %s: the store has not answered for %gs (%s); still waiting",
-                                self.identity,
-                                OPEN_SLOW_AFTER,
-                                why,
-                            )
-                    opened = await opening
-                except BaseException:
-                    # Cancelled itself (``run`` under a caller's timeout): the try is abandoned
-                    # with it, not left to fail later as a task nobody awaits.
-                    if not opening.done():
-                        opening.cancel()
-                    raise
+                opened = await self._try_open(stop, first=failed == 0)
             except StoreUnreachable as e:
                 # A server down or restarting, a file another process keeps locked: waited out
                 # with back-off, as every role waits out a failing store (REL3). Exiting, the
@@ -446,6 +418,35 @@ class Worker:
             )
         log.info("worker %s on %s", self.identity, redact_url(opened.url))
         return opened
+
+    async def _try_open(self, stop: asyncio.Event, *, first: bool) -> Store | Stopped:
+        """One try to open the store (:data:`STOPPED` if ``stop`` came first). A ``first`` try
+        still waiting after :data:`OPEN_SLOW_AFTER` is warned about: it waits in the driver
+        (SQLite's busy timeout, 30 s; a server's connect timeout, 10 s) before it fails, and
+        the worker, silent until then, looked hung (found by review)."""
+        opening = asyncio.ensure_future(
+            unless_stopped(_in_daemon_thread(self._open_store, "stepwarden-open"), stop)
+        )
+        try:
+            if first:
+                await asyncio.wait({opening}, timeout=OPEN_SLOW_AFTER)
+                if not opening.done():
+                    sqlite = (self.db or self.app.url).startswith("sqlite:")
+                    log.warning(
+                        "worker %s: the store has not answered for %gs (%s); still waiting",
+                        self.identity,
+                        OPEN_SLOW_AFTER,
+                        "another process holds the SQLite file's lock"
+                        if sqlite
+                        else "the server does not answer yet",
+                    )
+            return await opening
+        except BaseException:
+            # Cancelled itself (``run`` under a caller's timeout): the try is abandoned with it,
+            # not left to fail later as a task nobody awaits.
+            if not opening.done():
+                opening.cancel()
+            raise
 
     def _open_store(self) -> Store:
         """In the opening thread: ``db``'s store, which the app then uses, or the app's own."""
