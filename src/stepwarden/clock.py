@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable
 from typing import Final, Protocol, TypeVar
 
+from .errors import StoreMisconfigured
 from .policies import Backoff
 
 T = TypeVar("T")
@@ -169,7 +170,11 @@ class Outage:
         self.since = 0.0  # when the first of them failed (monotonic)
 
     def failed(self, error: BaseException) -> float:
-        """A round failed with ``error``: the seconds to wait before the next one."""
+        """A round failed with ``error``: the seconds to wait before the next one. A store that no
+        wait heals (:class:`StoreMisconfigured`) is no outage: ``error`` is raised, and ends the
+        loop that met it (a worker's role, so the worker, with one line)."""
+        if isinstance(error, StoreMisconfigured):
+            raise error
         self.failures += 1
         if self.failures == 1:
             self.since = self.clock.monotonic()

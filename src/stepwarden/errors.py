@@ -9,6 +9,8 @@ catch ours without catching everything::
     │   └── PayloadTooLarge
     ├── NotFound              a task, step or alert that does not exist
     ├── StoreError            the state store failed or has an unexpected shape
+    │   ├── StoreUnreachable
+    │   ├── StoreMisconfigured
     │   └── MigrationError
     ├── LostOwnership         a conditional write matched nothing: someone else owns it now
     └── OperationError        raised by agent operations to classify a failure
@@ -47,6 +49,13 @@ class StoreUnreachable(StoreError):
     """The store did not answer while it was being opened: a PostgreSQL server that refused or
     timed out for 10 s (down, restarting), an SQLite file another process kept locked past the
     busy timeout. A command gives up (exit 1); a worker starting waits on (see Worker.run)."""
+
+
+class StoreMisconfigured(StoreError):
+    """The store is reached in a way it cannot work through, which no retry heals: a
+    transaction-mode pooler between this process and PostgreSQL without ``?pooler=transaction`` in
+    the URL. Every later transaction of the store raises it too; a worker exits on it (exit 1, one
+    line) rather than wait it out as an outage, as it does the store's failures that heal."""
 
 
 class MigrationError(StoreError):

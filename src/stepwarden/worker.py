@@ -22,7 +22,7 @@ from . import tracing
 from .agent import Agent, AgentRole, AgentSettings
 from .alerts import ALERT_LEASE, AlertDispatcher, AlertSettings
 from .clock import STOPPED, Outage, Stopped, sleep_or_wake, unless_stopped
-from .errors import InputError, StoreError, StoreUnreachable
+from .errors import InputError, StoreError, StoreMisconfigured, StoreUnreachable
 from .fleet import FleetCheck
 from .leader import LeaseKeeper, LeaseSettings
 from .logs import log_raised
@@ -233,7 +233,7 @@ class Worker:
         try:
             await self._beat()
         except Exception as e:
-            _refuse_if_it_may_not_write(self.identity, e)
+            _refuse_what_no_wait_heals(self.identity, e)
             log.warning("worker: could not %s: %r", "record its heartbeat", e)
         log.info(
             "worker %s starting: roles=%s agents=%s store=%s",
@@ -471,7 +471,7 @@ class Worker:
             try:
                 done = await unless_stopped(recording, stop)
             except Exception as e:
-                _refuse_if_it_may_not_write(self.identity, e)
+                _refuse_what_no_wait_heals(self.identity, e)
                 log.warning(
                     "worker %s: cannot record its workflows in the store yet, trying again in %gs: %s",
                     self.identity,
@@ -562,6 +562,8 @@ class Worker:
             except TimeoutError:
                 try:
                     await self._beat()
+                except StoreMisconfigured:
+                    return  # each role's next round meets it too, and ends the worker with it
                 except Exception as e:
                     outage.failed(e)
                     self.stop_writes.failed()
@@ -635,10 +637,13 @@ async def _watch_store_file(store: SQLiteStore, stop: asyncio.Event, every: floa
             )
 
 
-def _refuse_if_it_may_not_write(me: str, e: BaseException) -> None:
-    """A :class:`StoreError` (the worker exits 1, one line) for a database role that may not write
-    (PostgreSQL's insufficient privilege, 42501): waited out as an outage, it warned every 10 s
-    for ever, and a worker without the grants never did any work (found by review)."""
+def _refuse_what_no_wait_heals(me: str, e: BaseException) -> None:
+    """A :class:`StoreError` (the worker exits 1, one line) for a store no wait heals: a database
+    role that may not write (PostgreSQL's insufficient privilege, 42501), and
+    :class:`StoreMisconfigured` (raised as it is). Waited out as an outage, the first warned every
+    10 s for ever, and a worker without the grants never did any work (found by review)."""
+    if isinstance(e, StoreMisconfigured):
+        raise e
     current: BaseException | None = e
     for _ in range(5):
         if current is None:

@@ -30,6 +30,7 @@ import psycopg
 import pytest
 from harness import Cluster, wait_until
 
+from stepwarden.errors import StoreMisconfigured
 from stepwarden.store import open_store
 from stepwarden.store.postgres import PostgresStore
 from stepwarden.testing.pgbouncer import LocalPgBouncer, find_pgbouncer
@@ -266,10 +267,49 @@ def test_server_side_prepared_statements_collide_behind_pgbouncer_without_tracki
         a.execute("SELECT 1 WHERE %s::text IS NOT NULL", ("k",), prepare=True)
         b = open_store(url, migrate=False)
         try:
-            with pytest.raises(psycopg.errors.DuplicatePreparedStatement, match='"_pg3_0" already exists'):
+            # Said as what it is, with what to change, the driver's error kept as the cause ...
+            said = r"transaction-mode pooler.*\?pooler=transaction"
+            with pytest.raises(StoreMisconfigured, match=said) as met:
                 b.transact_sync(lambda tx: tx.one("task_by_key", key="k"))
+            assert isinstance(met.value.__cause__, psycopg.errors.DuplicatePreparedStatement)
+            assert '"_pg3_0" already exists' in str(met.value)
+            # ... and every transaction after it is refused at once, without a round trip: some
+            # would go through and some not, for as long as the process runs.
+            a.close()  # the server session is free now, and its statement with it
+            with pytest.raises(StoreMisconfigured) as again:
+                b.transact_sync(lambda tx: tx.one("task_by_key", key="k"))
+            assert again.value.__cause__ is None
         finally:
             b.close()
+
+
+def test_a_worker_behind_a_transaction_pooler_without_the_option_exits_with_one_line(
+    tmp_path: Path, pg_url: str, start_bouncer: Callable[..., LocalPgBouncer]
+) -> None:
+    """A worker whose URL reaches the server through PgBouncer in transaction mode but lacks
+    ``?pooler=transaction`` exits 1 with one line that names the option, instead of taking the
+    collisions of its prepared statements for an outage that begins and ends every few rounds and
+    warning about it for as long as it runs (found by review)."""
+    bouncer = start_bouncer(pool_size=1)
+    if bouncer.version >= (1, 21, 0):  # tracking exists there: turn it off, as on 1.18
+        bouncer.stop()
+        bouncer = start_bouncer(pool_size=1, max_prepared_statements=0)
+    c = Cluster(tmp_path, bouncer.url(_db_name(pg_url), "pooler=transaction"))  # migrates
+    try:
+        w = c.start("nopool", db=bouncer.url(_db_name(pg_url)), wait=False)
+        for i in range(5):  # work for its roles, so that they use the store
+            c.submit("one", {"n": i})
+        code = wait_until(lambda: w.popen.poll(), 60, "the worker to exit")
+        w.expect_alive = False
+        log = w.log_text()
+        assert code == 1, log
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "?pooler=transaction" in errors[0], log
+        assert "Traceback" not in log, log
+        # Not waited out as an outage first: no "trying again" warning loop before the exit.
+        assert log.count("trying again") <= 1, log
+    finally:
+        c.close()
 
 
 def test_prepare_off_on_a_direct_connection_prepares_nothing(pg_url: str) -> None:

@@ -22,6 +22,7 @@ from test_agent_role import WrappedStore, make_role
 
 from stepwarden.agent import Agent, Request
 from stepwarden.clock import STORE_RETRY, Outage
+from stepwarden.errors import StoreMisconfigured
 from stepwarden.scheduler import SchedulerRole
 from stepwarden.stop_writes import StopWrites
 from stepwarden.store import ApplyResult, Store
@@ -87,6 +88,17 @@ def assert_backs_off(waits: list[float]) -> None:
     assert all(CAP * (1 - JITTER) <= w <= CAP * (1 + JITTER) for w in waits[5:]), waits  # capped
 
 
+def svc_agent() -> Agent:
+    """An agent with one operation that does nothing: the roles' loops here call no service."""
+    agent = Agent("svc")
+
+    @agent.operation
+    async def do_s(req: Request) -> None:
+        return None
+
+    return agent
+
+
 def said(caplog: pytest.LogCaptureFixture, logger: str, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == level]
 
@@ -120,12 +132,7 @@ def test_an_agent_role_backs_off_while_the_store_is_down_and_logs_the_outage_twi
     rt_store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="stepwarden")
-    agent = Agent("svc")
-
-    @agent.operation
-    async def do_s(req: Request) -> None:
-        return None
-
+    agent = svc_agent()
     outages = Outages(Sleeps())
 
     async def body() -> tuple[list[float], int]:
@@ -183,12 +190,7 @@ def test_the_outage_waits_grow_to_the_cap_and_start_over_once_the_store_answers(
 def test_an_agent_roles_rounds_tell_the_stop_writes_whether_the_store_answers(rt_store: Store) -> None:
     """The agent loop shares what it sees of the store with the worker's stop writes: a failed
     pull gives them a brief try, the next pull that goes through the full wait again."""
-    agent = Agent("svc")
-
-    @agent.operation
-    async def do_s(req: Request) -> None:
-        return None
-
+    agent = svc_agent()
     outages = Outages(Sleeps())
     writes = StopWrites(full=5.0, brief=0.5)
 
@@ -253,3 +255,53 @@ def test_an_agent_whose_slots_are_all_held_does_not_take_its_idle_rounds_for_the
     asyncio.run(body())
     assert len(said(caplog, "stepwarden.agent", logging.INFO)) == 1  # the one true "answers again"
     assert len(said(caplog, "stepwarden.agent", logging.WARNING)) == 1
+
+
+class Misconfigured(Outages):
+    """A store that, once ``down``, refuses as a misconfigured one does: no wait heals it."""
+
+    def check(self) -> None:
+        if self.down:
+            self.failed_at.add(len(self.clock.slept))
+            raise StoreMisconfigured("reached through a transaction-mode pooler: add ?pooler=transaction")
+        self.answered += 1
+
+
+def test_a_misconfigured_store_ends_the_loops_instead_of_being_waited_out() -> None:
+    """An outage heals; a store reached through a transaction-mode pooler without the URL's option
+    does not, and some of its transactions go through: taken for an outage, it began and ended
+    every few rounds in the log for as long as the worker ran. Each loop that waits out outages
+    raises it at once, which ends the worker with its one line."""
+    outage = Outage(logging.getLogger("test.outage"), "role x", Sleeps())
+    with pytest.raises(StoreMisconfigured):
+        outage.failed(StoreMisconfigured("no"))
+    assert outage.failures == 0  # not counted as an outage either
+
+
+def test_an_agent_role_and_a_scheduler_role_end_on_a_misconfigured_store(
+    rt_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stepwarden")
+    agent = svc_agent()
+
+    async def ends(make: Any, misconfigured: Misconfigured) -> BaseException | None:
+        stop = asyncio.Event()
+        running = asyncio.create_task(make().run(stop))
+        try:
+            await drive(misconfigured.clock, lambda: len(misconfigured.clock.slept) >= 3)  # up, idle
+            misconfigured.down = True
+            await drive(misconfigured.clock, running.done)
+        finally:
+            stop.set()
+        return running.exception()
+
+    a = Misconfigured(Sleeps())
+    s = Misconfigured(Sleeps())
+    met_a = asyncio.run(ends(lambda: make_role(Down(rt_store, a), agent, clock=a.clock), a))  # type: ignore[arg-type]
+    met_s = asyncio.run(ends(lambda: SchedulerRole(Rounds(s), "sched", clock=s.clock), s))  # type: ignore[arg-type]
+    assert isinstance(met_a, StoreMisconfigured) and isinstance(met_s, StoreMisconfigured)
+    # Not waited out: no outage begun in the log, no back-off slept.
+    for logger in ("stepwarden.agent", "stepwarden.scheduler"):
+        assert not [w for w in said(caplog, logger, logging.WARNING) if "a round on the store failed" in w]
+    assert not a.waits() or max(a.waits()) < 0.2, a.waits()
+    assert not s.waits(), s.waits()

@@ -179,3 +179,29 @@ def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:
     for name, value in session:
         conn.execute(f"SET {name} = '{value}'")
     conn.commit()
+
+
+# A transaction-mode pooler hands each transaction whichever server session is free, while psycopg
+# names the statements it prepares per client connection (``_pg3_0``, ``_pg3_1``, ...): two
+# clients on one server session collide (42P05, "already exists"), and a client whose next
+# transaction lands on another session finds its statement gone (26000, "does not exist"). A
+# direct connection, or a session-mode pooler, keeps one server session per client and never
+# says either about a statement of psycopg's naming, so together they are the pooler's signature.
+POOLER_SIGNS = frozenset({"42P05", "26000"})
+
+
+def pooler_in_between(e: BaseException) -> bool:
+    """Whether ``e`` is a prepared statement of psycopg's found taken or gone on the server session,
+    as only a transaction-mode pooler in front of the server causes."""
+    return getattr(e, "sqlstate", None) in POOLER_SIGNS and '"_pg3_' in str(e)
+
+
+def pooler_text(where: str, e: BaseException) -> str:
+    """The one line for :func:`pooler_in_between`: what was met, what it means, what to change."""
+    return (
+        f"PostgreSQL at {where} is reached through a transaction-mode pooler (such as PgBouncer"
+        " with pool_mode = transaction), which shares server sessions between clients: a prepared"
+        f" statement was found taken or gone ({_first_line(e)}), and the transaction was rolled back."
+        " Add ?pooler=transaction to the URL (deploying.md, connection pooling); until then every"
+        " transaction of this process is refused"
+    )

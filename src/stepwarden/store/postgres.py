@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock, SystemClock
-from ..errors import InputError, StoreError, StoreUnreachable
+from ..errors import InputError, StoreError, StoreMisconfigured, StoreUnreachable
 from . import pg_batching, pg_migrate
 from .base import redact_url
 from .core import Store
@@ -63,6 +63,8 @@ from .pg_sessions import (
     _quiet_deliberate_discards,
     _quiet_repeats,
     _settle_caller,
+    pooler_in_between,
+    pooler_text,
 )
 from .pg_tx import CHANNELS, NOTIFY_ON, REQUESTS, PgTx, _to_psycopg
 from .sql import load_queries
@@ -142,6 +144,7 @@ class PostgresStore(Store):
         self.clock = clock
         self.listen_enabled = opts.listen
         self.prepare = opts.prepare
+        self.misconfigured: str | None = None  # StoreMisconfigured's text, once met (transact_sync)
         self.fake_time = not isinstance(clock, SystemClock)
         self.queries = {
             k: _to_psycopg(v)
@@ -231,7 +234,26 @@ class PostgresStore(Store):
         server, a killed backend, a pooled connection gone stale), retry once on a fresh one.
         A failure in the round trip that carries COMMIT (with the writes kept for it) is not
         retried: whether it committed is unknown. A transition
-        marked ``stepwarden_autocommit`` (one statement) is sent on its own (:meth:`_autocommit`)."""
+        marked ``stepwarden_autocommit`` (one statement) is sent on its own (:meth:`_autocommit`).
+
+        A transaction-mode pooler met without ``?pooler=transaction`` (its prepared statements'
+        signature, :func:`pooler_in_between`) raises :class:`StoreMisconfigured`, and so does every
+        transaction after it: some would go through and some not, for as long as the process
+        runs, and a worker took it for an outage that began and ended every few rounds, warning
+        about it for ever (found by review)."""
+        if self.misconfigured is not None:
+            raise StoreMisconfigured(self.misconfigured)
+        try:
+            return self._transact_retrying(fn, *args, **kwargs)
+        except psycopg.Error as e:
+            if not (self.prepare and pooler_in_between(e)):
+                raise
+            self.misconfigured = pooler_text(redact_url(self.url), e)
+            raise StoreMisconfigured(self.misconfigured) from e
+
+    def _transact_retrying(
+        self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
         if getattr(fn, "stepwarden_autocommit", False) and not (self.fake_time or self.options.pooled):
             try:
                 return self._autocommit(fn, *args, **kwargs)
