@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from . import liveness
 from .clock import STOPPED, SYSTEM_CLOCK, Clock, Outage, unless_stopped
 from .errors import InputError
 from .policies import check_seconds, show
@@ -166,6 +167,9 @@ class LeaseKeeper:
         # A work that ignored its cancellation is left running; until it ends this process does
         # not campaign again, so that two runs of it never overlap here.
         self._stubborn: asyncio.Task[None] | None = None
+        # The holder's heartbeat as this campaigner has read it, round after round: a step of the
+        # database's clock must not make a live holder look dead (liveness.WATCH_SHARE).
+        self._holder_beat = liveness.HeartbeatWatch()
 
     @property
     def is_leader(self) -> bool:
@@ -254,14 +258,19 @@ class LeaseKeeper:
 
     async def _take_from_dead(self, dead_after: float) -> tuple[int, float] | None:
         """Take the lease now if its holder is presumed dead, instead of waiting out its TTL."""
-        from . import liveness
         from .store import transitions
 
         row = await self.store.transact(transitions.lease_holder, self.name)
+        read = self.clock.monotonic()
         if row is None or row["id"] == self.holder:
             return None
+        self._holder_beat.saw([row], read)
         verdicts = liveness.presumed_dead([row], float(row["now"]), dead_after)
         if not verdicts:
+            return None
+        doubt = self._holder_beat.doubt(verdicts[0], read, dead_after)
+        if doubt is not None:
+            log.debug("lease %s: not taking it from %s yet (%s)", self.name, row["id"], doubt)
             return None
         got = await self.store.transact(
             transitions.take_lease,

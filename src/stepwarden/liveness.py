@@ -117,3 +117,47 @@ def presumed_dead(rows: list[dict[str, Any]], now: float, dead_after: float) -> 
             age = now - float(r["heartbeat_at"])
             out.append(Verdict(r["id"], f"no heartbeat for {age:.1f}s", silent_for=dead_after))
     return out
+
+
+# How long, on its own monotonic clock, a judge (the supervisor, a lease's campaigner) must have
+# seen a worker's heartbeat unchanged before it presumes the worker dead by that heartbeat's age,
+# as a fraction of ``dead_after`` (so at least the worker's heartbeat interval, dead_after being at
+# least twice it). The age is read on the database's clock, which may step: a step forward of a
+# few seconds on the database's host (NTP, a resumed virtual machine) aged every heartbeat at once,
+# and a supervisor that swept before the workers' next beats took the live ones for dead and had
+# their steps run twice (found by a test that steps the clock). A live worker's heartbeat changes
+# within its interval; a dead one's stays as it was, and a judge that looks every second has
+# watched it for most of dead_after by the time its age passes dead_after: no later a verdict.
+WATCH_SHARE = 0.5
+
+
+class HeartbeatWatch:
+    """Since when (monotonic) a judge has read each worker's heartbeat unchanged."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[float, float]] = {}  # worker: (heartbeat_at, since)
+
+    def saw(self, rows: list[dict[str, Any]], at: float) -> None:
+        """The workers read at monotonic time ``at``; those not among them are forgotten."""
+        self._seen = {
+            r["id"]: seen
+            if (seen := self._seen.get(r["id"])) is not None and seen[0] == float(r["heartbeat_at"])
+            else (float(r["heartbeat_at"]), at)
+            for r in rows
+        }
+
+    def unchanged_for(self, worker: str, at: float) -> float:
+        seen = self._seen.get(worker)
+        return 0.0 if seen is None else at - seen[1]
+
+    def doubt(self, verdict: Verdict, at: float, dead_after: float) -> str | None:
+        """Why a verdict by a heartbeat's age must wait (watched too briefly here), or None."""
+        if verdict.silent_for is None:
+            return None
+        watched = self.unchanged_for(verdict.worker, at)
+        if watched >= dead_after * WATCH_SHARE:
+            return None
+        return (
+            f"{verdict.reason} by the database's clock, but unchanged for {watched:.1f}s only as"
+            " seen here: the clock may have stepped"
+        )

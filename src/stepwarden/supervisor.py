@@ -107,6 +107,7 @@ class Supervisor:
         # not since its last failure or the start of its term (see HEARTBEATS_SETTLE). A sweep
         # called outside lead() (a test, a tool) judges heartbeats at once, as before.
         self._answering_since: float | None = -float("inf")
+        self._beats = liveness.HeartbeatWatch()  # of the workers holding attempts
 
     async def sweep(self, term: int, leadership: Leadership | None = None) -> SweepResult:
         """Sweep until fewer than a batch of expired attempts remain; each batch one transaction.
@@ -150,12 +151,17 @@ class Supervisor:
             self._answering_since = answered
         settled = answered - self._answering_since >= max(self.settings.dead_after, HEARTBEATS_SETTLE)
         owners = [r for r in found if r["id"] != self.me]
+        self._beats.saw(owners, answered)
         if not owners:
             return
         now = float(owners[0]["now"])
         for verdict in liveness.presumed_dead(owners, now, self.settings.dead_after):
             if verdict.silent_for is not None and not settled:
                 log.debug("supervisor %s: not judging %s yet (%s)", self.me, verdict.worker, verdict.reason)
+                continue
+            doubt = self._beats.doubt(verdict, answered, self.settings.dead_after)
+            if doubt is not None:
+                log.debug("supervisor %s: not judging %s yet (%s)", self.me, verdict.worker, doubt)
                 continue
             while True:
                 r = await self.store.transact(

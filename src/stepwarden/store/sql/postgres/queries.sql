@@ -7,10 +7,12 @@
 -- The best :limit of the ready tasks and of the waiting ones now due, each read from its own index
 -- (the waiting ones by when they are due: those not due yet are not read), in one priority order;
 -- a row one of them locked and the order left out stays unclaimed until this transaction ends.
+-- A ready task (waiting = 0) is claimable whatever the clock says: its run_at was the time it
+-- became ready, and a step of the database's clock back (NTP, a resumed virtual machine) left it
+-- in the future, and every task ready before the step unclaimed for as long as the step.
 WITH ready AS MATERIALIZED (
     SELECT id, priority FROM tasks
     WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND waiting = 0
-      AND run_at <= {now}
     ORDER BY priority DESC, id LIMIT :limit
     FOR UPDATE SKIP LOCKED),
 due AS MATERIALIZED (

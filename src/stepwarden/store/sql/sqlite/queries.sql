@@ -4,6 +4,9 @@
 -- name: claim_tasks
 -- The best :limit of the ready tasks and of the waiting ones now due, each read from its own index
 -- (the waiting ones by when they are due: those not due yet are not read), in one priority order.
+-- A ready task (waiting = 0) is claimable whatever the clock says: its run_at was the time it
+-- became ready, and a step of the database's clock back (NTP, a resumed virtual machine) left it
+-- in the future, and every task ready before the step unclaimed for as long as the step.
 UPDATE tasks SET locked_by = :me,
                  state = CASE WHEN state = 'pending' THEN 'processing' ELSE state END,
                  waiting = 0, updated_at = {now}
@@ -11,7 +14,6 @@ WHERE id IN (SELECT id FROM (
                  SELECT id, priority FROM (
                      SELECT id, priority FROM tasks INDEXED BY tasks_claimable
                      WHERE locked_by IS NULL AND state IN ('pending', 'compensating') AND waiting = 0
-                       AND run_at <= {now}
                      ORDER BY priority DESC, id LIMIT :limit)
                  UNION ALL
                  SELECT id, priority FROM (
