@@ -141,7 +141,8 @@ def _quick_check(tx: Any) -> str:
 @click.pass_context
 def init(ctx: click.Context) -> None:
     """Create or upgrade the schema (idempotent)."""
-    store = open_for(ctx, create=True)
+    # On PostgreSQL, where the search_path points, even beside a store in another schema.
+    store = open_for(ctx, create=True, beside=True)
     if isinstance(store, SQLiteStore):
         # A damaged file opens, and its schema reads, as long as the pages read are whole: "ready"
         # was printed for a store whose tasks table was damaged (every other command then failed).

@@ -37,11 +37,13 @@ def store_url(ctx: click.Context, app: App | None = None) -> str:
     return ctx.obj["db"] or resolve_url(None)
 
 
-def open_for(ctx: click.Context, *, create: bool = False, app: App | None = None) -> Store:
+def open_for(
+    ctx: click.Context, *, create: bool = False, app: App | None = None, beside: bool = False
+) -> Store:
     """Open the command's store (:func:`store_url`); read and operator commands refuse to create
-    one by accident. Closed when the command ends."""
+    one by accident. Closed when the command ends. ``beside``: see :func:`open_store`."""
     url = store_url(ctx, app)
-    store = open_store(url) if create else open_existing(url)
+    store = open_store(url, beside=beside) if create else open_existing(url)
     ctx.call_on_close(store.close)
     return store
 

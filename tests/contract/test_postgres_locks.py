@@ -114,17 +114,40 @@ def test_a_migration_interrupted_by_a_lost_connection_is_retried(
     real = pg_migrate._migrate_once
     calls: list[int] = []
 
-    def flaky(s: PostgresStore, target: int | None, lock_wait: float) -> int:
+    def flaky(s: PostgresStore, target: int | None, lock_wait: float, beside: bool) -> int:
         calls.append(1)
         if len(calls) == 1:
             raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return real(s, target, lock_wait)
+        return real(s, target, lock_wait, beside)
 
     monkeypatch.setattr(pg_migrate, "_migrate_once", flaky)
     monkeypatch.setattr("stepwarden.store.pg_migrate.time.sleep", lambda s: None)  # no real back-off wait
     try:
         assert store.migrate() == 0
         assert len(calls) == 2
+    finally:
+        store.close()
+
+
+def test_a_migration_statement_the_server_cancelled_is_not_retried_as_a_lost_connection(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cancelled statement (57014) fails again if run again: raised at once, not retried four
+    times with a "connection lost" warning each."""
+    store = open_store(pg_url)
+    calls: list[int] = []
+
+    def cancelled(*args: Any) -> int:
+        calls.append(1)
+        raise psycopg.errors.QueryCanceled("canceling statement due to user request")
+
+    monkeypatch.setattr(pg_migrate, "_migrate_once", cancelled)
+    monkeypatch.setattr("stepwarden.store.pg_migrate.time.sleep", lambda s: None)
+    try:
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            store.migrate()
+        assert len(calls) == 1
+        assert "connection lost" not in caplog.text
     finally:
         store.close()
 

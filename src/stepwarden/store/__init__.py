@@ -168,6 +168,11 @@ def _read_sqlite_version(path: str, where: str) -> tuple[int | None, list[str]]:
 
 def _pg_version(tx: Tx) -> tuple[int | None, list[str]]:
     if not tx.sql("SELECT to_regclass('schema_migrations') IS NOT NULL AS present")[0]["present"]:
+        from .pg_migrate import elsewhere_text, stores_elsewhere
+
+        elsewhere = stores_elsewhere(tx.sql)
+        if elsewhere[1]:  # "run init" would create a second store, not reach this one
+            raise StoreMissing(elsewhere_text(elsewhere))
         ours = our_tables("postgres")
         found = tx.sql(
             "SELECT n FROM unnest(CAST(? AS text[])) AS n WHERE to_regclass(quote_ident(n)) IS NOT NULL",
@@ -222,7 +227,13 @@ def _busy_timeout(text: str) -> float:
     return seconds
 
 
-def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: bool = True) -> Store:
+def open_store(
+    url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: bool = True, beside: bool = False
+) -> Store:
+    """The store at ``url`` (``STEPWARDEN_DB`` or the default file when None), migrated unless
+    ``migrate`` is False. ``beside`` (``init``): on PostgreSQL, create a store where the
+    search_path points even when another schema of the database holds one, which a worker or an
+    application refuses (:func:`~stepwarden.store.pg_migrate.stores_elsewhere`)."""
     url = resolve_url(url)
     if url.startswith("sqlite:///"):
         path, options = _sqlite_url(url)
@@ -243,5 +254,5 @@ def open_store(url: str | None = None, *, clock: Clock = SYSTEM_CLOCK, migrate: 
     if url.startswith(("postgresql://", "postgres://")):
         from .postgres import PostgresStore
 
-        return PostgresStore(url, clock=clock, migrate=migrate)
+        return PostgresStore(url, clock=clock, migrate=migrate, beside=beside)
     raise InputError(f"unsupported store URL {url[:80]!r}: expected sqlite:///PATH or postgresql://...")

@@ -43,10 +43,19 @@ CALLER_IDLE_LIMIT = 60
 # 1,996 rows read for 8 after 2,000 tasks. With sequential scans priced out, the plan made while a
 # table is empty is the one that stays right once it is large (a query with no index still scans).
 PLANNER_SETTINGS = (("enable_seqscan", "off"),)
+# Every transition is a conditional write that relies on READ COMMITTED: an UPDATE that meets a
+# row another transaction changed waits for it and re-checks its condition on the new row. A
+# database or role whose DBA set ``default_transaction_isolation`` to serializable or repeatable
+# read made those writes fail with serialization errors under load instead (145 warnings in 30 s
+# from two workers, a submission refused; found by review), so our sessions set it back. Behind a
+# transaction-mode pooler a session setting would reach one server session only: there the
+# connection's own isolation level has psycopg begin each transaction with it (_pin_isolation).
+# A caller's block keeps the level the caller's database gives it: its SQL is the caller's.
+READ_COMMITTED = ("default_transaction_isolation", "read committed")
 # What each kind of session of ours gets: the pool's run only the store's statements; the one
 # opened for a caller's own transaction (``App.transaction()``) runs the caller's SQL too, planned
 # as usual; a caller's own connection (``tx_on``) gets nothing.
-OUR_SESSIONS = SESSION_LIMITS + PLANNER_SETTINGS
+OUR_SESSIONS = SESSION_LIMITS + PLANNER_SETTINGS + (READ_COMMITTED,)
 CALLER_SESSIONS = (("idle_in_transaction_session_timeout", f"{CALLER_IDLE_LIMIT}s"), LOCK_TIMEOUT)
 
 
@@ -179,6 +188,28 @@ def _configure(conn: Any, session: tuple[tuple[str, str], ...]) -> None:
     for name, value in session:
         conn.execute(f"SET {name} = '{value}'")
     conn.commit()
+
+
+def _pin_isolation(conn: Any) -> None:
+    """A pooled connection of ours (``?pooler=transaction``): psycopg begins each of its
+    transactions with ``BEGIN ISOLATION LEVEL READ COMMITTED`` (see :data:`READ_COMMITTED`)."""
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+
+
+# A transaction that may not write: the server is a hot standby, or a DBA set
+# default_transaction_read_only for the database or the role (a maintenance window, say). Either
+# may end (a promotion, the window's end), so a worker waits it out as an outage; said in words
+# that name both, where the driver's text ("cannot execute SELECT in a read-only transaction",
+# for a submission's insert inside a SELECT) named neither.
+READ_ONLY = "25006"
+
+
+def read_only_text(where: str, e: BaseException) -> str:
+    return (
+        f"{where} accepts no writes ({_first_line(e)}): the server is a hot standby,"
+        " or default_transaction_read_only is on for this database or role; nothing was written."
+        " Point the URL at the primary, or turn the setting off"
+    )
 
 
 # A transaction-mode pooler hands each transaction whichever server session is free, while psycopg

@@ -58,13 +58,16 @@ from .pg_sessions import (
     CALLER_SESSIONS,
     OUR_SESSIONS,
     PLANNER_SETTINGS,
+    READ_ONLY,
     SESSION_LIMITS,
     _configure,
+    _pin_isolation,
     _quiet_deliberate_discards,
     _quiet_repeats,
     _settle_caller,
     pooler_in_between,
     pooler_text,
+    read_only_text,
 )
 from .pg_tx import CHANNELS, NOTIFY_ON, REQUESTS, PgTx, _to_psycopg
 from .sql import load_queries
@@ -131,6 +134,7 @@ class PostgresStore(Store):
         *,
         clock: Clock = SYSTEM_CLOCK,
         migrate: bool = True,
+        beside: bool = False,
         pool_size: int | None = None,
         listen: bool | None = None,
         prepare: bool | None = None,
@@ -166,7 +170,7 @@ class PostgresStore(Store):
             open=False,
             name="stepwarden",
             kwargs=self._connect_kwargs(row_factory=dict_row, **pg_batching.cursor_factory()),
-            configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
+            configure=_pin_isolation if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
             reconnect_timeout=RECONNECT_TIMEOUT,
         )
@@ -196,7 +200,7 @@ class PostgresStore(Store):
             open=False,
             name="stepwarden-lease",
             kwargs=self._connect_kwargs(row_factory=dict_row, **pg_batching.cursor_factory()),
-            configure=None if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
+            configure=_pin_isolation if opts.pooled else lambda conn: _configure(conn, OUR_SESSIONS),
             timeout=5.0,
             num_workers=1,
             reconnect_timeout=RECONNECT_TIMEOUT,
@@ -204,7 +208,7 @@ class PostgresStore(Store):
         try:
             self.lease_pool.open()
             if migrate:
-                self.migrate()
+                self.migrate(beside=beside)
         except BaseException:
             with contextlib.suppress(Exception):  # the error that stopped the opening is the one to see
                 self.close()  # a caller that goes on after the error keeps no pools open behind it
@@ -246,6 +250,8 @@ class PostgresStore(Store):
         try:
             return self._transact_retrying(fn, *args, **kwargs)
         except psycopg.Error as e:
+            if getattr(e, "sqlstate", None) == READ_ONLY:
+                raise StoreError(read_only_text(f"PostgreSQL at {redact_url(self.url)}", e)) from e
             if not (self.prepare and pooler_in_between(e)):
                 raise
             self.misconfigured = pooler_text(redact_url(self.url), e)
@@ -478,13 +484,16 @@ class PostgresStore(Store):
             )
         return None
 
-    def migrate(self, target: int | None = None, *, lock_wait: float | None = None) -> int:
+    def migrate(
+        self, target: int | None = None, *, lock_wait: float | None = None, beside: bool = False
+    ) -> int:
         """Apply missing migrations, serialised across processes by an advisory lock (waited for
         at most ``lock_wait`` seconds, :data:`MIGRATION_LOCK_WAIT` by default, saying who holds it).
         A connection lost meanwhile (a worker starting while the server restarts), or a table lock
         a migration waited ``lock_timeout`` for, is retried with back-off: the migration
-        transaction either committed whole or not at all (:mod:`.pg_migrate`)."""
-        return pg_migrate.migrate(self, target, lock_wait)
+        transaction either committed whole or not at all (:mod:`.pg_migrate`). ``beside``: create
+        a store where the search_path points even if another schema holds one (``init``)."""
+        return pg_migrate.migrate(self, target, lock_wait, beside)
 
     async def listen(
         self, wake: Callable[[str], None], stop: asyncio.Event, channels: Sequence[str] | None = None
