@@ -391,7 +391,37 @@ class Workflow:
                 " carries the results of the steps before it, so a task's cost grows with the"
                 " square of its steps; split it into workflows that submit one another"
             )
-        return cls(name=name, steps=listed, version=version)
+        wf = cls(name=name, steps=listed, version=version)
+        for step in wf.steps:
+            _check_policy(name, step)
+        return wf
+
+
+# The least wait of the "wait" escalation at definition: the step is retried after it again and
+# again until an operator cancels, so 0 retried a failing service back to back for as long as
+# its breaker stayed closed (found by review). Checked by Workflow.of only: a stored definition
+# an older version allowed is read as it was written.
+MIN_ESCALATION_WAIT = 1.0
+
+
+def _check_policy(workflow: str, step: Step) -> None:
+    """What a definition's policy may not say, that each of its values alone may (so
+    :class:`~stepwarden.policies.Retry` and :class:`~stepwarden.policies.Backoff`, which read
+    stored policies field by field, cannot refuse it)."""
+    where = f"workflow {workflow!r}, step {step.name!r}"
+    retry = step.retry
+    for field_name in ("backoff", "in_attempt"):
+        b = getattr(retry, field_name)
+        if b.initial > b.maximum:
+            raise InputError(
+                f"{where}: Retry.{field_name} starts at {b.initial:g} s, above its maximum of"
+                f" {b.maximum:g} s, so every delay would be the maximum: swap them, or raise the maximum"
+            )
+    if retry.escalation == "wait" and retry.escalation_wait < MIN_ESCALATION_WAIT:
+        raise InputError(
+            f"{where}: Retry.escalation_wait of {retry.escalation_wait:g} s retries the failing step"
+            f" back to back until an operator cancels it: give it at least {MIN_ESCALATION_WAIT:g} s"
+        )
 
 
 def _steps_of(workflow: object, steps: object) -> tuple[Step, ...]:

@@ -102,6 +102,28 @@ def users(tmp_path: Path) -> Users:
         mode = folder.stat().st_mode
         if not mode & stat.S_IXOTH:
             folder.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+    # An interpreter installed under a folder other users cannot enter (pyenv's under /root, 0700)
+    # fails every command below with the loader's error: say so once, plainly.
+    probe = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={READER}",
+            f"--regid={READER}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            "import stepwarden",
+        ],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=60,
+    )
+    if probe.returncode != 0:
+        pytest.fail(
+            f"uid {READER} cannot run {sys.executable} (installed under a folder other users cannot"
+            f" enter, such as /root with mode 0700?): {probe.stderr.strip()[-300:]}"
+        )
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o1777)

@@ -25,7 +25,7 @@ from stepwarden.errors import InputError
 from stepwarden.policies import Backoff, Retry
 from stepwarden.store import Store
 from stepwarden.store import transitions as t
-from stepwarden.workflow import Step, Workflow, encode_input
+from stepwarden.workflow import MIN_ESCALATION_WAIT, Step, Workflow, encode_input
 
 OK = Step("reserve", "inventory.reserve")
 MAX_INT = 2**31 - 1  # the stores keep counts and versions in INTEGER columns
@@ -294,8 +294,11 @@ def test_retry_none_means_the_default_policy() -> None:
 def test_edge_values_are_accepted() -> None:
     assert Backoff(initial=0, multiplier=1, maximum=0, jitter=0).delay(3, random.Random(0)) == 0.0
     assert Backoff(initial=1e6, multiplier=1e3, maximum=1e9, jitter=1).delay(50) == 1e9
-    retry = Retry(max_failures=1, tries=1, escalation="wait", escalation_wait=0)
-    assert retry.after_failure(1, "error").delay == 0
+    assert (
+        Retry(max_failures=1, tries=1, escalation="wait", escalation_wait=0).after_failure(1, "error").delay
+        == 0
+    )
+    retry = Retry(max_failures=1, tries=1, escalation="wait", escalation_wait=MIN_ESCALATION_WAIT)
     assert Retry(max_failures=10**6, tries=10**4, escalation_wait=1e9).escalation_wait == 1e9
     step = Step("a", "svc.x", complete_by=7 * 86400, retry=retry)
     assert Step("b", "svc.y", complete_by=0.1).complete_by == 0.1
@@ -314,6 +317,40 @@ def test_edge_values_are_accepted() -> None:
     assert agent.operation(name="booking")(reserve) is reserve
     assert agent.operation(reserve) is reserve
     assert sorted(agent.operations) == ["booking", "halve", "reserve"]
+
+
+@pytest.mark.parametrize(
+    ("retry", "said"),
+    [
+        (
+            Retry(backoff=Backoff(initial=10, maximum=1)),
+            r"Retry.backoff starts at 10 s, above its maximum of 1 s",
+        ),
+        (
+            Retry(in_attempt=Backoff(initial=3, maximum=2)),
+            r"Retry.in_attempt starts at 3 s, above its maximum",
+        ),
+        (
+            Retry(escalation="wait", escalation_wait=0),
+            r"Retry.escalation_wait of 0 s retries the failing step back to back",
+        ),
+        (Retry(escalation="wait", escalation_wait=0.5), r"Retry.escalation_wait of 0.5 s .* at least 1 s"),
+    ],
+    ids=["backoff-swapped", "in-attempt-swapped", "wait-0", "wait-half"],
+)
+def test_a_policy_that_cannot_mean_what_it_says_is_refused_at_definition(retry: Retry, said: str) -> None:
+    """Each value alone is valid, together they are not: a back-off whose initial delay is above
+    its maximum (swapped by mistake) had every delay capped, silently; a "wait" escalation of 0 s
+    retried a failing service back to back for as long as its breaker stayed closed. Refused by
+    the definition (``app.workflow``), naming the workflow and the step; a definition an older
+    version stored is still read as it was written."""
+    step = Step("charge", "pay.charge", complete_by=10, retry=retry)
+    with pytest.raises(InputError, match=rf"workflow 'order', step 'charge': {said}"):
+        Workflow.of("order", [step])
+    with pytest.raises(InputError, match=said):
+        App().workflow("order", [step])
+    stored = Workflow("order", (step,)).to_dict()
+    assert Workflow.from_dict(stored).steps[0].retry == retry
 
 
 def test_steps_given_as_a_set_are_refused_for_having_no_order() -> None:

@@ -186,6 +186,8 @@ class _Procs:
             except subprocess.TimeoutExpired:
                 self.services.kill()
                 self.services.wait()
+        if self.services is not None and self.services.stdout is not None:
+            self.services.stdout.close()  # the pipe it announced its port on (a ResourceWarning)
         for log in self.logs:
             log.close()
 

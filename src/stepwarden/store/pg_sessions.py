@@ -42,7 +42,11 @@ CALLER_IDLE_LIMIT = 60
 # `requests` in every batch while they grew, until autovacuum's first ANALYZE (a minute or more):
 # 1,996 rows read for 8 after 2,000 tasks. With sequential scans priced out, the plan made while a
 # table is empty is the one that stays right once it is large (a query with no index still scans).
-PLANNER_SETTINGS = (("enable_seqscan", "off"),)
+# JIT compilation goes with it: a plan that must scan all the same carries enable_seqscan's penalty
+# (10^10) in its estimated cost, far past jit_above_cost, and a server built with LLVM (Debian's,
+# most hosted ones; jit is on by default) compiled such a statement at every execution, 50-200 ms
+# each (found on Debian's PostgreSQL 15). The store's statements are short: JIT never pays there.
+PLANNER_SETTINGS = (("enable_seqscan", "off"), ("jit", "off"))
 # Every transition is a conditional write that relies on READ COMMITTED: an UPDATE that meets a
 # row another transaction changed waits for it and re-checks its condition on the new row. A
 # database or role whose DBA set ``default_transaction_isolation`` to serializable or repeatable

@@ -76,11 +76,12 @@ UPDATE steps SET state = 'skipped' WHERE task_id = :task_id AND started_at IS NU
 UPDATE steps SET state = 'failed' WHERE task_id = :task_id AND started_at IS NOT NULL AND state = 'pending';
 
 -- name: insert_reply
+-- A deferred write (one executemany per batch on SQLite): no RETURNING, which Python 3.12's
+-- sqlite3 refuses in executemany after the first row ("bad parameter or other API misuse").
 INSERT INTO replies (request_id, task_id, step_idx, attempt, kind, outcome, result, error, sent_by,
                      received_at)
 SELECT id, task_id, step_idx, attempt, kind, :outcome, :result, :error, :me, {now}
-FROM requests WHERE id = :request_id
-RETURNING id;
+FROM requests WHERE id = :request_id;
 
 -- name: insert_applied_reply
 -- A reply applied in the transaction that received it (a worker's own): written once, settled,
