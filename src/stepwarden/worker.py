@@ -632,8 +632,10 @@ async def _watch_store_file(store: SQLiteStore, stop: asyncio.Event, every: floa
         why = store.replaced()
         if why is not None and not stop.is_set():
             raise StoreError(
-                f"{why}: this worker's connections are still on the old file, where no other"
-                " process looks; it stops (start it again to work on the file now at the path)"
+                f"{why}: this worker's connections are on the file it opened, and it stops. The -wal"
+                " and -shm files at the path belong to that file: stop every process that uses the"
+                " store (applications too) before starting any again, or the file now at the path"
+                " may be damaged"
             )
 
 

@@ -124,7 +124,9 @@ def test_a_due_waiting_task_is_claimed_in_priority_order_with_the_ready_ones(
     """Two indexes, one order: a due task of higher priority comes before a ready one of lower
     priority, and a ready task of higher priority before a due one; one not yet due is left."""
     quick = make_workflow("a")  # its first retry waits 10 s
-    slow = make_workflow("a", name="slow", retry=Retry(max_failures=5, backoff=Backoff(1000.0, jitter=0)))
+    slow = make_workflow(
+        "a", name="slow", retry=Retry(max_failures=5, backoff=Backoff(1000.0, maximum=1000.0, jitter=0))
+    )
     high_due = submit(store, quick, {"n": 1}, priority=5)
     not_due = submit(store, slow, {"n": 2}, priority=7)
     assert claim(store) == 2

@@ -30,7 +30,7 @@ from .base import (
 from .core import Store
 from .sql import our_tables, pending_migrations, schema_version
 from .sqlite import SQLiteStore
-from .sqlite_files import primary_code, refuse_foreign_read
+from .sqlite_files import disk_full, primary_code, refuse_foreign_read
 from .sqlite_files import sqlite_why as _sqlite_why
 
 DEFAULT_URL = "sqlite:///stepwarden.db"
@@ -241,9 +241,16 @@ def open_store(
         try:
             return SQLiteStore(path, clock=clock, migrate=migrate, **options)
         except sqlite3.Error as e:  # sqlite3 names neither the file nor what to do about it
-            locked = primary_code(e) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-            kind = StoreUnreachable if locked else StoreError  # locked: another process's, for now
+            code = primary_code(e)
+            locked = code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
             where = shorten(repr(path))
+            if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR) and disk_full(path):
+                # A worker starting waits it out, as it does a store locked by another process
+                # (it exited at once: a crash loop under a service manager; found by review).
+                raise StoreUnreachable(
+                    f"cannot open the SQLite store {where}: the disk holding it is full ({e}); free space"
+                ) from None
+            kind = StoreUnreachable if locked else StoreError  # locked: another process's, for now
             waited = (
                 f" (another process kept it locked for {time.monotonic() - started:.1f} s, the busy"
                 " timeout; the URL's busy_timeout=SECONDS sets it)"

@@ -25,11 +25,11 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlencode
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..errors import InputError, MigrationError, StoreError
+from ..errors import InputError, MigrationError, StoreError, StoreMisconfigured
 from .base import timed
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
-from .sqlite_files import primary_code, refuse_foreign_read, shown, sqlite_why
+from .sqlite_files import can_write_beside, disk_full, primary_code, refuse_foreign_read, shown, sqlite_why
 from .sqlite_lent import CALLER_IDLE_MAX, caller_pragmas, current_task, open_blocks
 from .sqlite_tx import SqliteTx, dict_row
 from .sqlite_watch import watch_data_version
@@ -180,6 +180,11 @@ class SQLiteStore(Store):
         # (a wait already in progress counts from then).
         self._wait_cap = math.inf
         self._wait_cap_since = 0.0
+        # Its -wal and -shm as this process's first connection in WAL mode found them (beside the
+        # real file, as SQLite puts them): while a connection of ours is open no other process
+        # removes or replaces them, so one gone or another is a deletion under it (see replaced).
+        self._side_ids: dict[str, tuple[int, int]] | None = None
+        self._file_id: tuple[int, int] | None = None  # set once migrated (see replaced)
         refuse_foreign_read(path)  # before any connection: one would create files it must not
         if migrate:
             self.migrate()
@@ -198,11 +203,26 @@ class SQLiteStore(Store):
         if self._file_id is None:
             return None
         now = _file_id(self._abs_path)
-        if now == self._file_id:
+        if now != self._file_id:
+            gone = now is None and not os.path.lexists(self._abs_path)
+            what = "deleted" if gone else "replaced by another file"
+            return f"the SQLite store {shown(self.path)} was {what} after this process opened it"
+        sides, real = self._side_ids, self._file
+        if sides is None or real is None or not self._all:
+            # Only while a connection of ours that stays open (a thread's) holds the log: the last
+            # connection to close removes the -wal, and a lent one may be the last.
             return None
-        gone = now is None and not os.path.lexists(self._abs_path)
-        what = "deleted" if gone else "replaced by another file"
-        return f"the SQLite store {shown(self.path)} was {what} after this process opened it"
+        for suffix in ("-wal", "-shm"):
+            now_side = _file_id(f"{real}{suffix}")
+            known = sides.setdefault(suffix, now_side) if now_side is not None else sides.get(suffix)
+            if known is not None and now_side != known:
+                return (
+                    f"the SQLite store {shown(self.path)}'s {suffix} file was deleted or replaced"
+                    " while this process had the store open: processes that open it now use"
+                    " another one, and the store may be damaged; stop every process that uses it,"
+                    f" then check it with `sqlite3 {shown(self.path)} 'PRAGMA integrity_check'`"
+                )
+        return None
 
     def connect(self) -> _StoreConnection:
         """A new connection with our pragmas and clock; the caller owns it."""
@@ -222,6 +242,8 @@ class SQLiteStore(Store):
         # The claim merges two short index walks with a sort of at most 2 x its limit rows: with
         # temporary b-trees in a file, each execution opened one (~0.13 ms, 7x the statement).
         conn.execute("PRAGMA temp_store=MEMORY")
+        if self._side_ids is None and conn.wal:
+            self._side_ids = {}  # each recorded when first seen (SQLite makes them at first use)
         return conn
 
     @contextmanager
@@ -319,6 +341,13 @@ class SQLiteStore(Store):
         sqlite3's error), since sqlite3's text names neither: the write lock still held by another
         connection when the busy timeout ran out, and a store this user cannot write. Every other
         error goes on as it came."""
+        if not getattr(fn, "stepwarden_read_only", False):
+            # An application's submission into a file deleted or replaced under it was acknowledged,
+            # where no worker would ever look (found by review); a worker's hot transactions skip
+            # this (a stat or three) and rely on its watch of the file, every heartbeat.
+            why = self.replaced()
+            if why is not None:
+                raise StoreError(f"{why}; nothing was written: start this process again to open the store")
         with self._explaining():
             return self._transact_on(conn, fn, *args, **kwargs)
 
@@ -351,8 +380,23 @@ class SQLiteStore(Store):
                 f" {waited:.1f} s (busy timeout {self.busy_timeout:g} s), so nothing was written: {e}"
             )
         if code == sqlite3.SQLITE_READONLY:
+            if self._file is not None and os.access(self._file, os.W_OK) and can_write_beside(self._file):
+                # SQLite opened the file read-only while it could not be written, and keeps it so
+                # for every connection of this process to it: no wait heals that, and a worker
+                # warned every 10 s for ever after the permissions were mended (found by review).
+                return StoreMisconfigured(
+                    f"cannot write to the SQLite store {shown(self.path)} ({e}): this process opened"
+                    " it while it could not be written, and SQLite keeps it read-only for as long as"
+                    " the process has it open; it can be written now: start the process again"
+                )
             why = sqlite_why(self.path, e)
             return StoreError(f"cannot write to the SQLite store {shown(self.path)}: {why}")
+        if code == sqlite3.SQLITE_FULL or (code == sqlite3.SQLITE_IOERR and disk_full(self.path)):
+            return StoreError(
+                f"the disk holding the SQLite store {shown(self.path)} is full ({e}), so nothing was"
+                " written: free space, then try again (with the same idempotency key, a submission"
+                " returns its task if it was written)"
+            )
         return None
 
     def _transact_on(

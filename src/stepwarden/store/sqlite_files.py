@@ -137,3 +137,25 @@ def sqlite_why(path: str, e: sqlite3.Error) -> str:
         if os.stat(path).st_uid != os.geteuid():
             text += f"; run as the store's owner ({_owner(path)})"
     return text
+
+
+# Less free space than this, for this user, beside the store: SQLite's "disk I/O error" there is
+# the disk being full (it cannot grow its -shm file, or its log), which SQLite does not say.
+FULL_BELOW = 64 * 1024
+
+
+def disk_full(path: str) -> bool:
+    """Whether the file system holding ``path`` has (next to) no space left for this user."""
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW
+
+
+def can_write_beside(path: str) -> bool:
+    """Whether this user may write the store at ``path`` as SQLite needs: its folder (for the -wal
+    and -shm files) and those files where they exist."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    sides = [path + x for x in ("-wal", "-shm") if os.path.exists(path + x)]
+    return all(os.access(p, os.W_OK) for p in [folder, *sides])
