@@ -40,6 +40,8 @@ def test_a_submission_into_a_store_file_deleted_or_replaced_under_the_app_is_ref
         os.unlink(db)
     with pytest.raises(StoreError, match=rf"was {how}.*nothing was written: start this process again"):
         app.submit("one", {})
+    with pytest.raises(StoreError, match=rf"was {how}"), app.transaction() as tx:  # a block too
+        tx.submit("one", {})
     store = app.store
     assert isinstance(store, SQLiteStore)
     # The file the app has open still holds the first task only. (Not read through the path: a

@@ -224,6 +224,16 @@ class SQLiteStore(Store):
                 )
         return None
 
+    def _refuse_if_replaced(self) -> None:
+        """:class:`StoreError` before a write (a transaction, an ``app.transaction()`` block) into
+        a file :meth:`replaced` says is not the one at the path: an application's submissions into
+        a deleted or replaced file were acknowledged where no worker would ever look (found by
+        review). A worker's hot transactions skip this (a stat or three) and rely on its watch of
+        the file, every heartbeat."""
+        why = self.replaced()
+        if why is not None:
+            raise StoreError(f"{why}; nothing was written: start this process again to open the store")
+
     def connect(self) -> _StoreConnection:
         """A new connection with our pragmas and clock; the caller owns it."""
         conn = sqlite3.connect(
@@ -265,6 +275,7 @@ class SQLiteStore(Store):
                 " database, in the same thread: it would wait for the write lock the outer block"
                 " holds; use the outer block's tx inside it, or open this block after it"
             )
+        self._refuse_if_replaced()
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
@@ -342,12 +353,7 @@ class SQLiteStore(Store):
         connection when the busy timeout ran out, and a store this user cannot write. Every other
         error goes on as it came."""
         if not getattr(fn, "stepwarden_read_only", False):
-            # An application's submission into a file deleted or replaced under it was acknowledged,
-            # where no worker would ever look (found by review); a worker's hot transactions skip
-            # this (a stat or three) and rely on its watch of the file, every heartbeat.
-            why = self.replaced()
-            if why is not None:
-                raise StoreError(f"{why}; nothing was written: start this process again to open the store")
+            self._refuse_if_replaced()
         with self._explaining():
             return self._transact_on(conn, fn, *args, **kwargs)
 
