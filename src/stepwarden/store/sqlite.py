@@ -235,9 +235,16 @@ class SQLiteStore(Store):
             raise StoreError(f"{why}; nothing was written: start this process again to open the store")
 
     def connect(self) -> _StoreConnection:
-        """A new connection with our pragmas and clock; the caller owns it."""
+        """A new connection with our pragmas and clock; the caller owns it. Once the store is
+        open, read-write and never create, as the watch's: a thread's first connection after the
+        file was deleted under the process made an empty database at the path, which the other
+        processes then took for the store ("no such table"), and the deletion for a replacement."""
+        target, uri = self.path, False
+        if self._file_id is not None:
+            target, uri = Path(self._abs_path).as_uri() + "?mode=rw", True
         conn = sqlite3.connect(
-            self.path,
+            target,
+            uri=uri,
             timeout=self.busy_timeout,
             isolation_level=None,
             check_same_thread=False,
@@ -335,7 +342,10 @@ class SQLiteStore(Store):
         return conn
 
     def transact_sync(self, fn: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
-        return self.transact_on(self._conn(), fn, *args, **kwargs)
+        if not getattr(fn, "stepwarden_read_only", False):
+            self._refuse_if_replaced()  # before this thread's first connection, which would fail
+        with self._explaining():
+            return self._transact_on(self._conn(), fn, *args, **kwargs)
 
     def transact_on(
         self,
