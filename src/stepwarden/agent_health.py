@@ -157,6 +157,9 @@ class AgentHealth:
         # The task renewing the claim on each trial this instance runs (_hold_trial).
         self._holding: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
+        # Outcomes not recorded since the last one that was: said once per outage, not once per
+        # call that ended in it (seven lines in a review's 18 s full disk, one per call).
+        self._unrecorded = 0
         # Whether the last pull asked the store: one that found no slot free did not, and its
         # "success" says nothing of the store (it ended an outage in the log, and its back-off).
         self.asked = False
@@ -462,12 +465,22 @@ class AgentHealth:
             if trial:
                 self._owe(agent, e)
             else:
-                log.warning("agent %s: could not record a call's outcome: %r", agent, e)
+                self._unrecorded += 1
+                if self._unrecorded == 1:
+                    log.warning(
+                        "agent %s: could not record a call's outcome: %r (its breaker decides locally;"
+                        " said again once an outcome is recorded)",
+                        agent,
+                        e,
+                    )
             if not ok:
                 b.local_failures += 1
                 if b.local_failures >= a.breaker_threshold:
                     b.retry_at = now + a.breaker_cool_off
             return
+        if self._unrecorded:
+            log.info("agent %s: outcomes recorded again (%d were not)", agent, self._unrecorded)
+            self._unrecorded = 0
         if trial:
             self._recorded(agent)
         self._apply(agent, verdict, error)

@@ -8,7 +8,9 @@ clock and short budgets; the breaker's cool-off test drives the role's clock by 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -1264,3 +1266,51 @@ def test_a_trial_that_ends_without_calling_the_service_is_given_back(
 
     run(body())
     assert [r["outcome"] for r in replies(store)] == ["retry", "ok"]
+
+
+class ReportsDown:
+    """The store, refusing the agents' reports while ``down`` (a full disk, an outage)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.down = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def transact(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        if fn is sa.report and self.down:
+            raise sqlite3.OperationalError("database or disk is full")
+        return await self.store.transact(fn, *args, **kw)
+
+
+def test_outcomes_that_cannot_be_recorded_are_said_once_per_outage(
+    rt_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each call that ended while the store refused its report logged a warning of its own (seven
+    in a review's 18 s full disk). Now one warning, and one line when outcomes are recorded again."""
+    caplog.set_level(logging.INFO, logger="stepwarden")
+    agent = Agent("svc")
+    store = ReportsDown(rt_store)
+
+    async def body() -> None:
+        health = AgentHealth(store, ME, {"svc": agent}, SYSTEM_CLOCK, AgentSettings(success_every=0.0))  # type: ignore[arg-type]
+        await health.register({"svc": 1})
+        store.down = True
+        for _ in range(5):
+            sent = health.report_soon("svc", False, "down")
+            assert sent is not None
+            await sent
+        store.down = False
+        sent = health.report_soon("svc", False, "down")
+        assert sent is not None
+        await sent
+        await health.stop()
+
+    run(body())
+    warned = [r.getMessage() for r in caplog.records if "could not record a call's outcome" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "disk is full" in warned[0]
+    assert [r.getMessage() for r in caplog.records if "outcomes recorded again" in r.getMessage()] == [
+        "agent svc: outcomes recorded again (5 were not)"
+    ]

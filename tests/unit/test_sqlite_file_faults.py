@@ -123,3 +123,22 @@ def test_a_store_opened_on_a_full_disk_is_unreachable_for_now(
     with pytest.raises(StoreError) as other:  # an I/O error with space left stays what it was
         open_store(f"sqlite:///{tmp_path / 'store.db'}")
     assert not isinstance(other.value, StoreUnreachable)
+
+
+def test_a_damaged_store_is_said_to_be_damaged_not_to_be_no_store(tmp_path: Path) -> None:
+    """Read commands called a damaged store "not a stepwarden store" (after its -wal was deleted
+    under running processes, in a review's run): it is one, to check and restore."""
+    from stepwarden.store import open_existing
+
+    db = tmp_path / "store.db"
+    open_store(f"sqlite:///{db}").close()  # closed whole: its log checkpointed into the file
+    with sqlite3.connect(db) as conn:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'schema_migrations'").fetchone()[
+            0
+        ]
+    with open(db, "r+b") as f:  # the table's page overwritten: its header no longer a b-tree's
+        f.seek((root - 1) * page)
+        f.write(b"\xff" * 64)
+    with pytest.raises(StoreError, match=r"is damaged .*malformed.*PRAGMA integrity_check"):
+        open_existing(f"sqlite:///{db}")

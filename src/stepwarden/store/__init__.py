@@ -161,6 +161,11 @@ def _read_sqlite_version(path: str, where: str) -> tuple[int | None, list[str]]:
             raise StoreError(f"{where} is not a stepwarden store: {e}") from None
         raise StoreError(f"cannot read the SQLite store {where}: {_sqlite_why(path, e)}") from None
     except sqlite3.DatabaseError as e:
+        if primary_code(e) == sqlite3.SQLITE_CORRUPT:  # a store, damaged: not "not a store"
+            raise StoreError(
+                f"the SQLite store {where} is damaged ({e}): check it with `sqlite3 {where}"
+                " 'PRAGMA integrity_check'` and restore a backup"
+            ) from None
         raise StoreError(f"{where} is not a stepwarden store: {e}") from None
     finally:
         conn.close()
