@@ -79,3 +79,30 @@ def test_a_damaged_sqlite_store_is_named_as_such_by_init_and_the_read_commands(t
     for args in (("init",), ("tasks",)):
         line = assert_one_error_line(db.sw(*args), code=1)
         assert "is damaged" in line and "store.db" in line and "integrity_check" in line, (args, line)
+
+
+def test_init_finds_an_index_that_no_longer_matches_its_table(tmp_path: Path) -> None:
+    """Found by review: a backup moved over a live store left an index wrong (the old -wal applied
+    to the new file) and 36 tasks never claimable; `init` ran quick_check, which does not compare
+    indexes with their tables, and said "store ready". On a store of usual size it now runs the
+    full integrity_check. The index is made wrong here by rewriting its definition, so that its
+    entries no longer match it, which only integrity_check sees."""
+    import sqlite3
+
+    from .helpers import assert_one_error_line
+
+    db = make_db(tmp_path)
+    submit_in_process(db.url)
+    conn = sqlite3.connect(db.path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'tasks_claimable'").fetchone()
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute(
+        "UPDATE sqlite_master SET sql = ? WHERE name = 'tasks_claimable'",
+        (sql.replace("(priority DESC, id)", "(id, priority DESC)"),),
+    )
+    conn.commit()
+    assert conn.execute("PRAGMA quick_check").fetchone() == ("ok",)  # what init ran before
+    conn.close()
+    line = assert_one_error_line(db.sw("init"), code=1)
+    assert "is damaged (integrity_check: " in line and "tasks_claimable" in line, line
