@@ -316,14 +316,20 @@ class Worker:
         )
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if not t.cancelled() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+            failed = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+            if failed:
+                raise failed[0]  # type: ignore[misc]
         finally:
             stop.set()
             store.limit_lock_waits(STOP_LOCK_WAIT)
             # The agent role is the slowest to stop (its drain); the other roles end sooner.
             await asyncio.wait(jobs, timeout=s.agent.stop_within + 1)
+            # Read every job's error: the first is raised, and the others (several roles meet the
+            # same StoreMisconfigured) were logged at exit as "Task exception was never retrieved",
+            # with a traceback each (found by CI).
+            for t in jobs:
+                if t.done() and not t.cancelled():
+                    t.exception()
             # Each write bounded (StopWrites): a database that stopped answering must not hold
             # the process past its stop. What is not handed back is then taken by another
             # worker's agent, or rescued at complete-by; without the stop record, the worker is

@@ -305,3 +305,39 @@ def test_a_run_cancelled_while_it_opens_the_store_leaves_no_try_behind(
             t.join(10)
         app.close()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
+
+
+def test_roles_that_all_meet_a_misconfigured_store_end_the_worker_with_its_error_and_nothing_more(
+    tmp_path: Path, noop_app: Callable[..., App], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Several roles meet the same StoreMisconfigured at their next round and end with it: the
+    worker raised the first, and asyncio logged each other as "Task exception was never
+    retrieved", with a traceback, at exit (found by CI, behind a PgBouncer without the option)."""
+    import gc
+
+    from stepwarden.errors import StoreMisconfigured
+
+    caplog.set_level(logging.ERROR)
+
+    async def misconfigured(*args: Any, **kwargs: Any) -> Any:
+        raise StoreMisconfigured("reached through a transaction-mode pooler: add ?pooler=transaction")
+
+    # Which roles meet it before the worker stops depends on their rounds: a few workers, so that
+    # some do (about half of single runs showed the unread errors before the fix).
+    for n in range(4):
+        app = noop_app(f"sqlite:///{tmp_path / f'store{n}.db'}")
+        worker = app.worker(name=f"mis{n}")
+
+        async def body(app: App = app, worker: Worker = worker) -> None:
+            run = asyncio.create_task(worker.run(asyncio.Event()))
+            await until(lambda: worker.scheduler is not None and worker.agent_role is not None, "the roles")
+            app.store.transact = misconfigured  # type: ignore[method-assign]
+            await asyncio.wait_for(run, 20)
+
+        try:
+            with pytest.raises(StoreMisconfigured, match="pooler=transaction"):
+                asyncio.run(body())
+            gc.collect()  # asyncio logs an unread task's error when the task is collected
+        finally:
+            app.close()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
