@@ -46,6 +46,7 @@ from .logs import safe_text, said
 from .parent import die_with_parent
 from .store.base import read_only, redact_url
 from .store.sqlite import SQLiteStore
+from .store.sqlite_files import damaged_text
 from .supervisor import SupervisorSettings
 from .worker import ROLES, Worker, WorkerSettings, parse_list
 from .workflow import DEFAULT_MAX_INPUT_BYTES, parse_input
@@ -160,11 +161,7 @@ def init(ctx: click.Context) -> None:
         pragma = "integrity_check" if size <= FULL_CHECK_UP_TO else "quick_check"
         found = store.transact_sync(_integrity, pragma)
         if found != "ok":
-            where = safe_text(store.path)
-            raise StoreError(
-                f"the SQLite store {where} is damaged ({pragma}: {safe_text(found)}): check it"
-                f" with `sqlite3 {where} 'PRAGMA integrity_check'` and restore a backup"
-            )
+            raise StoreError(damaged_text(safe_text(store.path), f"{pragma}: {safe_text(found)}"))
     echo(f"store ready: {safe_text(redact_url(store.url))}")  # the URL is the user's: escaped
 
 

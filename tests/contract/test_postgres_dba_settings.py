@@ -200,3 +200,33 @@ def test_a_migration_is_not_cut_short_by_the_databases_statement_timeout(
         )
     finally:
         store.close()
+
+
+def test_a_worker_on_a_read_only_database_waits_saying_why(
+    pg_url: str, dba: Callable[[str], None], noop_app: Callable[..., App], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A maintenance window ends and a standby may be promoted: the worker waits, as for an outage,
+    and its warning names both causes (the driver's text said "read-only transaction" only)."""
+    import asyncio
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="stepwarden")
+    dba("default_transaction_read_only = on")
+    app = noop_app(pg_url)
+
+    async def body() -> bool:
+        stop = asyncio.Event()
+        run = asyncio.create_task(app.worker(name="ro").run(stop))
+        deadline = time.monotonic() + 20
+        while "accepts no writes" not in caplog.text:
+            assert not run.done(), "the worker ended instead of waiting"
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.05)
+        stop.set()
+        return await asyncio.wait_for(run, 20)
+
+    try:
+        assert asyncio.run(body()) is False  # stopped before it could start: it took no work
+    finally:
+        app.close()
+    assert "default_transaction_read_only" in caplog.text

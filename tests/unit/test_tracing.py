@@ -318,7 +318,7 @@ class _Raising(SimpleSpanProcessor):
 def test_a_tracing_sdk_that_raises_does_not_stop_the_work_and_is_warned_about_once(
     store: Store,
     clock: FakeClock,
-    make_workflow: Callable[..., Workflow],
+    dispatch_requests: Callable[..., list[int]],
     exporter: InMemorySpanExporter,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
@@ -333,19 +333,7 @@ def test_a_tracing_sdk_that_raises_does_not_stop_the_work_and_is_warned_about_on
     provider = trace.get_tracer_provider()
     assert isinstance(provider, TracerProvider)
     provider.add_span_processor(_Raising())
-    wf = make_workflow("s", budget=60.0, compensate=False)
-    ids = [
-        store.transact_sync(
-            t.submit,
-            wf,
-            encode_input({"n": n}),
-            correlation_id=None,
-            idempotency_key=None,
-            priority=0,
-            reply_to=None,
-        )[0]
-        for n in range(2)
-    ]
+    ids = dispatch_requests(store, 2, budget=60.0)  # two tasks of one svc.do_s step, dispatched
     agent = Agent("svc")
     calls: list[int] = []
 
@@ -356,7 +344,6 @@ def test_a_tracing_sdk_that_raises_does_not_stop_the_work_and_is_warned_about_on
 
     async def body() -> None:
         role = AgentRole(store, {"svc": agent}, ME, clock=clock, settings=AgentSettings(apply_replies=True))
-        assert store.transact_sync(t.claim_and_dispatch, "sched", 10) == 2
         assert await role.pull() == 2
         await finish(role)
 

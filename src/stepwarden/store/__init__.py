@@ -30,7 +30,7 @@ from .base import (
 from .core import Store
 from .sql import our_tables, pending_migrations, schema_version
 from .sqlite import SQLiteStore
-from .sqlite_files import disk_full, primary_code, refuse_foreign_read
+from .sqlite_files import damaged_text, disk_full, primary_code, refuse_foreign_read
 from .sqlite_files import sqlite_why as _sqlite_why
 
 DEFAULT_URL = "sqlite:///stepwarden.db"
@@ -162,10 +162,7 @@ def _read_sqlite_version(path: str, where: str) -> tuple[int | None, list[str]]:
         raise StoreError(f"cannot read the SQLite store {where}: {_sqlite_why(path, e)}") from None
     except sqlite3.DatabaseError as e:
         if primary_code(e) == sqlite3.SQLITE_CORRUPT:  # a store, damaged: not "not a store"
-            raise StoreError(
-                f"the SQLite store {where} is damaged ({e}): check it with `sqlite3 {where}"
-                " 'PRAGMA integrity_check'` and restore a backup"
-            ) from None
+            raise StoreError(damaged_text(where, e)) from None
         raise StoreError(f"{where} is not a stepwarden store: {e}") from None
     finally:
         conn.close()

@@ -29,7 +29,15 @@ from ..errors import InputError, MigrationError, StoreError, StoreMisconfigured
 from .base import timed
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
-from .sqlite_files import can_write_beside, disk_full, primary_code, refuse_foreign_read, shown, sqlite_why
+from .sqlite_files import (
+    can_write_beside,
+    damaged_text,
+    disk_full,
+    primary_code,
+    refuse_foreign_read,
+    shown,
+    sqlite_why,
+)
 from .sqlite_lent import CALLER_IDLE_MAX, caller_pragmas, current_task, open_blocks
 from .sqlite_tx import SqliteTx, dict_row
 from .sqlite_watch import watch_data_version
@@ -386,10 +394,7 @@ class SQLiteStore(Store):
         ``app.transaction()`` gets sqlite3's errors as they came)."""
         code = primary_code(e)
         if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
-            return StoreError(
-                f"the SQLite store {shown(self.path)} is damaged ({e}): check it with"
-                f" `sqlite3 {shown(self.path)} 'PRAGMA integrity_check'` and restore a backup"
-            )
+            return StoreError(damaged_text(shown(self.path), e))
         if code == sqlite3.SQLITE_BUSY:
             return StoreError(
                 f"the SQLite store {shown(self.path)} stayed locked by another writer for"

@@ -159,3 +159,12 @@ def can_write_beside(path: str) -> bool:
     folder = os.path.dirname(os.path.abspath(path)) or "."
     sides = [path + x for x in ("-wal", "-shm") if os.path.exists(path + x)]
     return all(os.access(p, os.W_OK) for p in [folder, *sides])
+
+
+def damaged_text(where: str, finding: object) -> str:
+    """The one line for a damaged store (``where`` already shown as the line shows it), said the
+    same whether its opening, a transaction or ``init``'s check found it."""
+    return (
+        f"the SQLite store {where} is damaged ({finding}): check it with"
+        f" `sqlite3 {where} 'PRAGMA integrity_check'` and restore a backup"
+    )
