@@ -233,7 +233,7 @@ class Worker:
         try:
             await self._beat()
         except Exception as e:
-            _refuse_what_no_wait_heals(self.identity, e)
+            _refuse_what_no_wait_heals(e)
             log.warning("worker: could not %s: %r", "record its heartbeat", e)
         log.info(
             "worker %s starting: roles=%s agents=%s store=%s",
@@ -477,7 +477,7 @@ class Worker:
             try:
                 done = await unless_stopped(recording, stop)
             except Exception as e:
-                _refuse_what_no_wait_heals(self.identity, e)
+                _refuse_what_no_wait_heals(e)
                 log.warning(
                     "worker %s: cannot record its workflows in the store yet, trying again in %gs: %s",
                     self.identity,
@@ -645,25 +645,13 @@ async def _watch_store_file(store: SQLiteStore, stop: asyncio.Event, every: floa
             )
 
 
-def _refuse_what_no_wait_heals(me: str, e: BaseException) -> None:
-    """A :class:`StoreError` (the worker exits 1, one line) for a store no wait heals: a database
-    role that may not write (PostgreSQL's insufficient privilege, 42501), and
-    :class:`StoreMisconfigured` (raised as it is). Waited out as an outage, the first warned every
-    10 s for ever, and a worker without the grants never did any work (found by review)."""
+def _refuse_what_no_wait_heals(e: BaseException) -> None:
+    """Raise a store no wait heals (:class:`StoreMisconfigured`: a database role that may not
+    write, a pooler the URL does not name, an SQLite file opened read-only): the worker exits 1
+    with its line. Waited out as an outage, a worker without the grants warned every 10 s for
+    ever and never did any work (found by review)."""
     if isinstance(e, StoreMisconfigured):
         raise e
-    current: BaseException | None = e
-    for _ in range(5):
-        if current is None:
-            return
-        if getattr(current, "sqlstate", None) == "42501":
-            raise StoreError(
-                f"worker {me}: the store's database role may not write ({current}); a worker needs"
-                " SELECT, INSERT, UPDATE and DELETE on the tables and USAGE, SELECT on the"
-                " sequences (see deploying.md, least privilege)"
-            ) from e
-        current = current.__cause__ or current.__context__
-    return
 
 
 async def _safe(coro: object, what: str) -> bool:

@@ -230,3 +230,29 @@ def test_a_worker_on_a_read_only_database_waits_saying_why(
     finally:
         app.close()
     assert "default_transaction_read_only" in caplog.text
+
+
+def test_a_role_whose_right_to_write_is_revoked_while_the_store_runs_is_no_outage(pg_url: str) -> None:
+    """A write refused for want of rights (42501) heals with no wait: it is StoreMisconfigured,
+    which a worker's roles end it with (Outage.failed), at start as after a grant was revoked
+    mid-run (before, only a worker's start said so; later it warned every round for ever)."""
+    import uuid
+
+    from stepwarden.errors import StoreMisconfigured
+
+    role = f"sw_rw_{uuid.uuid4().hex[:8]}"
+    _admin(pg_url, f"CREATE ROLE {role} LOGIN")
+    _admin(pg_url, f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+    _admin(pg_url, f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}")
+    parts = urlsplit(pg_url)
+    store = open_store(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}").geturl())
+    try:
+        _submit(store)  # it writes
+        _admin(pg_url, f"REVOKE INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public FROM {role}")
+        with pytest.raises(StoreMisconfigured, match=r"may not write \(permission denied.*least privilege"):
+            _submit(store)
+        assert store.transact_sync(lambda tx: tx.sql("SELECT count(*) AS n FROM tasks"))[0]["n"] == 1
+    finally:
+        store.close()
+        _admin(pg_url, f"DROP OWNED BY {role}")
+        _admin(pg_url, f"DROP ROLE {role}")

@@ -206,6 +206,8 @@ def _pin_isolation(conn: Any) -> None:
 # that name both, where the driver's text ("cannot execute SELECT in a read-only transaction",
 # for a submission's insert inside a SELECT) named neither.
 READ_ONLY = "25006"
+# A role without the rights a transition needs (a read-only role given to a worker).
+INSUFFICIENT_PRIVILEGE = "42501"
 
 
 def read_only_text(where: str, e: BaseException) -> str:

@@ -56,6 +56,7 @@ from .pg_sessions import (
     CALLER_IDLE_LIMIT,
     CALLER_RESET,
     CALLER_SESSIONS,
+    INSUFFICIENT_PRIVILEGE,
     OUR_SESSIONS,
     PLANNER_SETTINGS,
     READ_ONLY,
@@ -252,6 +253,15 @@ class PostgresStore(Store):
         except psycopg.Error as e:
             if getattr(e, "sqlstate", None) == READ_ONLY:
                 raise StoreError(read_only_text(f"PostgreSQL at {redact_url(self.url)}", e)) from e
+            if getattr(e, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
+                # No wait heals it: a worker ends with this line (Outage.failed) instead of warning
+                # every round for ever, at start as later (a grant revoked while it runs).
+                raise StoreMisconfigured(
+                    f"PostgreSQL at {redact_url(self.url)}: the store's database role may not write"
+                    f" ({_first_line(e)}); workers, the CLI's actions and submitting applications"
+                    " need SELECT, INSERT, UPDATE and DELETE on the tables and USAGE, SELECT on the"
+                    " sequences (see deploying.md, least privilege)"
+                ) from e
             if not (self.prepare and pooler_in_between(e)):
                 raise
             self.misconfigured = pooler_text(redact_url(self.url), e)
