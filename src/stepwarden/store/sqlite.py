@@ -30,7 +30,7 @@ from .base import timed
 from .core import Store
 from .sql import load_queries, pending_migrations, schema_version
 from .sqlite_files import (
-    can_write_beside,
+    can_write,
     damaged_text,
     disk_full,
     primary_code,
@@ -401,7 +401,7 @@ class SQLiteStore(Store):
                 f" {waited:.1f} s (busy timeout {self.busy_timeout:g} s), so nothing was written: {e}"
             )
         if code == sqlite3.SQLITE_READONLY:
-            if self._file is not None and os.access(self._file, os.W_OK) and can_write_beside(self._file):
+            if self._file is not None and can_write(self._file):
                 # SQLite opened the file read-only while it could not be written, and keeps it so
                 # for every connection of this process to it: no wait heals that, and a worker
                 # warned every 10 s for ever after the permissions were mended (found by review).

@@ -153,12 +153,12 @@ def disk_full(path: str) -> bool:
     return st.f_bavail * st.f_frsize < FULL_BELOW
 
 
-def can_write_beside(path: str) -> bool:
-    """Whether this user may write the store at ``path`` as SQLite needs: its folder (for the -wal
-    and -shm files) and those files where they exist."""
+def can_write(path: str) -> bool:
+    """Whether this user may write the store at ``path`` as SQLite needs: the file, its folder (for
+    the -wal and -shm files) and those files where they exist."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
     sides = [path + x for x in ("-wal", "-shm") if os.path.exists(path + x)]
-    return all(os.access(p, os.W_OK) for p in [folder, *sides])
+    return all(os.access(p, os.W_OK) for p in [path, folder, *sides])
 
 
 def damaged_text(where: str, finding: object) -> str:
